@@ -1,0 +1,70 @@
+"""Clipping the per-example cotangent: identity forward, clipped backward."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from lipdp.layers.base import NonExpansiveLayer, register
+
+MODES = ("fixed", "dynamic")
+
+
+def _clip_cotangent(inputs, clip_value):
+    """Identity whose backward pass clips each example's cotangent to ``clip_value / b``.
+
+    The loss is the batch mean, so the cotangent of example ``i`` is ``g_i / b``
+    with ``g_i`` the gradient of its own loss; clipping ``g_i / b`` at ``C / b``
+    is clipping ``g_i`` at ``C``, independently of the batch size.
+    """
+
+    @tf.custom_gradient
+    def clip(x):
+        def grad(dy):
+            batch = tf.cast(tf.shape(dy)[0], dy.dtype)
+            axes = list(range(1, len(dy.shape)))
+            return tf.clip_by_norm(dy, tf.cast(clip_value, dy.dtype) / batch, axes=axes)
+
+        return tf.identity(x), grad
+
+    return clip(inputs)
+
+
+@register
+class DP_ClipGradient(tf.keras.layers.Layer, NonExpansiveLayer):
+    """Per-example clipping of the loss gradient flowing backward through this layer.
+
+    Forward: identity (``X -> X``). Backward: every example's cotangent has norm at
+    most ``clip_value``, so ``G -> min(G, clip_value)``. Placed right after the
+    logits it clips the gradient of the loss w.r.t. the logits (a vector of size
+    ``classes`` per example: cheap), which tightens every bound upstream.
+
+    Args:
+        clip_value: the threshold ``C > 0`` (per-example scale).
+        mode: ``"fixed"``, or ``"dynamic"`` when a callback of
+            :mod:`lipdp.dynamic` updates ``clip_value`` privately during training.
+    """
+
+    def __init__(self, clip_value, mode="fixed", **kwargs):
+        super().__init__(**kwargs)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        if clip_value is None or not float(clip_value) > 0:
+            raise ValueError(f"clip_value must be > 0, got {clip_value}.")
+        self.mode = mode
+        # A variable so that the in-graph bounds follow dynamic updates.
+        self.clip_value = tf.Variable(float(clip_value), trainable=False, dtype=tf.float32,
+                                      name="clip_value")
+
+    def call(self, inputs):
+        return _clip_cotangent(inputs, self.clip_value)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return tf.minimum(tf.cast(gradient_bound, tf.float32), self.clip_value)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(clip_value=float(self.clip_value.numpy()), mode=self.mode)
+        return config

@@ -1,0 +1,82 @@
+"""Input layers: where the bound ``X_0`` on the input norm comes from."""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+from lipdp.layers.base import NonExpansiveLayer, register
+
+logger = logging.getLogger(__name__)
+
+
+@register
+class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
+    """Clips each example to Euclidean norm ``upper_bound`` (the public ``X_0``).
+
+    Clipping ``x -> x * min(1, B / ||x||)`` is the projection onto a convex ball,
+    hence 1-Lipschitz; every output has norm at most ``B``. A DP model must start
+    with this layer (optionally preceded by :class:`DP_InputLayer`).
+
+    Args:
+        upper_bound: the bound ``B > 0`` on the norm of one example.
+        enforce_clipping: if False the input is not clipped and ``B`` becomes an
+            *assumption* about the data (logged as a warning): the guarantee then
+            holds only if every example really has norm at most ``B``.
+    """
+
+    def __init__(self, input_shape=None, upper_bound=None, enforce_clipping=True, **kwargs):
+        if upper_bound is None or not float(upper_bound) > 0:
+            raise ValueError(
+                f"DP_BoundedInput needs upper_bound > 0 (got {upper_bound}): it is the public "
+                "bound on the norm of one example."
+            )
+        if input_shape is not None:
+            kwargs["input_shape"] = tuple(input_shape)
+        super().__init__(**kwargs)
+        self.upper_bound = float(upper_bound)
+        self.enforce_clipping = bool(enforce_clipping)
+        if not self.enforce_clipping:
+            logger.warning(
+                "DP_BoundedInput(enforce_clipping=False): the privacy guarantee assumes every "
+                "example has norm <= %g; nothing enforces it.", self.upper_bound
+            )
+
+    def call(self, inputs):
+        if not self.enforce_clipping:
+            return inputs
+        axes = list(range(1, len(inputs.shape)))
+        return tf.clip_by_norm(inputs, self.upper_bound, axes=axes)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def propagate_inputs(self, input_bound):
+        if input_bound is None:
+            return self.upper_bound
+        return min(self.upper_bound, input_bound)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(upper_bound=self.upper_bound, enforce_clipping=self.enforce_clipping)
+        return config
+
+
+@register
+class DP_InputLayer(tf.keras.layers.Layer, NonExpansiveLayer):
+    """Identity layer that only declares the input shape.
+
+    It gives no bound: a :class:`DP_BoundedInput` must follow it.
+    """
+
+    def __init__(self, input_shape=None, **kwargs):
+        if input_shape is not None:
+            kwargs["input_shape"] = tuple(input_shape)
+        super().__init__(**kwargs)
+
+    def call(self, inputs):
+        return inputs
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
