@@ -330,6 +330,17 @@ class DP_Model(tf.keras.Model):
                            "amplification by subsampling does not apply.")
 
     # ---------------------------------------------------------- serialisation
+    def get_compile_config(self):
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        # Keras skips compile() on load for models overriding it; our compile only
+        # adds checks, so the stored configuration is replayed through it.
+        config = tf.keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built and isinstance(self.optimizer, tf.keras.optimizers.Optimizer):
+            self.optimizer.build(self.trainable_variables)
+
     def get_config(self):
         return {
             self._layers_key: [tf.keras.layers.serialize(layer) for layer in self.dp_layers],
@@ -371,9 +382,15 @@ tf.keras.utils.register_keras_serializable(package="lipdp")(DP_Sequential)
 def compute_gradient_bounds(model) -> dict:
     """Sensitivity of the *averaged* minibatch gradient of each trainable variable.
 
-    Returns ``{variable name: Delta}`` with ``Delta = per-example bound / b``.
+    Returns ``{"<layer name>/<variable>": Delta}`` with ``Delta = per-example bound / b``.
+    Keys are qualified by the owning DP layer because Keras does not keep variable
+    names unique across save/load.
     """
-    return {v.name: delta for v, delta, _ in model._sensitivities()}
+    keys = {}
+    for layer in model.dp_layers:
+        for v in layer.trainable_variables:
+            keys[v.ref()] = f"{layer.name}/{v.name.rsplit('/', 1)[-1]}"
+    return {keys[v.ref()]: delta for v, delta, _ in model._sensitivities()}
 
 
 def global_sensitivity(model) -> float:

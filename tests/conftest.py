@@ -1,0 +1,20 @@
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    """Every test starts from the same seeds (TF global seed, numpy, Python)."""
+    tf.keras.utils.set_random_seed(1234)
+    yield
+    tf.keras.backend.clear_session()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

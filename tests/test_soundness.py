@@ -1,0 +1,29 @@
+"""Rule S1: per-example gradient norms never exceed the declared bounds.
+
+Every layer, every loss and a few compositions (``tests/cases.py``) are checked
+on random batches whose inputs overshoot the input bound, then after gradient
+ascent on the inputs and the weights (projected back after each step) that
+tries to maximise gradient-norm / bound. The worst ratios are printed
+(``pytest -s``) and must stay <= 1 + 1e-5; they must also be far from 0 so that
+a check which measures nothing would not pass.
+"""
+
+import pytest
+
+from tests.cases import ALL_CASES
+from tests.soundness import TOLERANCE, adversarial_search, measure
+
+
+@pytest.mark.parametrize("case", sorted(ALL_CASES))
+def test_bounds_hold_on_random_and_adversarial_inputs(case):
+    model, x, y = ALL_CASES[case]()
+    random_ratios = measure(model, x, y)
+    random_ratios.assert_sound()
+    worst = adversarial_search(model, x, y, steps=6)
+    worst.assert_sound()
+    print(f"\nS1 {case}: random {random_ratios.worst_gradient:.4f} "
+          f"adversarial {worst.worst_gradient:.4f} activation {worst.activation:.4f} "
+          f"cotangent {worst.cotangent:.4f}")
+    # Not vacuous: gradients are measured and the bound is within two orders of magnitude.
+    assert worst.worst_gradient > 0.01
+    assert worst.worst_gradient <= 1 + TOLERANCE
