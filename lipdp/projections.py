@@ -15,29 +15,41 @@ Three sets are used:
 * the **Frobenius ball** ``{W : ||W||_F <= 1}`` (exact, no iteration needed).
 
 Safety (rule S4). Power iteration approaches the largest singular value from
-below: ``sigma_est <= sigma_max``. Dividing by ``sigma_est`` alone could leave a
-norm slightly above one, so the spectral projections divide by
-``sigma_est * (1 + margin)``. Björck's step has a second safety property: its
-action on each singular value is ``s -> 1.5 s - 0.5 s^3``, whose maximum over
-``[0, 2]`` is exactly 1 (reached at ``s = 1``); hence as soon as the normalised
-matrix has norm below 2 (i.e. the power-iteration estimate is not off by a factor
-two), every Björck step lands in the unit spectral ball in exact arithmetic. The
-exact operator norms can be audited with :mod:`lipdp.audit`.
+below (``sigma_est <= sigma_max``); after a noisy optimizer step a warm-started
+estimate can be low by tens of percent, far more than any reasonable margin. The
+projections therefore never rely on it alone:
+
+* the **spectral ball** uses the exact largest singular value
+  (``tf.linalg.svd``, float32), times ``1 + margin`` for round-off;
+* the **orthogonal** projection divides by ``d = max(sigma_est (1 + margin),
+  sqrt(r) / 2)`` where ``r`` is the largest absolute row sum of the Gram matrix
+  ``W^T W`` (Gershgorin: ``sigma_max^2 <= r``). Hence ``||W / d||_2 <= 2``. Björck's
+  step acts on each singular value as ``s -> 1.5 s - 0.5 s^3``, whose maximum over
+  ``[0, 2]`` is exactly 1 (at ``s = 1``), and it maps ``[0, 1]`` into itself: after
+  one step every singular value lies in ``[0, 1]``, whatever the quality of the
+  estimate, and the following steps push them towards 1. Near an orthogonal
+  matrix ``r`` is close to 1, so the certificate costs nothing in accuracy.
+
+A final factor ``1 - 2^-20`` absorbs float32 round-off in the last Björck step.
+Exact operator norms can be audited with :mod:`lipdp.audit`.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-#: Relative margin applied to the power-iteration estimate of the largest
-#: singular value. Float32 round-off is ~1e-7 relative; the margin also absorbs the
-#: (small) under-estimation of a warm-started power iteration.
+#: Relative margin on the largest singular value (float32 round-off is ~1e-7
+#: relative; the margin keeps projected kernels clearly inside the ball).
 DEFAULT_MARGIN = 1e-3
+#: Shrink factor after the last Björck step (round-off of the cubic polynomial).
+_BJORCK_ROUNDOFF = 1.0 - 2.0**-20
 DEFAULT_POWER_ITERATIONS = 8
 DEFAULT_BJORCK_ITERATIONS = 15
 
 
-def power_iteration(matrix: tf.Tensor, u: tf.Tensor, iterations: int) -> tuple[tf.Tensor, tf.Tensor]:
+def power_iteration(
+    matrix: tf.Tensor, u: tf.Tensor, iterations: int
+) -> tuple[tf.Tensor, tf.Tensor]:
     """Estimate the largest singular value of ``matrix`` (shape ``(m, n)``).
 
     ``u`` (shape ``(1, n)``) is a warm start, normally the vector returned by the
@@ -56,6 +68,20 @@ def power_iteration(matrix: tf.Tensor, u: tf.Tensor, iterations: int) -> tuple[t
     return tf.stop_gradient(sigma), tf.stop_gradient(u)
 
 
+def largest_singular_value(matrix: tf.Tensor) -> tf.Tensor:
+    """Exact (up to float round-off) largest singular value."""
+    return tf.reduce_max(tf.linalg.svd(matrix, compute_uv=False))
+
+
+def gershgorin_sigma_bound(matrix: tf.Tensor) -> tf.Tensor:
+    """Certified upper bound on ``sigma_max``: sqrt of the largest absolute row sum
+    of the Gram matrix (on the smaller side). Tight for nearly orthogonal matrices."""
+    m, n = matrix.shape
+    gram = (tf.matmul(matrix, matrix, transpose_a=True) if m >= n
+            else tf.matmul(matrix, matrix, transpose_b=True))
+    return tf.sqrt(tf.reduce_max(tf.reduce_sum(tf.abs(gram), axis=1)))
+
+
 def bjorck_step(matrix: tf.Tensor) -> tf.Tensor:
     """One Björck orthogonalisation step, ``W <- 1.5 W - 0.5 W W^T W``.
 
@@ -69,22 +95,15 @@ def bjorck_step(matrix: tf.Tensor) -> tf.Tensor:
     return 1.5 * matrix - 0.5 * gram_term
 
 
-def spectral_ball_projection(
-    matrix: tf.Tensor,
-    u: tf.Tensor,
-    *,
-    power_iterations: int = DEFAULT_POWER_ITERATIONS,
-    margin: float = DEFAULT_MARGIN,
-) -> tuple[tf.Tensor, tf.Tensor]:
+def spectral_ball_projection(matrix: tf.Tensor, *, margin: float = DEFAULT_MARGIN) -> tf.Tensor:
     """Rescale ``matrix`` so that its spectral norm is at most one.
 
-    ``W <- W / max(1, sigma_est (1 + margin))``. A matrix already inside the
-    ball (by the margin) is left unchanged, so the projection does not fight the
-    optimizer. Returns ``(projected, u)``.
+    ``W <- W / max(1, sigma_max (1 + margin))`` with the exact ``sigma_max``. A
+    matrix already inside the ball is left unchanged, so the projection does not
+    fight the optimizer.
     """
-    sigma, u = power_iteration(matrix, u, power_iterations)
-    scale = tf.maximum(tf.cast(1.0, matrix.dtype), sigma * (1.0 + margin))
-    return matrix / scale, u
+    sigma = largest_singular_value(matrix)
+    return matrix / tf.maximum(tf.cast(1.0, matrix.dtype), sigma * (1.0 + margin))
 
 
 def orthogonal_projection(
@@ -97,15 +116,17 @@ def orthogonal_projection(
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """Map ``matrix`` to (nearly) the closest matrix with orthonormal rows or columns.
 
-    Spectral normalisation first (so that Björck's iteration converges), then
-    ``bjorck_iterations`` Björck steps. All singular values end in ``[0, 1]``
-    (see the module docstring) and converge to 1. Returns ``(projected, u)``.
+    Certified normalisation to spectral norm <= 2, then ``bjorck_iterations``
+    Björck steps (see the module docstring): the result has spectral norm at most
+    one whatever the accuracy of the warm-started power iteration, which only
+    decides how close to orthogonal the result is. Returns ``(projected, u)``.
     """
     sigma, u = power_iteration(matrix, u, power_iterations)
-    matrix = matrix / (sigma * (1.0 + margin))
+    divisor = tf.maximum(sigma * (1.0 + margin), 0.5 * gershgorin_sigma_bound(matrix))
+    matrix = matrix / divisor
     for _ in range(bjorck_iterations):
         matrix = bjorck_step(matrix)
-    return matrix, u
+    return matrix * _BJORCK_ROUNDOFF, u
 
 
 def frobenius_ball_projection(matrix: tf.Tensor) -> tf.Tensor:

@@ -95,7 +95,7 @@ def measure(model, x, y) -> Ratios:
         contributions = model.loss.call(y, h) / batch
         total = tf.reduce_sum(contributions)
 
-    for layer, layer_input, bound in zip(model.dp_layers, inputs, input_bounds):
+    for layer_input, bound in zip(inputs, input_bounds):
         if bound is not None:
             ratios.activation = max(
                 ratios.activation, float(tf.reduce_max(_norms(layer_input) / _as_pair_array(bound)))

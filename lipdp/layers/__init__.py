@@ -9,7 +9,11 @@ from lipdp.layers.dense import DP_QuickFrobeniusDense, DP_QuickSpectralDense, DP
 from lipdp.layers.inputs import DP_BoundedInput, DP_InputLayer
 from lipdp.layers.lambda_layer import DP_Lambda
 from lipdp.layers.normalization import DP_LayerCentering
-from lipdp.layers.pooling import DP_MaxPool2D, DP_ScaledGlobalL2NormPooling2D, DP_ScaledL2NormPooling2D
+from lipdp.layers.pooling import (
+    DP_MaxPool2D,
+    DP_ScaledGlobalL2NormPooling2D,
+    DP_ScaledL2NormPooling2D,
+)
 from lipdp.layers.residual import (
     DP_MergeResidual,
     DP_SplitResidual,

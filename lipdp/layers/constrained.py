@@ -76,15 +76,11 @@ class ConstrainedKernelLayer(DPLayer):
         if self.constraint == "frobenius":
             return projections.frobenius_ball_projection(matrix)
         if self.constraint == "spectral":
-            matrix, u = projections.spectral_ball_projection(
-                matrix, self.power_vector, power_iterations=self.power_iterations,
-                margin=self.margin,
-            )
-        else:
-            matrix, u = projections.orthogonal_projection(
-                matrix, self.power_vector, power_iterations=self.power_iterations,
-                bjorck_iterations=self.bjorck_iterations, margin=self.margin,
-            )
+            return projections.spectral_ball_projection(matrix, margin=self.margin)
+        matrix, u = projections.orthogonal_projection(
+            matrix, self.power_vector, power_iterations=self.power_iterations,
+            bjorck_iterations=self.bjorck_iterations, margin=self.margin,
+        )
         self.power_vector.assign(u)
         return matrix
 

@@ -24,7 +24,7 @@ The factor ``1/sqrt(n)`` is a worst case, valid for every input size. deel-lip's
 stride-1 factor (``_compute_conv_lip_factor``) averages the border effect over
 the image instead; it is larger than ``1/sqrt(kh*kw)`` and lets a smooth kernel
 reach an operator norm above one on inputs concentrated in the interior, so it is
-not used here (see ``tests/test_layers_soundness.py``). Dilation would change
+not used here (see ``tests/test_projections.py``). Dilation would change
 ``n`` and is refused; so are paddings other than zero padding (reflection
 duplicates pixels).
 """
