@@ -106,6 +106,19 @@ def check_dp_layers(layers) -> None:
                 f"Layer {_describe(layer)} is not a DP layer: its sensitivity is unknown. "
                 f"Use {fix} instead."
             )
+    seen = set()
+    for layer in _with_wrapped_blocks(layers):
+        if id(layer) in seen:
+            raise ValueError(
+                f"Layer {_describe(layer)} appears twice: shared weights receive the sum of "
+                "both gradients, which the per-layer bounds do not cover. Use two layers."
+            )
+        seen.add(id(layer))
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"Layer {_describe(layer)} has an activity_regularizer: a data-dependent loss "
+                "term whose gradient is not bounded. Remove it."
+            )
     first = 0
     while first < len(layers) and isinstance(layers[first], DP_InputLayer):
         first += 1
@@ -116,6 +129,14 @@ def check_dp_layers(layers) -> None:
             f"upper_bound=...) (optionally after DP_InputLayer); got {got}. The input norm "
             "bound is where every sensitivity bound starts."
         )
+
+
+def _with_wrapped_blocks(layers):
+    for layer in layers:
+        yield layer
+        block = getattr(layer, "block", None)
+        if block is not None:
+            yield block
 
 
 def check_loss(loss) -> None:
@@ -284,6 +305,11 @@ class DP_Model(tf.keras.Model):
         )
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
+            if self.losses:
+                raise ValueError(
+                    "Additional losses (add_loss, regularizers) are not supported in DP "
+                    "training: the sensitivity bounds cover the compiled loss only."
+                )
             loss = self.compute_loss(x, y, y_pred)
         variables = self.trainable_variables
         gradients = tape.gradient(loss, variables)

@@ -280,3 +280,52 @@ def test_sequential_config_round_trip():
     clone = DP_Sequential.from_config(model.get_config())
     assert [type(a) for a in clone.dp_layers] == [type(b) for b in model.dp_layers]
     assert clone.layers_backward_order()[0].units == 5
+
+
+def test_shared_layers_and_extra_losses_are_refused():
+    dense = L.DP_QuickSpectralDense(12)
+    with pytest.raises(ValueError, match="appears twice"):
+        DP_Sequential([L.DP_BoundedInput(input_shape=(12,), upper_bound=1.0), dense,
+                       L.DP_GroupSort(2), dense], dp_parameters=DPParameters("global", 1, 1e-5))
+    inner = L.DP_QuickSpectralDense(12)
+    with pytest.raises(ValueError, match="appears twice"):
+        DP_Sequential([L.DP_BoundedInput(input_shape=(12,), upper_bound=1.0), inner,
+                       *L.make_residuals("add", [inner])],
+                      dp_parameters=DPParameters("global", 1, 1e-5))
+    with pytest.raises(ValueError, match="activity_regularizer"):
+        DP_Sequential([L.DP_BoundedInput(input_shape=(12,), upper_bound=1.0),
+                       L.DP_QuickSpectralDense(5, activity_regularizer="l2")],
+                      dp_parameters=DPParameters("global", 1, 1e-5))
+    model = _model([L.DP_QuickSpectralDense(5)])
+    model.add_loss(lambda: tf.reduce_sum(model.dp_layers[1].kernel))
+    with pytest.raises(ValueError, match="Additional losses"):
+        model.fit(np.zeros((8, 12), "float32"), np.zeros((8, 5), "float32"), batch_size=8,
+                  verbose=0)
+
+
+def test_debug_mode_logs_sensitivities(caplog):
+    model = DP_Sequential([L.DP_BoundedInput(input_shape=(12,), upper_bound=1.0),
+                           L.DP_QuickSpectralDense(5)],
+                          dp_parameters=DPParameters("global", 2.0, 1e-5),
+                          dataset_metadata=_meta(8), debug=True)
+    model.compile(loss=losses.DP_MeanAbsoluteError(), optimizer="sgd")
+    with caplog.at_level("INFO", logger="lipdp.model"):
+        model.fit(np.zeros((8, 12), "float32"), np.zeros((8, 5), "float32"), batch_size=8,
+                  verbose=0)
+    assert "sensitivity 0.125" in caplog.text and "noise std 0.25" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["CNN(conv-groupsort-l2pool-dense)", "ResidualConvBlock",
+                                  "AddBias(after conv and dense)", "ClipGradient(tail)",
+                                  "LayerCentering", "MaxPool2D", "Permute+Reshape",
+                                  "ScaledGlobalL2NormPooling2D", "ReLU(leaky)",
+                                  "SpectralDense", "QuickFrobeniusDense"])
+def test_every_layer_survives_save_and_load(case, tmp_path):
+    from tests.cases import ALL_CASES
+
+    model, x, _ = ALL_CASES[case]()
+    model.save(tmp_path / "m.keras")
+    loaded = tf.keras.models.load_model(tmp_path / "m.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    assert [type(a) for a in loaded.dp_layers] == [type(b) for b in model.dp_layers]
