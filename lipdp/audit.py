@@ -209,8 +209,9 @@ def conv_matrix(kernel, input_shape, strides=(1, 1), padding="same", batch_size=
     return result
 
 
-def conv_fft_bound(kernel, input_shape, strides=(1, 1), padding="same",
-                   chunk: int = 4096) -> OperatorNorm:
+def conv_fft_bound(
+    kernel, input_shape, strides=(1, 1), padding="same", chunk: int = 4096
+) -> OperatorNorm:
     """Upper bound on the norm of a zero-padded, strided 2-D convolution (FFT).
 
     Polyphase form: write the kernel row index ``i = a * sh + r`` (``0 <= r < sh``),
@@ -243,8 +244,10 @@ def conv_fft_bound(kernel, input_shape, strides=(1, 1), padding="same",
     channels = sh * sw * c_in
     poly = poly.reshape(ta * tb, channels * c_out)
     grid = []
-    for size, k, s, out, taps in ((input_shape[0], kh, sh, out_h, ta),
-                                  (input_shape[1], kw, sw, out_w, tb)):
+    for size, k, s, out, taps in (
+        (input_shape[0], kh, sh, out_h, ta),
+        (input_shape[1], kw, sw, out_w, tb),
+    ):
         _, before = _conv_geometry(size, k, s, padding)
         grid.append(max(out + taps - 1, -(-(size + before) // s)))
     gh, gw = grid
@@ -352,8 +355,7 @@ def _constrained_layers_with_inputs(model, input_shape):
     return found
 
 
-def audit_layer(layer, input_shape=None, tolerance=DEFAULT_TOLERANCE,
-                **norm_kwargs) -> AuditRecord:
+def audit_layer(layer, input_shape=None, tolerance=DEFAULT_TOLERANCE, **norm_kwargs) -> AuditRecord:
     """Audit one built constrained layer (``input_shape``: per-example, convs only)."""
     declared = _declared_lipschitz(layer)
     if _is_conv(layer):
@@ -369,14 +371,19 @@ def audit_layer(layer, input_shape=None, tolerance=DEFAULT_TOLERANCE,
         kind, input_shape = "dense", None
     ok = float(measured) <= declared * (1.0 + tolerance)
     return AuditRecord(
-        name=layer.name, kind=kind, declared=declared, measured=float(measured),
-        method=measured.method, ok=bool(ok),
+        name=layer.name,
+        kind=kind,
+        declared=declared,
+        measured=float(measured),
+        method=measured.method,
+        ok=bool(ok),
         input_shape=None if input_shape is None else tuple(input_shape),
     )
 
 
-def audit_model(model, input_shape=None, tolerance=DEFAULT_TOLERANCE,
-                **norm_kwargs) -> list[AuditRecord]:
+def audit_model(
+    model, input_shape=None, tolerance=DEFAULT_TOLERANCE, **norm_kwargs
+) -> list[AuditRecord]:
     """Measure the operator norm of every constrained layer of a built lipdp model.
 
     Layers are visited in ``model.layers_forward_order()``; a
@@ -422,8 +429,9 @@ def format_records(records) -> str:
     return "\n".join(lines)
 
 
-def assert_sound(model, input_shape=None, tolerance=DEFAULT_TOLERANCE,
-                 **norm_kwargs) -> list[AuditRecord]:
+def assert_sound(
+    model, input_shape=None, tolerance=DEFAULT_TOLERANCE, **norm_kwargs
+) -> list[AuditRecord]:
     """Run :func:`audit_model` and raise :class:`SensitivityViolation` if a layer is
     not certified (exact norm above the declared constant, or an upper bound that
     does not certify it). Returns the records otherwise."""

@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 
 NOISIFY_STRATEGIES = ("global", "per-layer")
 
+#: Relative slack added to every sensitivity. The bounds are exact for real
+#: arithmetic; gradients computed in float32 can exceed them by round-off (relative
+#: ~1e-7 to 1e-6 was observed where a bound is tight). The slack covers it.
+ROUNDOFF_SLACK = 1e-5
+
 #: DP replacements suggested when a plain Keras or deel-lip layer is found.
 _REPLACEMENTS = {
     "Dense": "DP_QuickSpectralDense or DP_SpectralDense (then DP_AddBias for a bias)",
@@ -37,15 +42,21 @@ _REPLACEMENTS = {
     "FrobeniusDense": "DP_QuickFrobeniusDense",
     "Conv2D": "DP_QuickSpectralConv2D or DP_SpectralConv2D",
     "SpectralConv2D": "DP_SpectralConv2D (trained by projection, rule S3)",
-    "ReLU": "DP_ReLU", "Activation": "DP_ReLU or DP_GroupSort", "GroupSort": "DP_GroupSort",
-    "MaxPooling2D": "DP_MaxPool2D", "AveragePooling2D": "DP_ScaledL2NormPooling2D",
+    "ReLU": "DP_ReLU",
+    "Activation": "DP_ReLU or DP_GroupSort",
+    "GroupSort": "DP_GroupSort",
+    "MaxPooling2D": "DP_MaxPool2D",
+    "AveragePooling2D": "DP_ScaledL2NormPooling2D",
     "ScaledL2NormPooling2D": "DP_ScaledL2NormPooling2D",
     "GlobalAveragePooling2D": "DP_ScaledGlobalL2NormPooling2D",
     "ScaledGlobalL2NormPooling2D": "DP_ScaledGlobalL2NormPooling2D",
-    "Flatten": "DP_Flatten", "Reshape": "DP_Reshape", "Permute": "DP_Permute",
+    "Flatten": "DP_Flatten",
+    "Reshape": "DP_Reshape",
+    "Permute": "DP_Permute",
     "BatchNormalization": "DP_LayerCentering (batch statistics couple examples, rule S2)",
     "LayerNormalization": "DP_LayerCentering (no data-dependent scaling)",
-    "InputLayer": "DP_BoundedInput", "Lambda": "DP_Lambda with a stated Lipschitz constant",
+    "InputLayer": "DP_BoundedInput",
+    "Lambda": "DP_Lambda with a stated Lipschitz constant",
     "Dropout": "nothing: remove it (the 1/(1-rate) rescaling increases norms)",
     "Add": "make_residuals(...)",
 }
@@ -78,8 +89,9 @@ class DPParameters:
         self.noise_multiplier = float(self.noise_multiplier)
         if self.non_private:
             if self.noise_multiplier != 0:
-                raise ValueError("non_private=True is for a noiseless reference: "
-                                 "set noise_multiplier=0.")
+                raise ValueError(
+                    "non_private=True is for a noiseless reference: set noise_multiplier=0."
+                )
         elif not self.noise_multiplier > 0:
             raise ValueError(
                 f"noise_multiplier must be > 0, got {self.noise_multiplier}. For a "
@@ -171,8 +183,7 @@ class DP_Model(tf.keras.Model):
 
     _layers_key = "dp_layers"
 
-    def __init__(self, dp_layers, *, dp_parameters, dataset_metadata=None, debug=False,
-                 **kwargs):
+    def __init__(self, dp_layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
         super().__init__(**kwargs)
         check_dp_layers(dp_layers)
         if not isinstance(dp_parameters, DPParameters):
@@ -253,9 +264,12 @@ class DP_Model(tf.keras.Model):
         return result
 
     def _sensitivities(self):
-        """``[(variable, Delta, nm_coef)]`` for the averaged gradient, checked complete."""
-        b = self.batch_size
-        result = [(v, bound / b, c) for v, bound, c in self.per_example_sensitivities()]
+        """``[(variable, Delta, nm_coef)]`` for the averaged gradient, checked complete.
+
+        ``Delta = per-example bound * (1 + ROUNDOFF_SLACK) / b``.
+        """
+        scale = (1.0 + ROUNDOFF_SLACK) / self.batch_size
+        result = [(v, bound * scale, c) for v, bound, c in self.per_example_sensitivities()]
         covered = {v.ref() for v, _, _ in result}
         missing = [v.name for v in self.trainable_variables if v.ref() not in covered]
         if missing:
@@ -274,18 +288,27 @@ class DP_Model(tf.keras.Model):
             return list(gradients)
         sigma = params.noise_multiplier
         if params.noisify_strategy == "global":
-            total = tf.sqrt(tf.add_n([tf.square(tf.cast(d, tf.float32))
-                                      for d, _ in by_ref.values()]))
+            total = tf.sqrt(
+                tf.add_n([tf.square(tf.cast(d, tf.float32)) for d, _ in by_ref.values()])
+            )
             stddevs = [sigma * total] * len(variables)
         else:
-            stddevs = [sigma * by_ref[v.ref()][1] * tf.cast(by_ref[v.ref()][0], tf.float32)
-                       for v in variables]
+            stddevs = [
+                sigma * by_ref[v.ref()][1] * tf.cast(by_ref[v.ref()][0], tf.float32)
+                for v in variables
+            ]
         if self.debug:
             for v, s in zip(variables, stddevs):
-                logger.info("variable %s: sensitivity %.6g, noise std %.6g", v.name,
-                            float(by_ref[v.ref()][0]), float(s))
-        return [g + tf.random.normal(tf.shape(g), stddev=s, dtype=g.dtype)
-                for g, s in zip(gradients, stddevs)]
+                logger.info(
+                    "variable %s: sensitivity %.6g, noise std %.6g",
+                    v.name,
+                    float(by_ref[v.ref()][0]),
+                    float(s),
+                )
+        return [
+            g + tf.random.normal(tf.shape(g), stddev=s, dtype=g.dtype)
+            for g, s in zip(gradients, stddevs)
+        ]
 
     def project(self):
         """Project every constrained weight onto its feasible set."""
@@ -298,10 +321,13 @@ class DP_Model(tf.keras.Model):
             raise ValueError("sample weights are not supported: they change the sensitivity.")
         first = tf.nest.flatten(x)[0]
         tf.debugging.assert_equal(
-            tf.shape(first)[0], self.batch_size,
-            message=(f"DP training needs every batch to have exactly batch_size="
-                     f"{self.batch_size} examples (the sensitivity is computed for it); "
-                     "drop the partial last batch (dataset.batch(b, drop_remainder=True)).")
+            tf.shape(first)[0],
+            self.batch_size,
+            message=(
+                f"DP training needs every batch to have exactly batch_size="
+                f"{self.batch_size} examples (the sensitivity is computed for it); "
+                "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
+            ),
         )
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
@@ -334,15 +360,19 @@ class DP_Model(tf.keras.Model):
         if isinstance(x, tf.data.Dataset):
             static = tf.nest.flatten(x.element_spec)[0].shape[0]
             if static is not None and static != b:
-                raise ValueError(f"The dataset yields batches of {static}, the model expects "
-                                 f"batch_size={b} (dataset_metadata).")
+                raise ValueError(
+                    f"The dataset yields batches of {static}, the model expects "
+                    f"batch_size={b} (dataset_metadata)."
+                )
             return
         if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
             return
         n = len(tf.nest.flatten(x)[0])
         if batch_size is not None and batch_size != b:
-            raise ValueError(f"fit(batch_size={batch_size}) differs from the batch size "
-                             f"{b} declared in dataset_metadata.")
+            raise ValueError(
+                f"fit(batch_size={batch_size}) differs from the batch size "
+                f"{b} declared in dataset_metadata."
+            )
         split = kwargs.get("validation_split") or 0.0
         n_train = int(math.floor(n * (1.0 - split)))
         if n_train % b:
@@ -352,8 +382,10 @@ class DP_Model(tf.keras.Model):
                 "tf.data pipeline with drop_remainder=True."
             )
         if kwargs.get("shuffle") is False:
-            logger.warning("fit(shuffle=False): batches are not random, so privacy "
-                           "amplification by subsampling does not apply.")
+            logger.warning(
+                "fit(shuffle=False): batches are not random, so privacy "
+                "amplification by subsampling does not apply."
+            )
 
     # ---------------------------------------------------------- serialisation
     def get_compile_config(self):
@@ -371,8 +403,9 @@ class DP_Model(tf.keras.Model):
         return {
             self._layers_key: [tf.keras.layers.serialize(layer) for layer in self.dp_layers],
             "dp_parameters": asdict(self.dp_parameters),
-            "dataset_metadata": (None if self.dataset_metadata is None
-                                 else self.dataset_metadata.to_config()),
+            "dataset_metadata": (
+                None if self.dataset_metadata is None else self.dataset_metadata.to_config()
+            ),
             "debug": self.debug,
             "name": self.name,
         }
@@ -380,8 +413,10 @@ class DP_Model(tf.keras.Model):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        layers = [tf.keras.layers.deserialize(c, custom_objects=custom_objects)
-                  for c in config.pop(cls._layers_key)]
+        layers = [
+            tf.keras.layers.deserialize(c, custom_objects=custom_objects)
+            for c in config.pop(cls._layers_key)
+        ]
         metadata = config.pop("dataset_metadata")
         return cls(
             layers,
@@ -397,8 +432,13 @@ class DP_Sequential(DP_Model):
     _layers_key = "layers"
 
     def __init__(self, layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
-        super().__init__(layers, dp_parameters=dp_parameters, dataset_metadata=dataset_metadata,
-                         debug=debug, **kwargs)
+        super().__init__(
+            layers,
+            dp_parameters=dp_parameters,
+            dataset_metadata=dataset_metadata,
+            debug=debug,
+            **kwargs,
+        )
 
 
 tf.keras.utils.register_keras_serializable(package="lipdp")(DP_Model)
@@ -408,7 +448,8 @@ tf.keras.utils.register_keras_serializable(package="lipdp")(DP_Sequential)
 def compute_gradient_bounds(model) -> dict:
     """Sensitivity of the *averaged* minibatch gradient of each trainable variable.
 
-    Returns ``{"<layer name>/<variable>": Delta}`` with ``Delta = per-example bound / b``.
+    Returns ``{"<layer name>/<variable>": Delta}`` with
+    ``Delta = per-example bound * (1 + ROUNDOFF_SLACK) / b``.
     Keys are qualified by the owning DP layer because Keras does not keep variable
     names unique across save/load.
     """

@@ -67,4 +67,3 @@ class DatasetMetadata:
             "batch_size": self.batch_size,
             "max_norm": self.max_norm,
         }
-

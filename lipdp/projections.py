@@ -77,8 +77,11 @@ def gershgorin_sigma_bound(matrix: tf.Tensor) -> tf.Tensor:
     """Certified upper bound on ``sigma_max``: sqrt of the largest absolute row sum
     of the Gram matrix (on the smaller side). Tight for nearly orthogonal matrices."""
     m, n = matrix.shape
-    gram = (tf.matmul(matrix, matrix, transpose_a=True) if m >= n
-            else tf.matmul(matrix, matrix, transpose_b=True))
+    gram = (
+        tf.matmul(matrix, matrix, transpose_a=True)
+        if m >= n
+        else tf.matmul(matrix, matrix, transpose_b=True)
+    )
     return tf.sqrt(tf.reduce_max(tf.reduce_sum(tf.abs(gram), axis=1)))
 
 

@@ -19,20 +19,26 @@ BATCH = 4
 NB_CLASSES = 5
 
 
-def build(dp_layers, input_shape, loss=None, upper_bound=3.0, batch=BATCH, labels="onehot",
-          seed=0):
-    meta = DatasetMetadata(input_shape=input_shape, nb_classes=NB_CLASSES,
-                           nb_samples_train=100 * batch, batch_size=batch)
+def build(dp_layers, input_shape, loss=None, upper_bound=3.0, batch=BATCH, labels="onehot", seed=0):
+    meta = DatasetMetadata(
+        input_shape=input_shape,
+        nb_classes=NB_CLASSES,
+        nb_samples_train=100 * batch,
+        batch_size=batch,
+    )
     model = DP_Sequential(
         [L.DP_BoundedInput(input_shape=input_shape, upper_bound=upper_bound), *dp_layers],
         dp_parameters=DPParameters("global", 1.0, 1e-5),
         dataset_metadata=meta,
     )
-    model.compile(loss=loss or losses.DP_TauCategoricalCrossentropy(tau=16.0),
-                  optimizer=tf.keras.optimizers.SGD(0.1))
+    model.compile(
+        loss=loss or losses.DP_TauCategoricalCrossentropy(tau=16.0),
+        optimizer=tf.keras.optimizers.SGD(0.1),
+    )
     rng = np.random.default_rng(seed)
-    x = (2.0 * upper_bound / np.sqrt(np.prod(input_shape))
-         * rng.normal(size=(batch, *input_shape))).astype("float32")
+    x = (
+        2.0 * upper_bound / np.sqrt(np.prod(input_shape)) * rng.normal(size=(batch, *input_shape))
+    ).astype("float32")
     if labels == "onehot":
         y = np.eye(NB_CLASSES, dtype="float32")[rng.integers(0, NB_CLASSES, size=batch)]
     else:
@@ -53,59 +59,110 @@ VEC = (12,)
 
 LAYER_CASES = {
     "SpectralDense": lambda: build(
-        [L.DP_SpectralDense(16), L.DP_GroupSort(2), L.DP_SpectralDense(NB_CLASSES)], VEC),
+        [L.DP_SpectralDense(16), L.DP_GroupSort(2), L.DP_SpectralDense(NB_CLASSES)], VEC
+    ),
     "QuickSpectralDense(orthogonal)": lambda: build(
-        [L.DP_QuickSpectralDense(16), L.DP_GroupSort(4), L.DP_QuickSpectralDense(NB_CLASSES)], VEC),
+        [L.DP_QuickSpectralDense(16), L.DP_GroupSort(4), L.DP_QuickSpectralDense(NB_CLASSES)], VEC
+    ),
     "QuickSpectralDense(spectral)": lambda: build(
-        [L.DP_QuickSpectralDense(16, constraint="spectral"), L.DP_GroupSort(2),
-         L.DP_QuickSpectralDense(NB_CLASSES, constraint="spectral")], VEC),
+        [
+            L.DP_QuickSpectralDense(16, constraint="spectral"),
+            L.DP_GroupSort(2),
+            L.DP_QuickSpectralDense(NB_CLASSES, constraint="spectral"),
+        ],
+        VEC,
+    ),
     "QuickFrobeniusDense": lambda: build(
-        [L.DP_QuickFrobeniusDense(16), L.DP_GroupSort(2), L.DP_QuickFrobeniusDense(NB_CLASSES)],
-        VEC),
+        [L.DP_QuickFrobeniusDense(16), L.DP_GroupSort(2), L.DP_QuickFrobeniusDense(NB_CLASSES)], VEC
+    ),
     "SpectralConv2D(same)": lambda: build(conv_stem(L.DP_SpectralConv2D) + dense_head(), IMG),
     "QuickSpectralConv2D(valid,stride2)": lambda: build(
-        conv_stem(strides=2, padding="valid") + dense_head(), (7, 7, 2)),
+        conv_stem(strides=2, padding="valid") + dense_head(), (7, 7, 2)
+    ),
     "QuickSpectralConv2D(same,k5,stride2)": lambda: build(
-        [L.DP_QuickSpectralConv2D(6, 5, strides=2), L.DP_GroupSort(3)] + dense_head(), (7, 7, 2)),
+        [L.DP_QuickSpectralConv2D(6, 5, strides=2), L.DP_GroupSort(3)] + dense_head(), (7, 7, 2)
+    ),
     "QuickSpectralConv2D(spectral,k2)": lambda: build(
-        [L.DP_QuickSpectralConv2D(4, 2, constraint="spectral"), L.DP_GroupSort(2)]
-        + dense_head(), IMG),
+        [L.DP_QuickSpectralConv2D(4, 2, constraint="spectral"), L.DP_GroupSort(2)] + dense_head(),
+        IMG,
+    ),
     "ReLU(leaky)": lambda: build(
-        [L.DP_QuickSpectralDense(16), L.DP_ReLU(negative_slope=0.5),
-         L.DP_QuickSpectralDense(NB_CLASSES)], VEC),
+        [
+            L.DP_QuickSpectralDense(16),
+            L.DP_ReLU(negative_slope=0.5),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+        ],
+        VEC,
+    ),
     "ScaledL2NormPooling2D(same)": lambda: build(
-        conv_stem() + [L.DP_ScaledL2NormPooling2D(2, padding="same")] + dense_head(), (5, 5, 2)),
+        conv_stem() + [L.DP_ScaledL2NormPooling2D(2, padding="same")] + dense_head(), (5, 5, 2)
+    ),
     "ScaledGlobalL2NormPooling2D": lambda: build(
-        conv_stem() + [L.DP_ScaledGlobalL2NormPooling2D(), L.DP_QuickSpectralDense(NB_CLASSES)],
-        IMG),
+        conv_stem() + [L.DP_ScaledGlobalL2NormPooling2D(), L.DP_QuickSpectralDense(NB_CLASSES)], IMG
+    ),
     "MaxPool2D": lambda: build(conv_stem() + [L.DP_MaxPool2D(2)] + dense_head(), IMG),
     "Permute+Reshape": lambda: build(
-        conv_stem() + [L.DP_Permute((2, 1, 3)), L.DP_Reshape((-1,)),
-                       L.DP_QuickSpectralDense(NB_CLASSES)], IMG),
+        conv_stem()
+        + [L.DP_Permute((2, 1, 3)), L.DP_Reshape((-1,)), L.DP_QuickSpectralDense(NB_CLASSES)],
+        IMG,
+    ),
     "LayerCentering": lambda: build(
-        conv_stem() + [L.DP_LayerCentering(), L.DP_LayerCentering(pixelwise=True,
-                                                                  channelwise=False)]
-        + dense_head(), IMG),
+        conv_stem()
+        + [L.DP_LayerCentering(), L.DP_LayerCentering(pixelwise=True, channelwise=False)]
+        + dense_head(),
+        IMG,
+    ),
     "AddBias(after conv and dense)": lambda: build(
-        [L.DP_QuickSpectralConv2D(4, 3), L.DP_AddBias(norm_max=1.0), L.DP_GroupSort(2),
-         L.DP_Flatten(), L.DP_QuickSpectralDense(NB_CLASSES), L.DP_AddBias(norm_max=2.0)], IMG),
+        [
+            L.DP_QuickSpectralConv2D(4, 3),
+            L.DP_AddBias(norm_max=1.0),
+            L.DP_GroupSort(2),
+            L.DP_Flatten(),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+            L.DP_AddBias(norm_max=2.0),
+        ],
+        IMG,
+    ),
     "ClipGradient(tail)": lambda: build(
-        [L.DP_QuickSpectralDense(16), L.DP_GroupSort(2), L.DP_QuickSpectralDense(NB_CLASSES),
-         L.DP_ClipGradient(0.2)], VEC),
+        [
+            L.DP_QuickSpectralDense(16),
+            L.DP_GroupSort(2),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+            L.DP_ClipGradient(0.2),
+        ],
+        VEC,
+    ),
     "Residual(add)": lambda: build(
-        [L.DP_QuickSpectralDense(12), *L.make_residuals(
-            "add", [L.DP_QuickSpectralDense(12), L.DP_GroupSort(2), L.DP_QuickSpectralDense(12)]),
-         L.DP_QuickSpectralDense(NB_CLASSES)], VEC),
+        [
+            L.DP_QuickSpectralDense(12),
+            *L.make_residuals(
+                "add", [L.DP_QuickSpectralDense(12), L.DP_GroupSort(2), L.DP_QuickSpectralDense(12)]
+            ),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+        ],
+        VEC,
+    ),
     "Residual(1-lip-add)": lambda: build(
-        [L.DP_QuickSpectralDense(12), *L.make_residuals(
-            "1-lip-add", [L.DP_QuickSpectralDense(12), L.DP_AddBias(norm_max=1.0),
-                          L.DP_GroupSort(2)]),
-         L.DP_QuickSpectralDense(NB_CLASSES)], VEC),
+        [
+            L.DP_QuickSpectralDense(12),
+            *L.make_residuals(
+                "1-lip-add",
+                [L.DP_QuickSpectralDense(12), L.DP_AddBias(norm_max=1.0), L.DP_GroupSort(2)],
+            ),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+        ],
+        VEC,
+    ),
     "Lambda(stated constant)": lambda: build(
-        [L.DP_QuickSpectralDense(16),
-         L.DP_Lambda(lambda t: 0.5 * tf.tanh(t), lipschitz_constant=0.5, output_gain=0.5),
-         L.DP_QuickSpectralDense(NB_CLASSES)], VEC),
+        [
+            L.DP_QuickSpectralDense(16),
+            L.DP_Lambda(lambda t: 0.5 * tf.tanh(t), lipschitz_constant=0.5, output_gain=0.5),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+        ],
+        VEC,
+    ),
 }
+
 
 def _dense_net():
     return [L.DP_QuickSpectralDense(16), L.DP_GroupSort(2), L.DP_QuickSpectralDense(NB_CLASSES)]
@@ -113,35 +170,68 @@ def _dense_net():
 
 LOSS_CASES = {
     "TauCategoricalCrossentropy": lambda: build(
-        _dense_net(), VEC, losses.DP_TauCategoricalCrossentropy(tau=32.0), upper_bound=10.0),
+        _dense_net(), VEC, losses.DP_TauCategoricalCrossentropy(tau=32.0), upper_bound=10.0
+    ),
     "TauBCE": lambda: build(_dense_net(), VEC, losses.DP_TauBCE(tau=4.0), labels="uniform"),
     "MulticlassHinge": lambda: build(_dense_net(), VEC, losses.DP_MulticlassHinge(0.5)),
     "MulticlassKR": lambda: build(_dense_net(), VEC, losses.DP_MulticlassKR()),
     "MulticlassHKR": lambda: build(_dense_net(), VEC, losses.DP_MulticlassHKR(5.0, 0.5)),
     "KCosineSimilarity(K=0.3)": lambda: build(
-        _dense_net(), VEC, losses.DP_KCosineSimilarity(K=0.3)),
+        _dense_net(), VEC, losses.DP_KCosineSimilarity(K=0.3)
+    ),
     "KCosineSimilarity(K=3)": lambda: build(_dense_net(), VEC, losses.DP_KCosineSimilarity(K=3.0)),
-    "MeanAbsoluteError": lambda: build(_dense_net(), VEC, losses.DP_MeanAbsoluteError(),
-                                       labels="uniform"),
+    "MeanAbsoluteError": lambda: build(
+        _dense_net(), VEC, losses.DP_MeanAbsoluteError(), labels="uniform"
+    ),
 }
 
 COMPOSITION_CASES = {
     "CNN(conv-groupsort-l2pool-dense)": lambda: build(
-        [L.DP_QuickSpectralConv2D(8, 3), L.DP_GroupSort(2), L.DP_ScaledL2NormPooling2D(2),
-         L.DP_QuickSpectralConv2D(8, 3), L.DP_GroupSort(2), L.DP_Flatten(),
-         L.DP_QuickSpectralDense(NB_CLASSES)], (8, 8, 1)),
+        [
+            L.DP_QuickSpectralConv2D(8, 3),
+            L.DP_GroupSort(2),
+            L.DP_ScaledL2NormPooling2D(2),
+            L.DP_QuickSpectralConv2D(8, 3),
+            L.DP_GroupSort(2),
+            L.DP_Flatten(),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+        ],
+        (8, 8, 1),
+    ),
     "DenseNet(4 layers, biases)": lambda: build(
-        [L.DP_SpectralDense(24), L.DP_AddBias(0.5), L.DP_GroupSort(2), L.DP_SpectralDense(24),
-         L.DP_GroupSort(2), L.DP_QuickFrobeniusDense(16), L.DP_ReLU(),
-         L.DP_QuickSpectralDense(NB_CLASSES)], VEC),
+        [
+            L.DP_SpectralDense(24),
+            L.DP_AddBias(0.5),
+            L.DP_GroupSort(2),
+            L.DP_SpectralDense(24),
+            L.DP_GroupSort(2),
+            L.DP_QuickFrobeniusDense(16),
+            L.DP_ReLU(),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+        ],
+        VEC,
+    ),
     "ResidualConvBlock": lambda: build(
-        [L.DP_QuickSpectralConv2D(4, 3), *L.make_residuals(
-            "1-lip-add", [L.DP_QuickSpectralConv2D(4, 3), L.DP_GroupSort(2)]),
-         L.DP_ScaledGlobalL2NormPooling2D(), L.DP_QuickSpectralDense(NB_CLASSES)], IMG),
+        [
+            L.DP_QuickSpectralConv2D(4, 3),
+            *L.make_residuals("1-lip-add", [L.DP_QuickSpectralConv2D(4, 3), L.DP_GroupSort(2)]),
+            L.DP_ScaledGlobalL2NormPooling2D(),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+        ],
+        IMG,
+    ),
     "CNN+ClipGradient(tail)": lambda: build(
-        [L.DP_QuickSpectralConv2D(4, 3), L.DP_GroupSort(2), L.DP_Flatten(),
-         L.DP_QuickSpectralDense(NB_CLASSES), L.DP_ClipGradient(0.05)], IMG,
-        losses.DP_TauCategoricalCrossentropy(tau=32.0), upper_bound=10.0),
+        [
+            L.DP_QuickSpectralConv2D(4, 3),
+            L.DP_GroupSort(2),
+            L.DP_Flatten(),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+            L.DP_ClipGradient(0.05),
+        ],
+        IMG,
+        losses.DP_TauCategoricalCrossentropy(tau=32.0),
+        upper_bound=10.0,
+    ),
 }
 
 ALL_CASES = {**LAYER_CASES, **LOSS_CASES, **COMPOSITION_CASES}

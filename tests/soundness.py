@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-#: float32 round-off on norms of O(1e3) coordinates: relative ~1e-6; we allow 1e-5.
-TOLERANCE = 1e-5
+from lipdp.model import ROUNDOFF_SLACK
+
+#: The noise is calibrated for the bound times (1 + ROUNDOFF_SLACK): float32
+#: round-off may exceed the exact bound by that much, not more.
+TOLERANCE = ROUNDOFF_SLACK
 
 
 @dataclass

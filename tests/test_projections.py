@@ -120,9 +120,7 @@ def test_correction_bounds_conv_norm_by_matrix_norm(kernel_size, strides, paddin
     """||conv(K * correction)|| <= ||reshape(K)||_2, on random kernels of reshaped norm 1."""
     rng = np.random.default_rng(kernel_size * 10 + strides[0])
     correction = layers.DP_QuickSpectralConv2D(2, kernel_size, strides=strides).correction
-    np.testing.assert_allclose(
-        correction, 1 / np.sqrt(patch_overlap((kernel_size,) * 2, strides))
-    )
+    np.testing.assert_allclose(correction, 1 / np.sqrt(patch_overlap((kernel_size,) * 2, strides)))
     for c_in, c_out in [(1, 1), (2, 3), (3, 2)]:
         kernel = _unit_matrix_view(rng.normal(size=(kernel_size, kernel_size, c_in, c_out)))
         for shape in [(7, 7, c_in), (8, 6, c_in)]:
@@ -130,8 +128,10 @@ def test_correction_bounds_conv_norm_by_matrix_norm(kernel_size, strides, paddin
             assert norm.exact
             assert float(norm) <= 1 + 1e-12
         # The Fourier bound certifies the same inequality on inputs of any size.
-        assert float(audit.conv_fft_bound(kernel * correction, (40, 40, c_in), strides,
-                                          padding)) <= 1 + 1e-12
+        assert (
+            float(audit.conv_fft_bound(kernel * correction, (40, 40, c_in), strides, padding))
+            <= 1 + 1e-12
+        )
 
 
 def test_correction_bound_is_nearly_tight():
@@ -186,8 +186,9 @@ def test_orthogonal_projection_converges():
 
 # ------------------------------------------------------- 4. S4 after training
 def _metadata(input_shape):
-    return DatasetMetadata(input_shape=input_shape, nb_classes=10, nb_samples_train=1000,
-                           batch_size=10)
+    return DatasetMetadata(
+        input_shape=input_shape, nb_classes=10, nb_samples_train=1000, batch_size=10
+    )
 
 
 def _all_constrained_model(constraint):
@@ -195,21 +196,28 @@ def _all_constrained_model(constraint):
     shape = (6, 6, 2)
     dp_layers = [
         layers.DP_BoundedInput(input_shape=shape, upper_bound=1.0),
-        *layers.make_residuals("1-lip-add", [
-            layers.DP_QuickSpectralConv2D(2, 3, constraint=constraint, name="res_conv"),
-        ]),
+        *layers.make_residuals(
+            "1-lip-add",
+            [
+                layers.DP_QuickSpectralConv2D(2, 3, constraint=constraint, name="res_conv"),
+            ],
+        ),
         layers.DP_SpectralConv2D(4, 3, constraint=constraint, name="conv"),
         layers.DP_GroupSort(2),
-        layers.DP_QuickSpectralConv2D(4, 3, strides=2, padding="valid",
-                                      constraint=constraint, name="quick_conv"),
+        layers.DP_QuickSpectralConv2D(
+            4, 3, strides=2, padding="valid", constraint=constraint, name="quick_conv"
+        ),
         layers.DP_Flatten(),
         layers.DP_SpectralDense(12, constraint=constraint, name="dense"),
         layers.DP_GroupSort(2),
         layers.DP_QuickSpectralDense(12, constraint=constraint, name="quick_dense"),
         layers.DP_QuickFrobeniusDense(10, constraint=constraint, name="frobenius_dense"),
     ]
-    return DP_Sequential(dp_layers, dp_parameters=DPParameters("global", 1.0, 1e-5),
-                         dataset_metadata=_metadata(shape))
+    return DP_Sequential(
+        dp_layers,
+        dp_parameters=DPParameters("global", 1.0, 1e-5),
+        dataset_metadata=_metadata(shape),
+    )
 
 
 def _constrained(model):
@@ -231,21 +239,24 @@ def _hostile_update(layer, rng, step):
         matrix = matrix + 0.5 * rng.normal(size=matrix.shape)
     elif kind == 1:  # large rank-one move along a random direction
         a, b = rng.normal(size=rows), rng.normal(size=units)
-        matrix = matrix + rng.uniform(0.5, 5.0) * np.outer(a / np.linalg.norm(a),
-                                                           b / np.linalg.norm(b))
+        matrix = matrix + rng.uniform(0.5, 5.0) * np.outer(
+            a / np.linalg.norm(a), b / np.linalg.norm(b)
+        )
     else:  # both, with a moderate rank-one part
         a, b = rng.normal(size=rows), rng.normal(size=units)
-        matrix = (matrix + 0.5 * rng.normal(size=matrix.shape)
-                  + rng.uniform(0.1, 1.0) * np.outer(a / np.linalg.norm(a), b / np.linalg.norm(b)))
+        matrix = (
+            matrix
+            + 0.5 * rng.normal(size=matrix.shape)
+            + rng.uniform(0.1, 1.0) * np.outer(a / np.linalg.norm(a), b / np.linalg.norm(b))
+        )
     layer.kernel.assign(matrix.reshape(layer.kernel.shape).astype(np.float32))
 
 
 #: Largest exact operator norm seen per (constraint, layer class); filled by the test.
 S4_WORST: dict = {}
 
-@pytest.mark.parametrize(
-    "constraint", ["orthogonal", "spectral", "frobenius"]
-)
+
+@pytest.mark.parametrize("constraint", ["orthogonal", "spectral", "frobenius"])
 def test_projection_lands_in_feasible_set_after_hostile_steps(constraint):
     tf.keras.utils.set_random_seed(6)
     rng = np.random.default_rng(["orthogonal", "spectral", "frobenius"].index(constraint))
@@ -261,8 +272,9 @@ def test_projection_lands_in_feasible_set_after_hostile_steps(constraint):
             assert record.exact and record.declared == 1.0
             layer = constrained[record.name]
             if record.kind == "dense":  # independent check of the audit
-                np.testing.assert_allclose(record.measured, _svd_norm(layer.kernel.numpy()),
-                                           rtol=1e-12)
+                np.testing.assert_allclose(
+                    record.measured, _svd_norm(layer.kernel.numpy()), rtol=1e-12
+                )
             key = (constraint, type(layer).__name__)
             S4_WORST[key] = max(S4_WORST.get(key, 0.0), record.measured)
             if record.measured > 1 + S4_TOLERANCE:
@@ -274,14 +286,14 @@ def test_projection_lands_in_feasible_set_after_hostile_steps(constraint):
                 S4_WORST[key] = max(S4_WORST.get(key, 0.0), view)
                 if view > 1 + S4_TOLERANCE:
                     violations.append((step, record.name + " matrix view", view))
-    print(f"\nS4 worst exact norms ({constraint}):",
-          {k[1]: round(v, 9) for k, v in S4_WORST.items() if k[0] == constraint})
+    print(
+        f"\nS4 worst exact norms ({constraint}):",
+        {k[1]: round(v, 9) for k, v in S4_WORST.items() if k[0] == constraint},
+    )
     assert not violations, violations[:10]
 
 
-@pytest.mark.parametrize(
-    "constraint", ["orthogonal", "spectral"]
-)
+@pytest.mark.parametrize("constraint", ["orthogonal", "spectral"])
 def test_projection_after_small_noisy_steps(constraint):
     """Not only hostile moves: DP-SGD-like small Gaussian steps on a 64x64 kernel."""
     tf.keras.utils.set_random_seed(10)
@@ -304,16 +316,18 @@ def test_deel_lip_stride1_factor_exceeds_one_where_lipdp_does_not():
     shape = (16, 16, 1)
     box = _box_kernel(3)
     assert _svd_norm(box.reshape(-1, 1)) == pytest.approx(1.0)
-    deel_factor = float(_compute_conv_lip_factor((3, 3), (1, 1), (None, *shape),
-                                                 "channels_last"))
+    deel_factor = float(_compute_conv_lip_factor((3, 3), (1, 1), (None, *shape), "channels_last"))
     lipdp_factor = layers.DP_SpectralConv2D(1, 3).correction
     assert deel_factor > lipdp_factor == pytest.approx(1 / 3)
     deel_norm = audit.conv_operator_norm(box * deel_factor, shape)
     lipdp_norm = audit.conv_operator_norm(box * lipdp_factor, shape)
-    np.testing.assert_allclose(float(deel_norm), _jacobian_norm(box * deel_factor, shape,
-                                                                 (1, 1), "same"), rtol=1e-10)
-    print(f"\ndeel-lip factor {deel_factor:.6f}: exact norm {float(deel_norm):.6f}; "
-          f"lipdp factor {lipdp_factor:.6f}: exact norm {float(lipdp_norm):.6f}")
+    np.testing.assert_allclose(
+        float(deel_norm), _jacobian_norm(box * deel_factor, shape, (1, 1), "same"), rtol=1e-10
+    )
+    print(
+        f"\ndeel-lip factor {deel_factor:.6f}: exact norm {float(deel_norm):.6f}; "
+        f"lipdp factor {lipdp_factor:.6f}: exact norm {float(lipdp_norm):.6f}"
+    )
     assert float(deel_norm) > 1.0
     assert float(lipdp_norm) <= 1.0
 
@@ -325,9 +339,12 @@ def _small_model(input_shape=(8, 8, 1)):
             layers.DP_BoundedInput(input_shape=input_shape, upper_bound=1.0),
             layers.DP_QuickSpectralConv2D(8, 3, name="conv"),
             layers.DP_GroupSort(2),
-            *layers.make_residuals("1-lip-add", [
-                layers.DP_SpectralConv2D(8, 3, strides=1, name="res_conv"),
-            ]),
+            *layers.make_residuals(
+                "1-lip-add",
+                [
+                    layers.DP_SpectralConv2D(8, 3, strides=1, name="res_conv"),
+                ],
+            ),
             layers.DP_SpectralConv2D(4, 3, strides=2, name="strided_conv"),
             layers.DP_Flatten(),
             layers.DP_QuickSpectralDense(10, name="dense"),
@@ -382,8 +399,12 @@ def test_audit_model_large_input_uses_certified_bound():
     model = _small_model(input_shape=(24, 24, 1))
     records = audit.audit_model(model, max_exact_size=1024)
     methods = {r.name: r.method for r in records}
-    assert methods == {"conv": "svd", "res_conv": "fft-bound", "strided_conv": "fft-bound",
-                       "dense": "svd"}
+    assert methods == {
+        "conv": "svd",
+        "res_conv": "fft-bound",
+        "strided_conv": "fft-bound",
+        "dense": "svd",
+    }
     assert all(r.ok for r in records)
     assert audit.OperatorNorm(1.5, "fft-bound").exact is False
 
@@ -399,5 +420,6 @@ def test_orthogonal_projection_is_safe_with_a_misleading_power_vector():
     misleading = tf.constant(v[:, 1:2].T, tf.float32)  # orthogonal to the top direction
     for iterations in (1, 3, 15):
         projected, _ = projections.orthogonal_projection(
-            matrix, misleading, power_iterations=1, bjorck_iterations=iterations)
+            matrix, misleading, power_iterations=1, bjorck_iterations=iterations
+        )
         assert _svd_norm(projected.numpy()) <= 1.0

@@ -21,9 +21,11 @@ def test_bounds_hold_on_random_and_adversarial_inputs(case):
     random_ratios.assert_sound()
     worst = adversarial_search(model, x, y, steps=6)
     worst.assert_sound()
-    print(f"\nS1 {case}: random {random_ratios.worst_gradient:.4f} "
-          f"adversarial {worst.worst_gradient:.4f} activation {worst.activation:.4f} "
-          f"cotangent {worst.cotangent:.4f}")
+    print(
+        f"\nS1 {case}: random {random_ratios.worst_gradient:.4f} "
+        f"adversarial {worst.worst_gradient:.4f} activation {worst.activation:.4f} "
+        f"cotangent {worst.cotangent:.4f}"
+    )
     # Not vacuous: gradients are measured and the bound is within two orders of magnitude.
     assert worst.worst_gradient > 0.01
     assert worst.worst_gradient <= 1 + TOLERANCE

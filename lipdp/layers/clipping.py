@@ -52,8 +52,9 @@ class DP_ClipGradient(tf.keras.layers.Layer, NonExpansiveLayer):
             raise ValueError(f"clip_value must be > 0, got {clip_value}.")
         self.mode = mode
         # A variable so that the in-graph bounds follow dynamic updates.
-        self.clip_value = tf.Variable(float(clip_value), trainable=False, dtype=tf.float32,
-                                      name="clip_value")
+        self.clip_value = tf.Variable(
+            float(clip_value), trainable=False, dtype=tf.float32, name="clip_value"
+        )
 
     def call(self, inputs):
         return _clip_cotangent(inputs, self.clip_value)

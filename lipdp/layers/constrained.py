@@ -78,8 +78,11 @@ class ConstrainedKernelLayer(DPLayer):
         if self.constraint == "spectral":
             return projections.spectral_ball_projection(matrix, margin=self.margin)
         matrix, u = projections.orthogonal_projection(
-            matrix, self.power_vector, power_iterations=self.power_iterations,
-            bjorck_iterations=self.bjorck_iterations, margin=self.margin,
+            matrix,
+            self.power_vector,
+            power_iterations=self.power_iterations,
+            bjorck_iterations=self.bjorck_iterations,
+            margin=self.margin,
         )
         self.power_vector.assign(u)
         return matrix

@@ -83,8 +83,11 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
         self.padding = padding
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
         self._init_constraint(
-            constraint, nm_coef, power_iterations,
-            bjorck_iterations or self._default_bjorck_iterations, margin,
+            constraint,
+            nm_coef,
+            power_iterations,
+            bjorck_iterations or self._default_bjorck_iterations,
+            margin,
         )
         #: The constant factor between the stored and the effective kernel.
         self.correction = 1.0 / math.sqrt(patch_overlap(self.kernel_size, self.strides))
@@ -128,8 +131,10 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
 
     def backpropagate_params(self, input_bound, gradient_bound):
         # correction * sqrt(n) == 1 (module docstring).
-        return self.correction * math.sqrt(patch_overlap(self.kernel_size, self.strides)) * (
-            input_bound * gradient_bound
+        return (
+            self.correction
+            * math.sqrt(patch_overlap(self.kernel_size, self.strides))
+            * (input_bound * gradient_bound)
         )
 
     def get_config(self):

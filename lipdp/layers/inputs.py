@@ -40,7 +40,8 @@ class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
         if not self.enforce_clipping:
             logger.warning(
                 "DP_BoundedInput(enforce_clipping=False): the privacy guarantee assumes every "
-                "example has norm <= %g; nothing enforces it.", self.upper_bound
+                "example has norm <= %g; nothing enforces it.",
+                self.upper_bound,
             )
 
     def call(self, inputs):

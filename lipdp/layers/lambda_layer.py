@@ -23,15 +23,19 @@ class DP_Lambda(tf.keras.layers.Lambda, DPLayer):
     assumed 1-Lipschitz, and the claims are the caller's responsibility.
     """
 
-    def __init__(self, function, lipschitz_constant=None, output_gain=None, output_offset=0.0,
-                 **kwargs):
+    def __init__(
+        self, function, lipschitz_constant=None, output_gain=None, output_offset=0.0, **kwargs
+    ):
         if lipschitz_constant is None or output_gain is None:
             raise ValueError(
                 "DP_Lambda needs lipschitz_constant= and output_gain= (and output_offset= if "
                 "f(0) != 0): an arbitrary function has no known bound."
             )
-        for name, value in [("lipschitz_constant", lipschitz_constant),
-                            ("output_gain", output_gain), ("output_offset", output_offset)]:
+        for name, value in [
+            ("lipschitz_constant", lipschitz_constant),
+            ("output_gain", output_gain),
+            ("output_offset", output_offset),
+        ]:
             if float(value) < 0:
                 raise ValueError(f"DP_Lambda: {name} must be >= 0, got {value}.")
         super().__init__(function, **kwargs)
@@ -47,6 +51,9 @@ class DP_Lambda(tf.keras.layers.Lambda, DPLayer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(lipschitz_constant=self.lipschitz_constant, output_gain=self.output_gain,
-                      output_offset=self.output_offset)
+        config.update(
+            lipschitz_constant=self.lipschitz_constant,
+            output_gain=self.output_gain,
+            output_offset=self.output_offset,
+        )
         return config

@@ -46,8 +46,9 @@ class DP_ScaledL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
     def __init__(self, pool_size=(2, 2), strides=None, padding="valid", eps=_EPS, **kwargs):
         super().__init__(**kwargs)
         self.pool_size = _pair(pool_size)
-        _check_disjoint_windows(type(self).__name__, self.pool_size,
-                                None if strides is None else _pair(strides))
+        _check_disjoint_windows(
+            type(self).__name__, self.pool_size, None if strides is None else _pair(strides)
+        )
         if padding.lower() not in ("valid", "same"):
             raise ValueError(f"padding must be 'valid' or 'same', got {padding!r}.")
         self.padding = padding.lower()
