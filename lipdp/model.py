@@ -343,12 +343,12 @@ class DP_Model(tf.keras.Model):
         self.project()
         return self.compute_metrics(x, y, y_pred, None)
 
-    def fit(self, x=None, y=None, batch_size=None, **kwargs):
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_fit_arguments(x, batch_size, kwargs)
         # Weights set by hand (load_weights, set_weights) are brought back in the
         # feasible set before the first bound is trusted.
         self.project()
-        return super().fit(x, y, batch_size=batch_size, **kwargs)
+        return super().fit(x, y, batch_size, *args, **kwargs)
 
     def _check_fit_arguments(self, x, batch_size, kwargs):
         if self.compiled_loss is None:
