@@ -20,7 +20,7 @@ test: install
 
 # Slow tests only: training to accuracy, long adversarial searches.
 test-slow: install
-	$(BIN)/pytest -q -m slow
+	$(BIN)/pytest -q -n 2 -m slow
 
 test-all: install
 	$(BIN)/pytest -q -m "slow or not slow" -n 2

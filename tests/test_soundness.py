@@ -9,6 +9,7 @@ a check which measures nothing would not pass.
 """
 
 import pytest
+import tensorflow as tf
 
 from tests.cases import ALL_CASES
 from tests.soundness import TOLERANCE, adversarial_search, measure
@@ -29,3 +30,14 @@ def test_bounds_hold_on_random_and_adversarial_inputs(case):
     # Not vacuous: gradients are measured and the bound is within two orders of magnitude.
     assert worst.worst_gradient > 0.01
     assert worst.worst_gradient <= 1 + TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(ALL_CASES))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_bounds_hold_under_long_adversarial_search(case, seed):
+    tf.keras.utils.set_random_seed(seed)  # other initial weights than the fast test
+    model, x, y = ALL_CASES[case]()
+    worst = adversarial_search(model, x, y, steps=25, step_size=0.2)
+    print(f"\nS1 long search {case} seed {seed}: {worst.worst_gradient:.4f}")
+    worst.assert_sound()
