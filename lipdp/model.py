@@ -279,6 +279,18 @@ class DP_Model(tf.keras.Model):
             )
         return result
 
+    def noise_multipliers(self) -> list[float]:
+        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant.
+
+        ``"global"``: one mechanism, ``[sigma]``. ``"per-layer"``: one mechanism per
+        trainable variable, ``sigma * nm_coef`` each (their composition is a single
+        Gaussian mechanism with ``sigma_eff = (sum_v sigma_v^-2)^(-1/2)``).
+        """
+        params = self.dp_parameters
+        if params.noisify_strategy == "global":
+            return [params.noise_multiplier]
+        return [params.noise_multiplier * float(c) for _, _, c in self.per_example_sensitivities()]
+
     # --------------------------------------------------------------- training
     def noisify(self, gradients, variables):
         """Add the calibrated Gaussian noise to ``gradients`` (aligned with ``variables``)."""

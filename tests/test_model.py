@@ -428,3 +428,14 @@ def test_every_layer_survives_save_and_load(case, tmp_path):
         loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
     )
     assert [type(a) for a in loaded.dp_layers] == [type(b) for b in model.dp_layers]
+
+
+def test_noise_multipliers_for_the_accountant():
+    glob = _model([L.DP_QuickSpectralDense(6, nm_coef=2.0), L.DP_QuickSpectralDense(5)], sigma=1.5)
+    assert glob.noise_multipliers() == [1.5]
+    per_layer = _model(
+        [L.DP_QuickSpectralDense(6, nm_coef=2.0), L.DP_QuickSpectralDense(5)],
+        strategy="per-layer",
+        sigma=1.5,
+    )
+    assert sorted(per_layer.noise_multipliers()) == [1.5, 3.0]
