@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import tensorflow as tf
 
-from lipdp.layers import DP_BoundedInput, DP_InputLayer, DPLayer
+from lipdp.layers import DP_BoundedInput, DP_ClipGradient, DP_InputLayer, DPLayer
 from lipdp.pipeline import DatasetMetadata
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,10 @@ class DP_Model(tf.keras.Model):
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
         self.debug = bool(debug)
+        if dataset_metadata is not None:
+            for layer in _with_wrapped_blocks(self.dp_layers):
+                if isinstance(layer, DP_ClipGradient):
+                    layer.batch_normalizer = dataset_metadata.batch_size
         input_shape = getattr(self.dp_layers[0], "_batch_input_shape", None)
         if input_shape is not None:
             self.build(input_shape)
@@ -332,6 +336,8 @@ class DP_Model(tf.keras.Model):
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
         first = tf.nest.flatten(x)[0]
+        if self.poisson_sampling:
+            return self._poisson_train_step(x, y)
         tf.debugging.assert_equal(
             tf.shape(first)[0],
             self.batch_size,
@@ -343,17 +349,40 @@ class DP_Model(tf.keras.Model):
         )
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
-            if self.losses:
-                raise ValueError(
-                    "Additional losses (add_loss, regularizers) are not supported in DP "
-                    "training: the sensitivity bounds cover the compiled loss only."
-                )
+            self._refuse_extra_losses()
             loss = self.compute_loss(x, y, y_pred)
         variables = self.trainable_variables
         gradients = tape.gradient(loss, variables)
         self.optimizer.apply_gradients(zip(self.noisify(gradients, variables), variables))
         self.project()
         return self.compute_metrics(x, y, y_pred, None)
+
+    @property
+    def poisson_sampling(self) -> bool:
+        return self.dataset_metadata is not None and self.dataset_metadata.sampling == "poisson"
+
+    def _poisson_train_step(self, x, y):
+        """Batches of random size: the summed loss is divided by the *expected* batch
+        size ``q N`` (rule S5), which is what the sensitivities are computed for."""
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            self._refuse_extra_losses()
+            # compute_loss divides the sum by the actual size (0 for an empty batch).
+            actual = tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], tf.float32)
+            loss = self.compute_loss(x, y, y_pred) * actual / float(self.batch_size)
+        variables = self.trainable_variables
+        gradients = tape.gradient(loss, variables)
+        gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
+        self.optimizer.apply_gradients(zip(self.noisify(gradients, variables), variables))
+        self.project()
+        return self.compute_metrics(x, y, y_pred, None)
+
+    def _refuse_extra_losses(self):
+        if self.losses:
+            raise ValueError(
+                "Additional losses (add_loss, regularizers) are not supported in DP "
+                "training: the sensitivity bounds cover the compiled loss only."
+            )
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_fit_arguments(x, batch_size, kwargs)
@@ -369,6 +398,13 @@ class DP_Model(tf.keras.Model):
         for unsupported in ("sample_weight", "class_weight"):
             if kwargs.get(unsupported) is not None:
                 raise ValueError(f"{unsupported} is not supported: it changes the sensitivity.")
+        if self.poisson_sampling:
+            if not isinstance(x, tf.data.Dataset):
+                raise ValueError(
+                    "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
+                    "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
+                )
+            return
         if isinstance(x, tf.data.Dataset):
             static = tf.nest.flatten(x.element_spec)[0].shape[0]
             if static is not None and static != b:

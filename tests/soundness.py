@@ -135,12 +135,13 @@ def _cotangent_bounds(model):
 def _gradient_ratio_objective(model, x, y, bounds):
     """Sum over examples and variables of (per-example gradient norm / bound)^2."""
     total = 0.0
+    b = model.batch_size  # the loss normaliser (DP_ClipGradient clips at C / b)
     for i in range(x.shape[0]):
         with tf.GradientTape() as inner:
-            li = per_example_losses(model, x[i : i + 1], y[i : i + 1])[0]
+            li = per_example_losses(model, x[i : i + 1], y[i : i + 1])[0] / b
         grads = inner.gradient(li, model.trainable_variables)
         for v, g in zip(model.trainable_variables, grads):
-            total += tf.reduce_sum(tf.square(g)) / bounds[v.ref()] ** 2
+            total += tf.reduce_sum(tf.square(b * g)) / bounds[v.ref()] ** 2
     return total
 
 

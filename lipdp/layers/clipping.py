@@ -9,20 +9,25 @@ from lipdp.layers.base import NonExpansiveLayer, register
 MODES = ("fixed", "dynamic")
 
 
-def _clip_cotangent(inputs, clip_value):
+def _clip_cotangent(inputs, clip_value, normalizer=None):
     """Identity whose backward pass clips each example's cotangent to ``clip_value / b``.
 
-    The loss is the batch mean, so the cotangent of example ``i`` is ``g_i / b``
-    with ``g_i`` the gradient of its own loss; clipping ``g_i / b`` at ``C / b``
-    is clipping ``g_i`` at ``C``, independently of the batch size.
+    The loss is the sum of per-example losses divided by ``b`` (the batch size, or
+    the expected batch size under Poisson sampling), so the cotangent of example
+    ``i`` is ``g_i / b`` with ``g_i`` the gradient of its own loss; clipping ``g_i / b``
+    at ``C / b`` is clipping ``g_i`` at ``C``. ``normalizer=None`` uses the number of
+    rows of the batch.
     """
 
     @tf.custom_gradient
     def clip(x):
         def grad(dy):
-            batch = tf.cast(tf.shape(dy)[0], dy.dtype)
+            if normalizer is None:
+                b = tf.cast(tf.shape(dy)[0], dy.dtype)
+            else:
+                b = tf.cast(normalizer, dy.dtype)
             axes = list(range(1, len(dy.shape)))
-            return tf.clip_by_norm(dy, tf.cast(clip_value, dy.dtype) / batch, axes=axes)
+            return tf.clip_by_norm(dy, tf.cast(clip_value, dy.dtype) / b, axes=axes)
 
         return tf.identity(x), grad
 
@@ -51,13 +56,15 @@ class DP_ClipGradient(tf.keras.layers.Layer, NonExpansiveLayer):
         if clip_value is None or not float(clip_value) > 0:
             raise ValueError(f"clip_value must be > 0, got {clip_value}.")
         self.mode = mode
+        #: The loss normaliser ``b``; set by the DP model from its dataset metadata.
+        self.batch_normalizer = None
         # A variable so that the in-graph bounds follow dynamic updates.
         self.clip_value = tf.Variable(
             float(clip_value), trainable=False, dtype=tf.float32, name="clip_value"
         )
 
     def call(self, inputs):
-        return _clip_cotangent(inputs, self.clip_value)
+        return _clip_cotangent(inputs, self.clip_value, self.batch_normalizer)
 
     def compute_output_shape(self, input_shape):
         return input_shape
