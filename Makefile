@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install test test-slow test-all lint clean
+.PHONY: install demo test test-slow test-all lint clean
 
 $(BIN)/activate: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,10 @@ $(BIN)/activate: setup.cfg pyproject.toml
 	touch $(BIN)/activate
 
 install: $(BIN)/activate
+
+# Trains a Lipschitz CNN on the bundled digits under (epsilon, delta) = (3, 1e-5).
+demo: install
+	$(BIN)/lipdp train
 
 # The fast suite (what CI runs): everything not marked slow.
 test: install
