@@ -194,6 +194,8 @@ class DP_Model(tf.keras.Model):
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
         self.debug = bool(debug)
+        #: Set by the callbacks of :mod:`lipdp.dynamic`; the accountant composes its cost.
+        self.dynamic_clipping = None
         if dataset_metadata is not None:
             for layer in _with_wrapped_blocks(self.dp_layers):
                 if isinstance(layer, DP_ClipGradient):
@@ -511,3 +513,16 @@ def compute_gradient_bounds(model) -> dict:
 def global_sensitivity(model) -> float:
     """``sqrt(sum_v Delta_v^2)``: the sensitivity of the whole averaged gradient."""
     return float(np.sqrt(sum(float(d) ** 2 for d in compute_gradient_bounds(model).values())))
+
+
+# Re-exported for the API of the original package (``from lipdp.model import DP_Accountant``).
+from lipdp.callbacks import DP_Accountant  # noqa: E402
+
+__all__ = [
+    "DPParameters",
+    "DP_Model",
+    "DP_Sequential",
+    "DP_Accountant",
+    "compute_gradient_bounds",
+    "global_sensitivity",
+]
