@@ -1,0 +1,89 @@
+"""Keras callbacks: the privacy budget while training."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import tensorflow as tf
+
+logger = logging.getLogger(__name__)
+
+
+class DP_Accountant(tf.keras.callbacks.Callback):
+    """Reports ``(epsilon, delta)`` after every epoch and can enforce a budget.
+
+    ``epsilon`` and ``delta`` are written into the epoch ``logs``, so the Keras
+    progress bar, ``History``, ``CSVLogger`` and ``TensorBoard`` show them (put this
+    callback *before* loggers in the callbacks list: Keras calls them in order; the
+    progress bar and History always come last).
+
+    Args:
+        log_fn: optional callable receiving ``{"epoch", "epsilon", "delta"}`` after each
+            epoch (e.g. an experiment tracker's ``log``); nothing is imported for it.
+        epsilon_budget: if set, training stops (``model.stop_training``) at the end of
+            the last epoch whose ``epsilon`` stays within the budget, *before* an epoch
+            that would exceed it; if even the first epoch would exceed it, ``fit``
+            raises ``ValueError`` before any step is taken.
+        accountant: ``"rdp"`` (default, as the original package) or ``"pld"``.
+
+    Epochs are counted from the model's first training step: a model trained by
+    several ``fit`` calls keeps its count (``model.optimizer.iterations``).
+    """
+
+    def __init__(self, log_fn=None, epsilon_budget=None, accountant="rdp"):
+        super().__init__()
+        if epsilon_budget is not None and not float(epsilon_budget) > 0:
+            raise ValueError(f"epsilon_budget must be > 0, got {epsilon_budget}.")
+        if log_fn is not None and not callable(log_fn):
+            raise TypeError("log_fn must be callable.")
+        self.log_fn = log_fn
+        self.epsilon_budget = None if epsilon_budget is None else float(epsilon_budget)
+        self.accountant = accountant
+
+    def _epsilon(self, epochs: int) -> tuple[float, float]:
+        from lipdp.accounting import get_eps_delta
+
+        return get_eps_delta(self.model, epochs, accountant=self.accountant)
+
+    def _epochs_done(self) -> int:
+        steps = int(self.model.optimizer.iterations.numpy())
+        return math.ceil(steps / self.model.dataset_metadata.nb_steps_per_epochs)
+
+    def on_train_begin(self, logs=None):
+        metadata = self.model.dataset_metadata
+        steps = (self.params or {}).get("steps")
+        if steps is not None and steps != metadata.nb_steps_per_epochs:
+            raise ValueError(
+                f"fit runs {steps} steps per epoch but dataset_metadata.nb_steps_per_epochs "
+                f"is {metadata.nb_steps_per_epochs}: the accountant would count the wrong "
+                "number of steps. Make the data pipeline and the metadata agree."
+            )
+        if self.epsilon_budget is not None:
+            next_epsilon, _ = self._epsilon(self._epochs_done() + 1)
+            if next_epsilon > self.epsilon_budget:
+                raise ValueError(
+                    f"One more epoch would reach epsilon = {next_epsilon:.4g} > budget "
+                    f"{self.epsilon_budget:g}. Increase the noise multiplier, reduce the "
+                    "batch size, or raise the budget."
+                )
+
+    def on_epoch_end(self, epoch, logs=None):
+        epochs = self._epochs_done()
+        epsilon, delta = self._epsilon(epochs)
+        if logs is not None:
+            logs["epsilon"] = epsilon
+            logs["delta"] = delta
+        logger.info("epoch %d: (epsilon = %.5g, delta = %g)-DP", epochs, epsilon, delta)
+        if self.log_fn is not None:
+            self.log_fn({"epoch": epochs, "epsilon": epsilon, "delta": delta})
+        if self.epsilon_budget is not None:
+            next_epsilon, _ = self._epsilon(epochs + 1)
+            if next_epsilon > self.epsilon_budget:
+                logger.info(
+                    "stopping: epoch %d would reach epsilon = %.5g > budget %g",
+                    epochs + 1,
+                    next_epsilon,
+                    self.epsilon_budget,
+                )
+                self.model.stop_training = True

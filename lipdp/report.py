@@ -1,0 +1,87 @@
+"""What a privacy guarantee rests on, in one object (rule S7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NEIGHBOURING = "add/remove one example"
+
+_SAMPLING = {
+    "shuffle": (
+        "the accountant analyses Poisson subsampling with rate q = b/N; training used "
+        "shuffled fixed-size batches (sampling without replacement), as in the original "
+        "lip-dp. For a guarantee that matches the trained mechanism exactly, use "
+        "DatasetMetadata(sampling='poisson') with lipdp.pipeline.poisson_batches."
+    ),
+    "poisson": "Poisson subsampling with rate q = b/N, exactly as trained (variable batch sizes).",
+}
+
+
+@dataclass
+class PrivacyReport:
+    epsilon: float
+    delta: float
+    accountant: str
+    neighbouring_relation: str
+    sampling: str
+    sampling_assumption: str
+    noise_strategy: str
+    noise_multipliers: list
+    sensitivities: dict
+    steps: int
+    epochs: int
+    batch_size: int
+    nb_samples_train: int
+    dynamic_clipping: dict | None = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def sampling_rate(self) -> float:
+        return self.batch_size / self.nb_samples_train
+
+    def __str__(self) -> str:
+        lines = [
+            f"(epsilon = {self.epsilon:.4f}, delta = {self.delta:g})-DP "
+            f"[{self.accountant.upper()} accountant, {self.neighbouring_relation}]",
+            f"  steps: {self.steps} ({self.epochs} epochs, batch {self.batch_size}, "
+            f"N = {self.nb_samples_train}, q = {self.sampling_rate:.4g})",
+            f"  sampling: {self.sampling_assumption}",
+            f"  noise: {self.noise_strategy}, multipliers "
+            + ", ".join(f"{s:.4g}" for s in self.noise_multipliers),
+            "  sensitivities of the averaged gradient:",
+        ]
+        lines += [f"    {name}: {value:.4g}" for name, value in self.sensitivities.items()]
+        if self.dynamic_clipping:
+            lines.append(f"  dynamic clipping (composed): {self.dynamic_clipping}")
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def privacy_report(model, epochs: int, accountant: str = "rdp") -> PrivacyReport:
+    """The guarantee of ``epochs`` epochs of training ``model`` and its assumptions."""
+    from lipdp.accounting import get_eps_delta
+    from lipdp.model import compute_gradient_bounds
+
+    epsilon, delta = get_eps_delta(model, epochs, accountant=accountant)
+    metadata = model.dataset_metadata
+    dynamic = getattr(model, "dynamic_clipping", None)
+    notes = []
+    if model.dp_parameters.non_private:
+        notes.append("non-private reference run: no noise, no guarantee.")
+    return PrivacyReport(
+        epsilon=epsilon,
+        delta=delta,
+        accountant=accountant,
+        neighbouring_relation=NEIGHBOURING,
+        sampling=metadata.sampling,
+        sampling_assumption=_SAMPLING[metadata.sampling],
+        noise_strategy=model.dp_parameters.noisify_strategy,
+        noise_multipliers=model.noise_multipliers(),
+        sensitivities={k: float(v) for k, v in compute_gradient_bounds(model).items()},
+        steps=epochs * metadata.nb_steps_per_epochs,
+        epochs=epochs,
+        batch_size=metadata.batch_size,
+        nb_samples_train=metadata.nb_samples_train,
+        dynamic_clipping=None if dynamic is None else dynamic.accounting_config(epochs),
+        notes=notes,
+    )
