@@ -295,7 +295,12 @@ class DP_Model(tf.keras.Model):
         params = self.dp_parameters
         if params.noisify_strategy == "global":
             return [params.noise_multiplier]
-        return [params.noise_multiplier * float(c) for _, _, c in self.per_example_sensitivities()]
+        return [
+            params.noise_multiplier * float(layer.nm_coef)
+            for layer in self.dp_layers
+            if layer.has_parameters()
+            for _ in layer.trainable_variables
+        ]
 
     # --------------------------------------------------------------- training
     def noisify(self, gradients, variables):
