@@ -16,7 +16,7 @@ install: $(BIN)/activate
 
 # Trains a Lipschitz CNN on the bundled digits under (epsilon, delta) = (3, 1e-5).
 demo: install
-	$(BIN)/lipdp train
+	TF_CPP_MIN_LOG_LEVEL=3 $(BIN)/lipdp train
 
 # The fast suite (what CI runs): everything not marked slow.
 test: install
