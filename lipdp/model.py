@@ -342,24 +342,29 @@ class DP_Model(tf.keras.Model):
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
-        first = tf.nest.flatten(x)[0]
-        if self.poisson_sampling:
-            return self._poisson_train_step(x, y)
-        tf.debugging.assert_equal(
-            tf.shape(first)[0],
-            self.batch_size,
-            message=(
-                f"DP training needs every batch to have exactly batch_size="
-                f"{self.batch_size} examples (the sensitivity is computed for it); "
-                "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
-            ),
-        )
+        batch_rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        if not self.poisson_sampling:
+            tf.debugging.assert_equal(
+                batch_rows,
+                self.batch_size,
+                message=(
+                    f"DP training needs every batch to have exactly batch_size="
+                    f"{self.batch_size} examples (the sensitivity is computed for it); "
+                    "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
+                ),
+            )
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             self._refuse_extra_losses()
             loss = self.compute_loss(x, y, y_pred)
+            if self.poisson_sampling:
+                # Random batch sizes: the sum of per-example losses is divided by the
+                # *expected* batch size q N (rule S5), the b of the sensitivities;
+                # compute_loss divided it by the actual size (and returns 0 if empty).
+                loss = loss * tf.cast(batch_rows, loss.dtype) / float(self.batch_size)
         variables = self.trainable_variables
         gradients = tape.gradient(loss, variables)
+        gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
         self.optimizer.apply_gradients(zip(self.noisify(gradients, variables), variables))
         self.project()
         return self.compute_metrics(x, y, y_pred, None)
@@ -367,22 +372,6 @@ class DP_Model(tf.keras.Model):
     @property
     def poisson_sampling(self) -> bool:
         return self.dataset_metadata is not None and self.dataset_metadata.sampling == "poisson"
-
-    def _poisson_train_step(self, x, y):
-        """Batches of random size: the summed loss is divided by the *expected* batch
-        size ``q N`` (rule S5), which is what the sensitivities are computed for."""
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            self._refuse_extra_losses()
-            # compute_loss divides the sum by the actual size (0 for an empty batch).
-            actual = tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], tf.float32)
-            loss = self.compute_loss(x, y, y_pred) * actual / float(self.batch_size)
-        variables = self.trainable_variables
-        gradients = tape.gradient(loss, variables)
-        gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
-        self.optimizer.apply_gradients(zip(self.noisify(gradients, variables), variables))
-        self.project()
-        return self.compute_metrics(x, y, y_pred, None)
 
     def _refuse_extra_losses(self):
         if self.losses:
