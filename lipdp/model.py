@@ -197,9 +197,16 @@ class DP_Model(tf.keras.Model):
         #: Set by the callbacks of :mod:`lipdp.dynamic`; the accountant composes its cost.
         self.dynamic_clipping = None
         if dataset_metadata is not None:
+            if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
+                raise ValueError(
+                    "Augmentation multiplicity is not supported with Poisson sampling; "
+                    "use sampling='shuffle' or multiplicity=0."
+                )
+            # The loss divides by the rows of a batch (b originals x m augmented copies),
+            # so cotangents are clipped at C / rows: each copy's gradient at C.
             for layer in _with_wrapped_blocks(self.dp_layers):
                 if isinstance(layer, DP_ClipGradient):
-                    layer.batch_normalizer = dataset_metadata.batch_size
+                    layer.batch_normalizer = dataset_metadata.rows_per_batch
         input_shape = getattr(self.dp_layers[0], "_batch_input_shape", None)
         if input_shape is not None:
             self.build(input_shape)
@@ -344,12 +351,15 @@ class DP_Model(tf.keras.Model):
             raise ValueError("sample weights are not supported: they change the sensitivity.")
         batch_rows = tf.shape(tf.nest.flatten(x)[0])[0]
         if not self.poisson_sampling:
+            # With augmentation multiplicity m a batch holds b originals x m copies; the
+            # loss is their mean, so one original moves it by at most G / b still.
+            rows = self.dataset_metadata.rows_per_batch
             tf.debugging.assert_equal(
                 batch_rows,
-                self.batch_size,
+                rows,
                 message=(
-                    f"DP training needs every batch to have exactly batch_size="
-                    f"{self.batch_size} examples (the sensitivity is computed for it); "
+                    f"DP training needs every batch to have exactly {rows} rows (batch_size="
+                    f"{self.batch_size} x multiplicity; the sensitivity is computed for it); "
                     "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
                 ),
             )
@@ -401,14 +411,26 @@ class DP_Model(tf.keras.Model):
                     "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
                 )
             return
+        metadata = self.dataset_metadata
+        if metadata.partial_last_batch:
+            raise ValueError(
+                "dataset_metadata.partial_last_batch: the last batch of each epoch is partial "
+                "and would be refused mid-training. Prepare the data with drop_remainder=True."
+            )
         if isinstance(x, tf.data.Dataset):
             static = tf.nest.flatten(x.element_spec)[0].shape[0]
-            if static is not None and static != b:
+            if static is not None and static != metadata.rows_per_batch:
                 raise ValueError(
                     f"The dataset yields batches of {static}, the model expects "
-                    f"batch_size={b} (dataset_metadata)."
+                    f"{metadata.rows_per_batch} (batch_size={b} x multiplicity, "
+                    "dataset_metadata)."
                 )
             return
+        if metadata.multiplicity:
+            raise ValueError(
+                "dataset_metadata.multiplicity > 0: pass the augmented tf.data pipeline of "
+                "lipdp.pipeline.load_and_prepare_images_data, not arrays."
+            )
         if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
             return
         n = len(tf.nest.flatten(x)[0])

@@ -65,7 +65,12 @@ def privacy_report(model, epochs: int, accountant: str = "rdp") -> PrivacyReport
     epsilon, delta = get_eps_delta(model, epochs, accountant=accountant)
     metadata = model.dataset_metadata
     dynamic = getattr(model, "dynamic_clipping", None)
-    notes = []
+    notes = list(metadata.notes)
+    if metadata.multiplicity:
+        notes.append(
+            f"augmentation multiplicity {metadata.multiplicity}: each example contributes "
+            "the mean loss of its augmented copies (the sensitivity is per original example)."
+        )
     if model.dp_parameters.non_private:
         notes.append("non-private reference run: no noise, no guarantee.")
     return PrivacyReport(
