@@ -4,6 +4,11 @@
 report and the test accuracy. With no option it uses scikit-learn's digits (bundled)
 and (epsilon, delta) = (3, 1e-5); the number of epochs is the largest one that stays
 within the budget (``get_max_epochs``) unless ``--epochs`` is given.
+
+``lipdp evaluate`` trains the same model (or loads a saved one with ``--model PATH``)
+and prints the privacy report, the test accuracy, the certified accuracy at a few
+radii, the calibration errors and the AUROC of membership-inference attacks (see
+:mod:`lipdp.evaluation`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,43 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=None)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_evaluate_parser(commands)
     return parser
+
+
+def _add_evaluate_parser(commands) -> None:
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="train (or load) a model and report privacy, accuracy, certified accuracy, "
+        "calibration and membership inference",
+    )
+    evaluate.add_argument(
+        "--model", default=None, help="a saved .keras lipdp model to evaluate (no training)"
+    )
+    evaluate.add_argument("--save", default=None, help="save the trained model to this .keras path")
+    evaluate.add_argument("--dataset", choices=sorted(INPUT_BOUNDS), default="digits")
+    evaluate.add_argument("--data-dir", default=None, help="directory of IDX files")
+    evaluate.add_argument("--epsilon", type=float, default=3.0, help="privacy budget epsilon")
+    evaluate.add_argument("--delta", type=float, default=1e-5)
+    evaluate.add_argument("--batch-size", type=int, default=None)
+    evaluate.add_argument("--noise-multiplier", type=float, default=None)
+    evaluate.add_argument(
+        "--epochs", type=int, default=None, help="default: the most epochs within the budget"
+    )
+    evaluate.add_argument("--strategy", choices=["global", "per-layer"], default="global")
+    evaluate.add_argument("--accountant", choices=["rdp", "pld"], default="rdp")
+    evaluate.add_argument("--learning-rate", type=float, default=None)
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument(
+        "--radii",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.05, 0.1, 0.2, 0.5],
+        help="l2 radii of the certified accuracy",
+    )
+    evaluate.add_argument("--bins", type=int, default=15, help="confidence bins of the ECE")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+    evaluate.set_defaults(handler=evaluate_command)
 
 
 _DEFAULTS = {
@@ -152,12 +193,104 @@ def train(args) -> int:
     return 0
 
 
+def evaluate_command(args) -> int:
+    """``lipdp evaluate``: the privacy report and the evaluations of lipdp.evaluation.
+
+    Membership inference reads the training data: it is an empirical audit for the
+    data owner, not part of the DP release.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    import lipdp.layers  # noqa: F401  (registers the layers for load_model)
+    import lipdp.losses  # noqa: F401
+    import lipdp.model  # noqa: F401
+    from lipdp import evaluation, losses
+    from lipdp.model import DP_Accountant
+    from lipdp.report import privacy_report
+    from lipdp.sensitivity import get_max_epochs
+
+    tf.keras.utils.set_random_seed(args.seed)
+    data = _load(args.dataset, args.data_dir)
+    if args.model is not None:
+        model = tf.keras.models.load_model(args.model)
+        metadata = model.dataset_metadata
+        n_train = len(data.x_train) if metadata is None else metadata.nb_samples_train
+        x_train = data.x_train[:n_train]
+        y_train = np.eye(data.nb_classes, dtype="float32")[data.y_train[:n_train]]
+        print(f"lipdp evaluate: {args.model} on {args.dataset}")
+    else:
+        default_batch, default_sigma, default_lr = _DEFAULTS[args.dataset]
+        batch_size = args.batch_size or default_batch
+        sigma = args.noise_multiplier or default_sigma
+        if batch_size > len(data.x_train):
+            raise SystemExit(f"--batch-size {batch_size} exceeds the {len(data.x_train)} examples.")
+        model, x_train, y_train = _build_model(data, args, batch_size, sigma)
+        epochs = args.epochs
+        if epochs is None:
+            epochs = get_max_epochs(args.epsilon, model, accountant=args.accountant)
+        print(
+            f"lipdp evaluate: training on {args.dataset}, {len(x_train)} examples, batch "
+            f"{batch_size}, noise multiplier {sigma}, {epochs} epochs"
+        )
+        model.compile(
+            loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
+            optimizer=tf.keras.optimizers.Adam(args.learning_rate or default_lr),
+            metrics=["accuracy"],
+        )
+        model.fit(
+            x_train,
+            y_train,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=0 if args.quiet else 1,
+            callbacks=[DP_Accountant(epsilon_budget=args.epsilon, accountant=args.accountant)],
+        )
+        if args.save:
+            model.save(args.save)
+            print(f"saved to {args.save}")
+
+    print()
+    optimizer = getattr(model, "optimizer", None)
+    metadata = model.dataset_metadata
+    if optimizer is not None and metadata is not None:
+        trained = int(optimizer.iterations.numpy()) // metadata.nb_steps_per_epochs
+        print(privacy_report(model, trained, accountant=args.accountant))
+    else:
+        print("privacy report: unavailable (the model has no optimizer state or metadata)")
+    print()
+    x_test, y_test = data.x_test, data.y_test
+    lipschitz = evaluation.lipschitz_constant(model)
+    certified = evaluation.certified_accuracy(model, x_test, y_test, args.radii, lipschitz)
+    probs = evaluation.predict_probabilities(model, x_test)
+    calibration = evaluation.calibration_report(probs, y_test, args.bins)
+    mia = evaluation.membership_inference(model, x_train, y_train, x_test, y_test, seed=args.seed)
+    summary = mia.summary()
+    print(f"test accuracy: {calibration.accuracy:.4f} ({len(x_test)} images)")
+    print(f"Lipschitz constant (from the layers): {lipschitz:.6g}")
+    print("certified accuracy (l2 radius: accuracy):")
+    for radius, value in zip(args.radii, certified):
+        print(f"  {radius:g}: {value:.4f}")
+    print(
+        f"calibration ({args.bins} bins): ECE {calibration.ece:.4f}, MCE {calibration.mce:.4f}, "
+        f"NLL {calibration.nll:.4f}"
+    )
+    print(
+        f"membership inference (train vs test, empirical): AUROC "
+        f"{summary['mia_auc_entire_dataset']:.4f} (loss threshold "
+        f"{mia.result('loss threshold').auroc:.4f}, logistic regression "
+        f"{mia.result('logistic regression').auroc:.4f}), advantage "
+        f"{summary['mia_adv_entire_dataset']:.4f}"
+    )
+    return 0
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     try:
-        return train(args)
+        return getattr(args, "handler", train)(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"lipdp: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,409 @@
+r"""Certified robustness of Lipschitz classifiers.
+
+A lipdp model is Lipschitz by construction: its layers declare their Lipschitz
+constants to the bound propagation. This module turns those declarations into
+*certificates* for the trained function.
+
+Lipschitz constant of the function
+----------------------------------
+:func:`lipschitz_constant` composes the constants of the layers in
+``model.layers_forward_order()``. The constant of one layer is
+``layer.backpropagate_inputs(X, 1.0)``: the bound on the cotangent at the layer
+input for a unit cotangent at its output, i.e. a bound on the operator norm of the
+layer's Jacobian at every input of norm at most ``X`` (the layer's input bound).
+Since the model starts with :class:`~lipdp.layers.DP_BoundedInput`, a projection
+onto a ball (1-Lipschitz on the whole space), every layer only ever sees inputs
+within its input bound, and a bound on the Jacobian over a convex set is a
+Lipschitz constant on that set. Two exceptions:
+
+* :class:`~lipdp.layers.DP_ClipGradient` clips the *cotangent*, which is a property
+  of the training procedure, not of the function (forward it is the identity):
+  its constant is 1;
+* residual blocks carry pairs ``(skip path, transformed path)``. The constants of
+  the two paths with respect to the block input are tracked separately
+  (``l1 = 1`` on the skip path, ``l2`` the product of the wrapped layers'
+  constants) and the merge gives ``l1 + l2`` for ``"add"`` and ``(l1 + l2) / 2``
+  for ``"1-lip-add"``.
+
+The result is an upper bound on the ``l2 -> l2`` Lipschitz constant of
+``x -> logits`` *provided the weights satisfy their constraints*; the operator
+norms of constrained kernels can be checked independently with
+:func:`lipdp.audit.audit_model`.
+
+Certificates
+------------
+If ``f`` is ``L``-Lipschitz (``l2 -> l2``), every logit difference
+``f_i - f_j = (e_i - e_j)^T f`` is ``sqrt(2) L``-Lipschitz. Hence, with ``m`` the
+gap between the largest and the second largest logit at ``x``, the predicted class
+cannot change for any ``||delta|| < m / (sqrt(2) L)`` (Tsuzuku, Sato & Sugiyama,
+*Lipschitz-Margin Training*, NeurIPS 2018). For a single-logit model (decision
+``f(x) > 0``) the radius is ``|f(x)| / L``.
+
+``certified_accuracy(model, x, y, radii)`` is the fraction of examples that are
+correctly classified *and* certified at each radius ``r``: certified radius
+``> r`` for ``r > 0`` (strict: at ``||delta|| = m / (sqrt(2) L)`` a tie is possible),
+clean accuracy at ``r = 0``.
+
+Attacks
+-------
+:func:`pgd_l2_attack` (projected gradient ascent on the margin loss over the
+``l2`` ball, several random restarts) and :func:`empirical_lipschitz` (gradient
+ascent on ``||f(x) - f(x')|| / ||x - x'||``) give *lower* bounds: they are used to
+check that the certificates hold, never to certify anything.
+
+Keras metrics
+-------------
+:class:`ScaledAUC` and :class:`CertifiableAUROC` (names of the original package).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from lipdp.layers import (
+    DP_ClipGradient,
+    DP_MergeResidual,
+    DP_SplitResidual,
+    DP_WrappedResidual,
+)
+
+SQRT2 = math.sqrt(2.0)
+
+
+# ------------------------------------------------------------------ Lipschitz constant
+def layer_lipschitz_constant(layer, input_bound) -> float:
+    """Lipschitz constant (``l2 -> l2``) of one single-path layer on inputs of norm
+    at most ``input_bound``: ``backpropagate_inputs(input_bound, 1.0)``, except for
+    :class:`~lipdp.layers.DP_ClipGradient` (identity forward: 1)."""
+    if isinstance(layer, DP_ClipGradient):
+        return 1.0
+    if isinstance(layer, (DP_SplitResidual, DP_MergeResidual, DP_WrappedResidual)):
+        raise TypeError(
+            f"{layer.name!r} is part of a residual block: use lipschitz_constant(model)."
+        )
+    return float(layer.backpropagate_inputs(input_bound, 1.0))
+
+
+def lipschitz_constant(model) -> float:
+    """Upper bound on the ``l2 -> l2`` Lipschitz constant of ``x -> model(x)``.
+
+    Composes the layers' constants in ``model.layers_forward_order()`` (module
+    docstring): single-path layers multiply, residual blocks track one constant per
+    path and merge them (``l1 + l2`` for ``"add"``, ``(l1 + l2) / 2`` for
+    ``"1-lip-add"``), :class:`~lipdp.layers.DP_ClipGradient` counts 1.
+    """
+    input_bounds, _ = model.input_bounds()
+    lip = 1.0
+    for layer, bound in zip(model.layers_forward_order(), input_bounds):
+        lip = _propagate(layer, lip, bound)
+    if isinstance(lip, tuple):
+        raise ValueError("The model ends inside a residual block (no DP_MergeResidual).")
+    return float(lip)
+
+
+def _propagate(layer, lip, bound):
+    """Constant(s) of the path(s) after ``layer``; pairs inside residual blocks (nested
+    blocks inside a wrapped path give nested pairs)."""
+    if isinstance(layer, DP_SplitResidual):
+        return (lip, lip)
+    if isinstance(layer, DP_WrappedResidual):
+        skip, path = _as_pair(lip, layer)
+        return (skip, _propagate(layer.block, path, bound[1]))
+    if isinstance(layer, DP_MergeResidual):
+        skip, path = _as_pair(lip, layer)
+        if isinstance(skip, tuple) or isinstance(path, tuple):
+            raise ValueError(f"{layer.name!r} merges a path that is still split.")
+        return {"add": 1.0, "1-lip-add": 0.5}[layer.merge_policy] * (skip + path)
+    if isinstance(lip, tuple):
+        raise ValueError(f"{layer.name!r} acts on a pair of paths outside DP_WrappedResidual.")
+    return lip * layer_lipschitz_constant(layer, bound)
+
+
+def _as_pair(lip, layer):
+    if not isinstance(lip, tuple):
+        raise ValueError(f"{layer.name!r} expects the two paths of a residual block.")
+    return lip
+
+
+# ------------------------------------------------------------------------ certificates
+def _labels(y) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] > 1:
+        return np.argmax(y, axis=1)
+    return y.reshape(-1).astype(np.int64)
+
+
+def predict_logits(model, x, batch_size: int = 512) -> np.ndarray:
+    """``model(x)`` in inference mode, batched, as a float64 array."""
+    x = np.asarray(x, dtype=np.float32)
+    out = [
+        model(x[i : i + batch_size], training=False).numpy() for i in range(0, len(x), batch_size)
+    ]
+    return np.concatenate(out, axis=0).astype(np.float64)
+
+
+def certified_radius(logits, lipschitz: float) -> np.ndarray:
+    """Radius within which the decision at each example cannot change.
+
+    ``(top1 - top2) / (sqrt(2) * lipschitz)`` for several logits,
+    ``|f| / lipschitz`` for a single logit (decision ``f > 0``).
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.ndim == 1:
+        logits = logits[:, None]
+    if not lipschitz > 0:
+        raise ValueError(f"lipschitz must be > 0, got {lipschitz}.")
+    if logits.shape[1] == 1:
+        return np.abs(logits[:, 0]) / lipschitz
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    return (top2[:, 1] - top2[:, 0]) / (SQRT2 * lipschitz)
+
+
+def _predictions(logits) -> np.ndarray:
+    logits = np.asarray(logits)
+    if logits.ndim == 1 or logits.shape[1] == 1:
+        return (logits.reshape(-1) > 0).astype(np.int64)
+    return np.argmax(logits, axis=1)
+
+
+def certified_accuracy_from_logits(logits, y, radii, lipschitz: float) -> np.ndarray:
+    """Certified accuracy at each radius from precomputed logits (see
+    :func:`certified_accuracy`)."""
+    radii = np.atleast_1d(np.asarray(radii, dtype=np.float64))
+    if np.any(radii < 0):
+        raise ValueError("radii must be >= 0.")
+    correct = _predictions(logits) == _labels(y)
+    radius = certified_radius(logits, lipschitz)
+    return np.array([np.mean(correct & ((r == 0) | (radius > r))) for r in radii])
+
+
+def certified_accuracy(model, x, y, radii, lipschitz: float | None = None, batch_size=512):
+    """Fraction of ``(x, y)`` correctly classified and certified at each radius.
+
+    Args:
+        model: a lipdp model (or any model if ``lipschitz`` is given).
+        x, y: examples and labels (integers or one-hot).
+        radii: iterable of ``l2`` radii ``r >= 0`` in input space (the space of
+            ``x`` as fed to the model, before the model's input clipping).
+        lipschitz: the model's constant; default :func:`lipschitz_constant`.
+
+    Returns:
+        ``np.ndarray`` aligned with ``radii``; at ``r = 0`` the clean accuracy.
+    """
+    if lipschitz is None:
+        lipschitz = lipschitz_constant(model)
+    return certified_accuracy_from_logits(predict_logits(model, x, batch_size), y, radii, lipschitz)
+
+
+# ----------------------------------------------------------------------------- attacks
+def _margin_loss(logits, labels):
+    """``max_{j != y} f_j - f_y`` (positive iff misclassified); ``-(2y-1) f`` for one logit."""
+    if logits.shape[-1] == 1:
+        sign = 2.0 * tf.cast(labels, logits.dtype) - 1.0
+        return -sign * logits[:, 0]
+    onehot = tf.one_hot(labels, logits.shape[-1], dtype=logits.dtype)
+    true = tf.reduce_sum(onehot * logits, axis=1)
+    other = tf.reduce_max(logits - 1e9 * onehot, axis=1)
+    return other - true
+
+
+def _project_l2(delta, radius):
+    axes = list(range(1, len(delta.shape)))
+    norms = tf.sqrt(tf.reduce_sum(tf.square(delta), axis=axes, keepdims=True))
+    factor = tf.minimum(1.0, radius / tf.maximum(norms, 1e-12))
+    return delta * factor
+
+
+def pgd_l2_attack(
+    model, x, y, radius, steps: int = 50, step_size=None, restarts: int = 5, seed: int = 0
+):
+    """Untargeted PGD within the ``l2`` ball of ``radius`` around each example.
+
+    Maximises the margin loss ``max_{j != y} f_j(x') - f_y(x')`` by normalised
+    gradient steps projected onto ``||x' - x|| <= radius`` (no box constraint: the
+    certificates hold on the whole space). The first restart starts at ``x``, the
+    others at a uniformly random point of the ball; the iterate with the largest
+    margin loss over all steps and restarts is kept for each example.
+
+    Args:
+        radius: a scalar or one radius per example.
+        step_size: default ``2.5 * radius / steps``.
+
+    Returns:
+        ``(x_adv, margin)``: the adversarial examples (numpy) and their margin loss;
+        ``margin > 0`` means the attack changed the decision.
+    """
+    x = tf.convert_to_tensor(np.asarray(x, dtype=np.float32))
+    labels = tf.convert_to_tensor(_labels(y))
+    n = x.shape[0]
+    shape = (n,) + (1,) * (len(x.shape) - 1)
+    radius = tf.reshape(tf.cast(np.broadcast_to(radius, (n,)), tf.float32), shape)
+    alpha = 2.5 * radius / steps if step_size is None else tf.cast(step_size, tf.float32)
+    rng = tf.random.Generator.from_seed(seed)
+    best_x = tf.identity(x)
+    best = _margin_loss(model(x, training=False), labels)
+    axes = list(range(1, len(x.shape)))
+    for restart in range(restarts):
+        if restart == 0:
+            delta = tf.zeros_like(x)
+        else:
+            direction = rng.normal(x.shape)
+            direction /= tf.sqrt(tf.reduce_sum(tf.square(direction), axis=axes, keepdims=True))
+            dim = float(np.prod(x.shape[1:]))
+            scale = tf.reshape(rng.uniform((n,)) ** (1.0 / dim), shape)
+            delta = direction * scale * radius
+        for _ in range(steps):
+            with tf.GradientTape() as tape:
+                tape.watch(delta)
+                total = tf.reduce_sum(_margin_loss(model(x + delta, training=False), labels))
+            grad = tape.gradient(total, delta)
+            norm = tf.sqrt(tf.reduce_sum(tf.square(grad), axis=axes, keepdims=True))
+            delta = _project_l2(delta + alpha * grad / tf.maximum(norm, 1e-12), radius)
+            loss = _margin_loss(model(x + delta, training=False), labels)
+            better = loss > best
+            best = tf.where(better, loss, best)
+            best_x = tf.where(tf.reshape(better, shape), x + delta, best_x)
+    return best_x.numpy(), best.numpy()
+
+
+def empirical_lipschitz(
+    model, x, steps: int = 50, step_size: float = 0.05, min_distance: float = 1e-2, seed=0
+):
+    """Largest ratio ``||f(a) - f(b)|| / ||a - b||`` found by gradient ascent.
+
+    Starts from the pairs ``(x, x + small random delta)`` and ascends the ratio in
+    both points (normalised steps of relative size ``step_size``). The two points
+    are kept at least ``min_distance`` apart: float32 round-off in ``f(a) - f(b)``
+    would otherwise dominate the ratio. A *lower* bound on the Lipschitz
+    constant, to compare with :func:`lipschitz_constant`.
+
+    Returns:
+        the per-pair largest ratio seen (numpy, one entry per example of ``x``).
+    """
+    rng = np.random.default_rng(seed)
+    a = tf.Variable(np.asarray(x, dtype=np.float32))
+    noise = rng.normal(size=a.shape).astype(np.float32)
+    b = tf.Variable(a.numpy() + 0.1 * noise / np.sqrt(noise[0].size))
+    axes = list(range(1, len(a.shape)))
+
+    def ratios():
+        num = tf.norm(
+            tf.reshape(model(a, training=False) - model(b, training=False), (a.shape[0], -1)),
+            axis=1,
+        )
+        den = tf.sqrt(tf.reduce_sum(tf.square(a - b), axis=axes))
+        return num / tf.maximum(den, 1e-12)
+
+    best = ratios().numpy()
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            objective = tf.reduce_sum(ratios())
+        for var, grad in zip((a, b), tape.gradient(objective, [a, b])):
+            if grad is None:
+                continue
+            norm = tf.sqrt(tf.reduce_sum(tf.square(grad), axis=axes, keepdims=True))
+            scale = tf.sqrt(tf.reduce_sum(tf.square(var), axis=axes, keepdims=True)) + 1e-3
+            var.assign_add(step_size * scale * grad / tf.maximum(norm, 1e-12))
+        diff = b - a
+        dist = tf.sqrt(tf.reduce_sum(tf.square(diff), axis=axes, keepdims=True))
+        b.assign(a + diff * tf.maximum(1.0, min_distance / tf.maximum(dist, 1e-12)))
+        best = np.maximum(best, ratios().numpy())
+    return best
+
+
+# ----------------------------------------------------------------------------- metrics
+class ScaledAUC(tf.keras.metrics.AUC):
+    """Keras ``AUC`` of logits multiplied by ``scale``.
+
+    The exact AUROC does not change when the scores are multiplied by a positive
+    factor, but Keras estimates it with a fixed grid of ``num_thresholds``
+    thresholds in ``[0, 1]`` applied after a sigmoid (``from_logits=True``, forced
+    here). A Lipschitz network outputs logits of small magnitude, which the sigmoid
+    maps into a few buckets around 0.5, and the estimate degrades. Multiplying the
+    logits by ``scale`` (e.g. the temperature ``tau`` of the loss) spreads them
+    over the grid.
+
+    Args:
+        scale: positive factor applied to ``y_pred``.
+        name, **kwargs: as ``tf.keras.metrics.AUC`` (``from_logits`` must be True).
+    """
+
+    def __init__(self, scale=1.0, name="auc", **kwargs):
+        if kwargs.get("from_logits", True) is False:
+            raise ValueError("ScaledAUC works on logits: from_logits must be True.")
+        kwargs["from_logits"] = True
+        if not float(scale) > 0:
+            raise ValueError(f"scale must be > 0, got {scale}.")
+        super().__init__(name=name, **kwargs)
+        self.scale = float(scale)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_pred = tf.cast(y_pred, tf.float32) * self.scale
+        return super().update_state(y_true, y_pred, sample_weight=sample_weight)
+
+    def get_config(self):
+        return {**super().get_config(), "scale": self.scale}
+
+
+class CertifiableAUROC(ScaledAUC):
+    r"""AUROC that no perturbation of norm at most ``radius`` can decrease.
+
+    For a score ``s`` (a logit) that is ``lipschitz``-Lipschitz in the input and a
+    label ``y`` in ``{0, 1}``, every perturbation ``||delta|| <= radius`` keeps
+    ``s(x + delta)`` within ``s(x) +- lipschitz * radius``. The metric is the AUROC
+    (Keras estimate, as :class:`ScaledAUC`) of the *worst-case* scores
+
+    .. math:: s_r(x) = s(x) - (2y - 1) \cdot \mathrm{lipschitz} \cdot \mathrm{radius},
+
+    positives moved down and negatives moved up by the largest amount allowed.
+    Any pair (positive, negative) ranked correctly by ``s_r`` stays ranked correctly
+    whatever the perturbations of the two examples, so this is a lower bound on the
+    AUROC under any adversarial perturbation of the test points within ``radius``
+    (a *certified* AUROC); ``radius = 0`` gives the plain AUROC.
+
+    With several outputs (one-hot ``y_true``, ``multi_label=False``) the shift is
+    applied to every entry: each logit of an ``L``-Lipschitz model is
+    ``L``-Lipschitz. Pass ``lipschitz=lipschitz_constant(model)`` for a model whose
+    constant is not 1.
+
+    Args:
+        radius: the ``l2`` radius ``>= 0`` in input space.
+        lipschitz: Lipschitz constant of the scores (default 1, as lipdp models
+            built from 1-Lipschitz layers).
+        scale: multiplies the scores before the sigmoid (see :class:`ScaledAUC`).
+    """
+
+    def __init__(self, radius, lipschitz=1.0, scale=1.0, name="certifiable_auroc", **kwargs):
+        if not float(radius) >= 0:
+            raise ValueError(f"radius must be >= 0, got {radius}.")
+        if not float(lipschitz) > 0:
+            raise ValueError(f"lipschitz must be > 0, got {lipschitz}.")
+        super().__init__(scale=scale, name=name, **kwargs)
+        self.radius = float(radius)
+        self.lipschitz = float(lipschitz)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_pred = tf.cast(y_pred, tf.float32)
+        sign = 2.0 * tf.cast(tf.reshape(y_true, tf.shape(y_pred)), tf.float32) - 1.0
+        worst = y_pred - sign * (self.lipschitz * self.radius)
+        return super().update_state(y_true, worst, sample_weight=sample_weight)
+
+    def get_config(self):
+        return {**super().get_config(), "radius": self.radius, "lipschitz": self.lipschitz}
+
+
+__all__ = [
+    "lipschitz_constant",
+    "layer_lipschitz_constant",
+    "predict_logits",
+    "certified_radius",
+    "certified_accuracy",
+    "certified_accuracy_from_logits",
+    "pgd_l2_attack",
+    "empirical_lipschitz",
+    "ScaledAUC",
+    "CertifiableAUROC",
+]
