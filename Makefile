@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test test-slow test-all lint clean
+.PHONY: install demo test test-slow test-all lint docs clean
 
 $(BIN)/activate: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,5 +33,14 @@ lint: install
 	$(BIN)/ruff check lipdp tests
 	$(BIN)/ruff format --check lipdp tests
 
+# The documentation site into site/ (mkdocs build --strict: any warning fails the
+# build). The docs extra is installed into the virtual environment on first use.
+$(VENV)/.docs-installed: $(BIN)/activate setup.cfg
+	$(BIN)/pip install --quiet -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache site
