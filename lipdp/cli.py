@@ -144,20 +144,20 @@ def _build_model(data, args, batch_size, sigma):
     return model, data.x_train[:n_train], y_train
 
 
-def train(args) -> int:
-    import numpy as np
+def _train_private_model(args, data, verb):
+    """Build, compile and train the CLI's model under the budget of ``args``.
+
+    Returns ``(model, x_train, y_train, seconds)``.
+    """
     import tensorflow as tf
 
     from lipdp import losses
     from lipdp.model import DP_Accountant
-    from lipdp.report import privacy_report
     from lipdp.sensitivity import get_max_epochs
 
     default_batch, default_sigma, default_lr = _DEFAULTS[args.dataset]
     batch_size = args.batch_size or default_batch
     sigma = args.noise_multiplier or default_sigma
-    tf.keras.utils.set_random_seed(args.seed)
-    data = _load(args.dataset, args.data_dir)
     if batch_size > len(data.x_train):
         raise SystemExit(f"--batch-size {batch_size} exceeds the {len(data.x_train)} examples.")
     model, x_train, y_train = _build_model(data, args, batch_size, sigma)
@@ -165,7 +165,7 @@ def train(args) -> int:
     if epochs is None:
         epochs = get_max_epochs(args.epsilon, model, accountant=args.accountant)
     print(
-        f"lipdp train: {args.dataset}, {len(x_train)} training examples, batch {batch_size}, "
+        f"lipdp {verb}: {args.dataset}, {len(x_train)} training examples, batch {batch_size}, "
         f"noise multiplier {sigma}, {args.strategy} noise, budget (epsilon = {args.epsilon}, "
         f"delta = {args.delta}) -> {epochs} epochs"
     )
@@ -183,12 +183,27 @@ def train(args) -> int:
         verbose=0 if args.quiet else 1,
         callbacks=[DP_Accountant(epsilon_budget=args.epsilon, accountant=args.accountant)],
     )
-    seconds = time.perf_counter() - start
+    return model, x_train, y_train, time.perf_counter() - start
+
+
+def _trained_epochs(model) -> int:
+    steps = int(model.optimizer.iterations.numpy())
+    return steps // model.dataset_metadata.nb_steps_per_epochs
+
+
+def train(args) -> int:
+    import numpy as np
+    import tensorflow as tf
+
+    from lipdp.report import privacy_report
+
+    tf.keras.utils.set_random_seed(args.seed)
+    data = _load(args.dataset, args.data_dir)
+    model, _, _, seconds = _train_private_model(args, data, "train")
     y_test = np.eye(data.nb_classes, dtype="float32")[data.y_test]
     _, accuracy = model.evaluate(data.x_test, y_test, verbose=0)
-    trained = int(model.optimizer.iterations.numpy()) // model.dataset_metadata.nb_steps_per_epochs
     print()
-    print(privacy_report(model, trained, accountant=args.accountant))
+    print(privacy_report(model, _trained_epochs(model), accountant=args.accountant))
     print(f"test accuracy: {accuracy:.4f} ({len(data.x_test)} images, {seconds:.1f} s training)")
     return 0
 
@@ -205,10 +220,8 @@ def evaluate_command(args) -> int:
     import lipdp.layers  # noqa: F401  (registers the layers for load_model)
     import lipdp.losses  # noqa: F401
     import lipdp.model  # noqa: F401
-    from lipdp import evaluation, losses
-    from lipdp.model import DP_Accountant
+    from lipdp import evaluation
     from lipdp.report import privacy_report
-    from lipdp.sensitivity import get_max_epochs
 
     tf.keras.utils.set_random_seed(args.seed)
     data = _load(args.dataset, args.data_dir)
@@ -220,32 +233,7 @@ def evaluate_command(args) -> int:
         y_train = np.eye(data.nb_classes, dtype="float32")[data.y_train[:n_train]]
         print(f"lipdp evaluate: {args.model} on {args.dataset}")
     else:
-        default_batch, default_sigma, default_lr = _DEFAULTS[args.dataset]
-        batch_size = args.batch_size or default_batch
-        sigma = args.noise_multiplier or default_sigma
-        if batch_size > len(data.x_train):
-            raise SystemExit(f"--batch-size {batch_size} exceeds the {len(data.x_train)} examples.")
-        model, x_train, y_train = _build_model(data, args, batch_size, sigma)
-        epochs = args.epochs
-        if epochs is None:
-            epochs = get_max_epochs(args.epsilon, model, accountant=args.accountant)
-        print(
-            f"lipdp evaluate: training on {args.dataset}, {len(x_train)} examples, batch "
-            f"{batch_size}, noise multiplier {sigma}, {epochs} epochs"
-        )
-        model.compile(
-            loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
-            optimizer=tf.keras.optimizers.Adam(args.learning_rate or default_lr),
-            metrics=["accuracy"],
-        )
-        model.fit(
-            x_train,
-            y_train,
-            batch_size=batch_size,
-            epochs=epochs,
-            verbose=0 if args.quiet else 1,
-            callbacks=[DP_Accountant(epsilon_budget=args.epsilon, accountant=args.accountant)],
-        )
+        model, x_train, y_train, _ = _train_private_model(args, data, "evaluate")
         if args.save:
             model.save(args.save)
             print(f"saved to {args.save}")
@@ -254,8 +242,7 @@ def evaluate_command(args) -> int:
     optimizer = getattr(model, "optimizer", None)
     metadata = model.dataset_metadata
     if optimizer is not None and metadata is not None:
-        trained = int(optimizer.iterations.numpy()) // metadata.nb_steps_per_epochs
-        print(privacy_report(model, trained, accountant=args.accountant))
+        print(privacy_report(model, _trained_epochs(model), accountant=args.accountant))
     else:
         print("privacy report: unavailable (the model has no optimizer state or metadata)")
     print()
