@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test test-slow test-all lint docs clean
+.PHONY: install demo test test-slow test-all lint docs clean bench
 
 $(BIN)/activate: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,20 @@ test-slow: install
 
 test-all: install
 	$(BIN)/pytest -q -m "slow or not slow" -n 2
+
+# Benchmarks (NOT part of `make test`; about 1.5 h on 2 shared cores). Results and how to
+# read them: benchmarks/README.md. Tables, raw JSON and the plot go to BENCH_OUT.
+BENCH_OUT ?= benchmarks/results
+bench: install
+	mkdir -p $(BENCH_OUT)
+	$(BIN)/python benchmarks/accounting_speed.py > $(BENCH_OUT)/accounting_speed.md
+	$(BIN)/python benchmarks/digits_cnn.py > $(BENCH_OUT)/digits_cnn.md
+	$(BIN)/python benchmarks/step_speed.py --json $(BENCH_OUT)/step_speed.json \
+		--plot $(BENCH_OUT)/step_speed.png > $(BENCH_OUT)/step_speed.md
+	$(BIN)/python benchmarks/shuttle_utility.py > $(BENCH_OUT)/shuttle_utility.md
+	$(BIN)/python benchmarks/fmnist_utility.py --epsilons 1 3 8 --trials 1 --epochs 3 \
+		> $(BENCH_OUT)/fmnist_utility.md
+	cat $(BENCH_OUT)/*.md
 
 lint: install
 	$(BIN)/ruff check lipdp tests

@@ -1,6 +1,6 @@
 """Utility on ADBench "shuttle" at (epsilon, delta) = (1, 1e-5): lipdp vs tensorflow-privacy.
 
-    .venv/bin/python benchmarks/shuttle_utility.py [--trials 8] [--contenders lipdp tfp]
+    .venv/bin/python benchmarks/shuttle_utility.py [--trials 12] [--contenders lipdp tfp]
         [--scaling standardize|asinh] [--seed 0]
 
 Data: ``/work/shared/data/adbench_shuttle.npz`` (49 097 x 9, 7.15 % anomalies), 80/20
@@ -219,7 +219,7 @@ def run_tfp(trial, scaling, seed):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--trials", type=int, default=12)
     parser.add_argument("--contenders", nargs="+", default=["lipdp", "tfp"])
     parser.add_argument("--scaling", choices=["standardize", "asinh"], default="standardize")
     parser.add_argument("--seed", type=int, default=0)

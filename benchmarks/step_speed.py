@@ -773,33 +773,35 @@ def paired_tables(results, archs, batches):
 
 
 def plot(results, archs, batches, contenders, path):
+    """Wall time (top row) and CPU time (bottom row) per step vs batch size, log-log."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(archs), figsize=(6.5 * len(archs), 4.8), squeeze=False)
-    for ax, arch in zip(axes[0], archs):
-        for c in contenders:
-            pts = sorted(
-                (r["batch"], 1e3 * r["step_s"])
-                for r in results
-                if r["arch"] == arch and r.get("contender") == c and "step_s" in r
-            )
-            if pts:
-                style = "--" if c.startswith("tfp") else "-"
-                ax.plot(*zip(*pts), style, marker="o", label=c)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(batches)
-        ax.set_xticklabels([str(b) for b in batches])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("median step time (ms)")
-        ax.set_title(f"{arch}: step time vs batch size")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+    fig, axes = plt.subplots(2, len(archs), figsize=(6.5 * len(archs), 9), squeeze=False)
+    for row, (field, label) in enumerate([("step_s", "wall"), ("cpu_s", "CPU")]):
+        for ax, arch in zip(axes[row], archs):
+            for c in contenders:
+                pts = sorted(
+                    (r["batch"], 1e3 * r[field])
+                    for r in results
+                    if r["arch"] == arch and r.get("contender") == c and field in r
+                )
+                if pts:
+                    style = "--" if c.startswith("tfp") else "-"
+                    ax.plot(*zip(*pts), style, marker="o", label=c)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(batches)
+            ax.set_xticklabels([str(b) for b in batches])
+            ax.set_xlabel("batch size")
+            ax.set_ylabel(f"median {label} time per step (ms)")
+            ax.set_title(f"{arch}: {label} time per step (missing points: memory/time cap)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main():
@@ -823,7 +825,30 @@ def main():
     parser.add_argument("--mem-cap-gb", type=float, default=8.0)
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--plot", default=None, help="PNG of step time vs batch size")
+    parser.add_argument(
+        "--from-json", default=None, help="print the tables (and plot) of a saved --json run"
+    )
     args = parser.parse_args()
+
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        archs = [
+            a for a in ARCHS if any(r["arch"] == a for r in saved["isolated"] + saved["paired"])
+        ]
+        batches = sorted({r["batch"] for r in saved["isolated"] + saved["paired"]})
+        contenders = []
+        for r in saved["isolated"]:
+            if r["contender"] != "baseline" and r["contender"] not in contenders:
+                contenders.append(r["contender"])
+        if saved["isolated"]:
+            print("\n### Isolated runs (one process per contender)")
+            print(isolated_tables(saved["isolated"], archs, batches, contenders))
+            if args.plot:
+                plot(saved["isolated"], archs, batches, contenders, args.plot)
+        if saved["paired"]:
+            print("\n### Paired runs (all variants in one process, timed round-robin)")
+            print(paired_tables(saved["paired"], archs, batches))
+        return
 
     if args.worker:
         arch, contender, batch = args.worker
