@@ -633,9 +633,7 @@ def _model_accounting(model, accountant):
     dynamic = getattr(model, "dynamic_clipping", None)
     if model.dp_parameters.non_private:
         return None, steps_per_epoch, dynamic, delta
-    acc = get_accountant(
-        model.noise_multipliers(), metadata.sampling_rate, delta, accountant=kind
-    )
+    acc = get_accountant(model.noise_multipliers(), metadata.sampling_rate, delta, accountant=kind)
     return acc, steps_per_epoch, dynamic, delta
 
 
