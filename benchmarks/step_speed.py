@@ -1,8 +1,11 @@
 """Speed and memory of one training step: lipdp vs plain Keras vs tensorflow-privacy.
 
     .venv/bin/python benchmarks/step_speed.py [--archs cnn dense] [--batches 64 256 1024 4096]
-        [--mode isolated paired] [--cap 150] [--mem-cap-gb 8] [--repeats 7]
-        [--json out.json] [--plot out.png]
+        [--mode isolated paired] [--cap 150] [--mem-cap-gb 8] [--repeats 7] [--rounds 15]
+        [--contenders ...] [--variants ...] [--json out.json] [--plot out.png]
+    .venv/bin/python benchmarks/step_speed.py --from-json out.json [--plot out.png]
+
+Results and their reading: benchmarks/README.md.
 
 Two architectures, the same for every contender:
 
@@ -35,9 +38,10 @@ architecture x batch size x contender):
   Conv2D is not in tensorflow-privacy 0.9.0's registry, so for the CNN it falls back to
   per-example gradients by ``tf.vectorized_map`` (XLA-compiled).
 
-The worker builds the model, makes Keras' ``train_function`` (what ``fit`` runs every
-step, under ``tf.function``) over an in-memory ``tf.data`` pipeline of synthetic data
-(two distinct batches, cycled), runs 3 warm-up steps (the first traces/compiles), then
+The isolated worker (TF threads: ``--threads``, default TF's own) builds the model,
+makes Keras' ``train_function`` (what ``fit`` runs every step, under ``tf.function``)
+over an in-memory ``tf.data`` pipeline of synthetic data (two distinct batches,
+cycled), runs 3 warm-up steps (the first traces/compiles), then
 ``--repeats`` repeats of ``K`` steps (``K`` so that a repeat lasts about 0.4 s); the step
 time is the median over repeats of the mean step time of a repeat. Peak memory is
 ``ru_maxrss`` of the worker at the end; a ``baseline`` worker imports the same modules and
@@ -47,7 +51,7 @@ timing) or whose resident memory exceeds ``--mem-cap-gb``, and reports it as suc
 Ratios are to the ``keras`` floor at the same batch size.
 
 ``--mode paired`` (where lipdp's time goes; one subprocess per architecture x batch
-size holding all the variants below, timed round-robin — ``--repeats`` rounds, the
+size holding all the variants below, timed round-robin — ``--rounds`` rounds, the
 order rotated every round — so that the load of the shared machine hits all variants
 alike; a ratio is the median over rounds of the per-round ratio):
 
@@ -62,15 +66,15 @@ alike; a ratio is the median over rounds of the per-round ratio):
   trace time into constants, and the batch-size assertion);
 * ``lipdp-no-project``: global noise, no projection;
 * ``lipdp-no-noise``, ``lipdp-global``, ``lipdp-per-layer``: as above;
-* proposed fixes, each on lipdp-global: ``lipdp-power1`` (1 power iteration per
-  projection instead of 8); ``lipdp-xla-project`` (``project`` wrapped in
-  ``tf.function(jit_compile=True)``); ``lipdp-xla-gs`` (DP_GroupSort(2) as one
-  XLA-compiled kernel with an exact custom gradient, :func:`_xla_groupsort_class`);
-  ``lipdp-fixed`` (both ``xla-gs`` and ``power1``).
-* optional (``--variants``): ``lipdp-jit`` (``model.compile(jit_compile=True)``: XLA
-  recompiles the step at every call because of deel-lip's nested ``@tf.function`` in
-  GroupSort), ``lipdp-fastgs`` / ``lipdp-fastgs-jit`` (GroupSort without the nested
-  function, without / with ``jit_compile``), ``keras-jit``.
+* GroupSort implementations, each on lipdp-global: ``lipdp-deel-gs`` (deel-lip's
+  ``GroupSort.call``, what lipdp used before the fused pair sort of
+  ``lipdp.layers.activations.sort_pairs``); ``lipdp-no-xla-gs`` (the pair sort with
+  ``jit_compile=False``);
+* candidate optimisations, each on lipdp-global: ``lipdp-power1`` (1 power iteration
+  per projection instead of 8); ``lipdp-xla-project`` (``project`` wrapped in
+  ``tf.function(jit_compile=True)``);
+* optional (``--variants``): ``lipdp-jit`` (``model.compile(jit_compile=True)``),
+  ``keras-jit``.
 
 The paired workers run TensorFlow on ``--paired-threads`` threads (default 1) and time
 CPU seconds of the process (``time.process_time``) as well as wall time: CPU time does
@@ -115,13 +119,13 @@ PAIRED_VARIANTS = [
     "lipdp-no-noise",
     "lipdp-global",
     "lipdp-per-layer",
+    "lipdp-deel-gs",
+    "lipdp-no-xla-gs",
     "lipdp-power1",
     "lipdp-xla-project",
-    "lipdp-xla-gs",
-    "lipdp-fixed",
 ]
 #: Also accepted by --variants (slow: XLA-compiled whole steps).
-OPTIONAL_VARIANTS = ["lipdp-jit", "lipdp-fastgs", "lipdp-fastgs-jit", "keras-jit"]
+OPTIONAL_VARIANTS = ["lipdp-jit", "keras-jit"]
 ARCHS = ("cnn", "dense")
 LEARNING_RATE = 0.01
 SIGMA = 1.0
@@ -146,81 +150,35 @@ def _data(arch, batch):
     return x, y
 
 
-def _fast_groupsort_class():
-    """DP_GroupSort whose ``call`` is plain TF ops. deel-lip decorates ``GroupSort.call``
-    with ``@tf.function``; under ``model.compile(jit_compile=True)`` that nested function
-    makes XLA recompile the whole train step at every step. Same arithmetic."""
-    import tensorflow as tf
+def _upstream_groupsort_class():
+    """DP_GroupSort computed by deel-lip's ``GroupSort.call`` (lipdp before the fused
+    pair sort: ``@tf.function``, reshape/split/minimum/maximum/concat, autodiff
+    gradient); same outputs, slower, and its gradient at ties is not a permutation
+    (``tests/test_deel_lip_findings.py``)."""
+    import deel.lip.layers
 
     from lipdp import layers
 
-    class FastGroupSort(layers.DP_GroupSort):
+    class UpstreamGroupSort(layers.DP_GroupSort):
         def call(self, x):
-            fv = tf.reshape(x, self.flat_shape)
-            if self.n == 2:
-                b, c = tf.split(fv, 2, -1)
-                fv = tf.concat([tf.minimum(b, c), tf.maximum(b, c)], axis=-1)
-            else:
-                fv = tf.sort(fv)
-            return tf.reshape(fv, self.out_shape)
+            return deel.lip.layers.GroupSort.call(self, x)
 
-    return FastGroupSort
+    return UpstreamGroupSort
 
 
-def _xla_groupsort_class():
-    """Proposed DP_GroupSort(2): the same function (pairs of adjacent channels, sorted),
-    written as one fused XLA kernel with an exact custom gradient.
+def _lipdp_layers(arch, power_iterations=None, groupsort="lipdp"):
+    """``groupsort``: ``"lipdp"`` (shipped), ``"no-xla"`` (shipped, XLA off) or
+    ``"deel-lip"`` (deel-lip's ``call``)."""
+    import functools
 
-    With ``xs`` the input with the two channels of every pair swapped and
-    ``t = sign * (xs - x) > 0`` (sign -1 on the first channel of a pair, +1 on the
-    second), the output is ``where(t, xs, x)`` (an exact permutation of the input: the
-    norm is preserved bit for bit) and the input gradient is ``where(t, swap(g), g)``
-    (the same permutation applied to the cotangent). deel-lip's reshape/split/min/max/
-    concat runs ~6 memory passes with stride-2 access forward and more backward;
-    XLA fuses this formulation into a couple of contiguous passes.
-    """
-    import numpy as np
-    import tensorflow as tf
-
-    from lipdp import layers
-
-    def swap(x):
-        c = x.shape[-1]
-        return tf.reshape(tf.reverse(tf.reshape(x, [-1, c // 2, 2]), [-1]), tf.shape(x))
-
-    @tf.function(jit_compile=True)
-    @tf.custom_gradient
-    def groupsort2(x):
-        c = x.shape[-1]
-        sign = tf.constant(np.tile([-1.0, 1.0], c // 2), x.dtype)
-        xs = swap(x)
-        t = (xs - x) * sign > 0
-
-        def grad(g):
-            return tf.where(t, swap(g), g)
-
-        return tf.where(t, xs, x), grad
-
-    class XlaGroupSort(layers.DP_GroupSort):
-        def call(self, x):
-            if self.n != 2:
-                return super().call(x)
-            return groupsort2(x)
-
-    return XlaGroupSort
-
-
-def _lipdp_layers(arch, power_iterations=None, groupsort="deel-lip"):
     from lipdp import layers
 
     kw = {} if power_iterations is None else {"power_iterations": power_iterations}
     gs = {
-        "deel-lip": layers.DP_GroupSort,
-        "fast": _fast_groupsort_class,
-        "xla": _xla_groupsort_class,
+        "lipdp": layers.DP_GroupSort,
+        "no-xla": functools.partial(layers.DP_GroupSort, jit_compile=False),
+        "deel-lip": _upstream_groupsort_class(),
     }[groupsort]
-    if groupsort != "deel-lip":
-        gs = gs()
     if arch == "cnn":
         return [
             layers.DP_BoundedInput(input_shape=(28, 28, 1), upper_bound=10.0),
@@ -295,15 +253,11 @@ def _build_lipdp(arch, variant, batch):
         params = DPParameters("per-layer", SIGMA, 1e-5)
     else:
         params = DPParameters("global", SIGMA, 1e-5)
-    groupsort = "deel-lip"
-    if variant in ("lipdp-fastgs", "lipdp-fastgs-jit"):
-        groupsort = "fast"
-    if variant in ("lipdp-xla-gs", "lipdp-fixed"):
-        groupsort = "xla"
+    groupsort = {"lipdp-deel-gs": "deel-lip", "lipdp-no-xla-gs": "no-xla"}.get(variant, "lipdp")
     model = DP_Sequential(
         _lipdp_layers(
             arch,
-            power_iterations=1 if variant in ("lipdp-power1", "lipdp-fixed") else None,
+            power_iterations=1 if variant == "lipdp-power1" else None,
             groupsort=groupsort,
         ),
         dp_parameters=params,
@@ -318,7 +272,7 @@ def _build_lipdp(arch, variant, batch):
     model.compile(
         loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
         optimizer=tf.keras.optimizers.SGD(LEARNING_RATE),
-        jit_compile=variant in ("lipdp-fastgs-jit", "lipdp-jit"),
+        jit_compile=variant == "lipdp-jit",
     )
     model.timed_project = original_project if variant != "lipdp-xla-project" else model.project
     return model
@@ -608,7 +562,7 @@ def run_worker(worker_args, args, cap, describe, repeats, threads):
         tail = [line for line in err.strip().splitlines() if line.strip()][-1:]
         failure = "error: " + (tail[0][:120] if tail else f"exit code {proc.returncode}")
         if "ResourceExhausted" in err or "MemoryError" in err or proc.returncode == -9:
-            failure = "out of memory (" + failure + ")"
+            failure = "out of memory (TF allocation error)"
     return {**describe, "failure": failure, "wall_s": wall, "peak_polled_mb": peak}
 
 
@@ -753,11 +707,13 @@ def paired_tables(results, archs, batches):
             batches,
             rows,
         )
-        lines += _table(
-            f"#### {arch}, paired: median per-round ratio to lipdp-no-noise, CPU time (wall time)",
-            batches,
-            ratio_rows,
-        )
+        if any(c != "-" for _, cells in ratio_rows for c in cells):
+            lines += _table(
+                f"#### {arch}, paired: median per-round ratio to lipdp-no-noise, "
+                "CPU time (wall time)",
+                batches,
+                ratio_rows,
+            )
         p_rows = []
         for v in variants:
             cells = []
@@ -801,7 +757,7 @@ def plot(results, archs, batches, contenders, path):
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)
 
 
 def main():

@@ -53,7 +53,8 @@ def sort_pairs(x):
     return tf.where(take_partner, swapped, x), grad
 
 
-sort_pairs_xla = tf.function(sort_pairs, jit_compile=True, reduce_retracing=True)
+# One trace (and one XLA compilation) per input shape: the channel count must be static.
+sort_pairs_xla = tf.function(sort_pairs, jit_compile=True)
 
 
 @register
