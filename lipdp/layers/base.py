@@ -49,6 +49,7 @@ class DPLayer:
 
     def project(self) -> None:
         """Map the weights back onto their constraint set (no-op by default)."""
+        return None  # a docstring-only body breaks AutoGraph (jit_compile=True steps)
 
 
 class NonExpansiveLayer(DPLayer):
