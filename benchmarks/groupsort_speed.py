@@ -64,11 +64,11 @@ def main():
         rng = np.random.default_rng(0)
         x = tf.constant(rng.normal(size=shape).astype("float32"))
         w = tf.constant(rng.normal(size=shape).astype("float32"))
-        deel = deel.lip.layers.GroupSort(2)
-        deel.build(shape)
+        upstream = deel.lip.layers.GroupSort(2)
+        upstream.build(shape)
         candidates = {
             "relu": tf.nn.relu,
-            "deel-lip": deel,
+            "deel-lip": upstream,
             "lipdp sort_pairs": sort_pairs,
             "lipdp sort_pairs, XLA": sort_pairs_xla,
         }
