@@ -29,18 +29,25 @@ test-slow: install
 test-all: install
 	$(BIN)/pytest -q -m "slow or not slow" -n 2
 
-# Benchmarks (NOT part of `make test`; about 1.5 h on 2 shared cores). Results and how to
-# read them: benchmarks/README.md. Tables, raw JSON and the plot go to BENCH_OUT.
+# Benchmarks (NOT part of `make test`; about 2.5 h on 2 shared cores: step_speed 40 min,
+# fmnist_utility 45 min, fmnist_capacity 6 min, shuttle 2 x 6 min). Results and how to read them:
+# benchmarks/README.md. Tables, raw JSON and the plot go to BENCH_OUT.
 BENCH_OUT ?= benchmarks/results
 bench: install
 	mkdir -p $(BENCH_OUT)
 	$(BIN)/python benchmarks/accounting_speed.py > $(BENCH_OUT)/accounting_speed.md
 	$(BIN)/python benchmarks/digits_cnn.py > $(BENCH_OUT)/digits_cnn.md
-	$(BIN)/python benchmarks/step_speed.py --json $(BENCH_OUT)/step_speed.json \
-		--plot $(BENCH_OUT)/step_speed.png > $(BENCH_OUT)/step_speed.md
-	$(BIN)/python benchmarks/shuttle_utility.py > $(BENCH_OUT)/shuttle_utility.md
-	$(BIN)/python benchmarks/fmnist_utility.py --epsilons 1 3 8 --trials 1 --epochs 3 \
-		> $(BENCH_OUT)/fmnist_utility.md
+	$(BIN)/python benchmarks/evaluation_digits.py > $(BENCH_OUT)/evaluation_digits.md
+	$(BIN)/python benchmarks/step_speed.py --rounds 11 --mem-cap-gb 12 \
+		--json $(BENCH_OUT)/step_speed.json --plot $(BENCH_OUT)/step_speed.png \
+		> $(BENCH_OUT)/step_speed.md
+	$(BIN)/python benchmarks/groupsort_speed.py > $(BENCH_OUT)/groupsort_speed.md
+	$(BIN)/python benchmarks/power_iterations_check.py --arch dense > $(BENCH_OUT)/power_dense.md
+	$(BIN)/python benchmarks/power_iterations_check.py --arch cnn > $(BENCH_OUT)/power_cnn.md
+	$(BIN)/python benchmarks/shuttle_utility.py > $(BENCH_OUT)/shuttle_standardize.md
+	$(BIN)/python benchmarks/shuttle_utility.py --scaling asinh > $(BENCH_OUT)/shuttle_asinh.md
+	$(BIN)/python benchmarks/fmnist_utility.py > $(BENCH_OUT)/fmnist_utility.md
+	$(BIN)/python benchmarks/fmnist_capacity.py > $(BENCH_OUT)/fmnist_capacity.md
 	cat $(BENCH_OUT)/*.md
 
 lint: install
