@@ -57,15 +57,14 @@ optimistic pick, identical for both contenders; the search itself is not private
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from common import dp_sgd_epsilon, machine_description  # noqa: E402
 
 from lipdp import datasets, layers, losses  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
@@ -172,17 +171,6 @@ def tempered_sigmoid_cnn():
     ]
 
 
-def tfp_epsilon(sigma, q, steps):
-    import dp_accounting
-
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
-    )
-    accountant = dp_accounting.rdp.RdpAccountant()
-    accountant.compose(event)
-    return accountant.get_epsilon(DELTA)
-
-
 def run_tfp(trial, epsilon, data, seed):
     import tensorflow_privacy as tfp
 
@@ -203,7 +191,7 @@ def run_tfp(trial, epsilon, data, seed):
     steps = epochs * (n // batch)
     return {
         "accuracy": accuracy(model, x_test, y_test),
-        "epsilon": tfp_epsilon(sigma, batch / n, steps),
+        "epsilon": dp_sgd_epsilon(sigma, batch / n, steps, DELTA),
         "sigma": sigma,
         "steps": steps,
     }
@@ -216,16 +204,8 @@ CONTENDERS = {
 
 
 def machine_line(seed, quick):
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line),
-        "?",
-    )
     mode = f"QUICK smoke run ({QUICK_SUBSET} training images, 1 epoch)" if quick else "full run"
-    return (
-        f"Machine: {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
-        f"TF {tf.__version__}, {datetime.date.today().isoformat()}; seed {seed}, "
-        f"delta = {DELTA:g}; {mode}.\n"
-    )
+    return f"Machine: {machine_description()}; seed {seed}, delta = {DELTA:g}; {mode}.\n"
 
 
 def run_trial(name, trial, epsilon, data, args):

@@ -45,15 +45,14 @@ Both train on shuffled fixed-size batches and both accountants assume Poisson sa
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from common import dp_sgd_epsilon, machine_description  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
 from lipdp import layers, losses  # noqa: E402
@@ -170,17 +169,6 @@ def run_lipdp(trial, scaling, seed):
     }
 
 
-def tfp_epsilon(sigma, q, steps):
-    import dp_accounting
-
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
-    )
-    accountant = dp_accounting.rdp.RdpAccountant()
-    accountant.compose(event)
-    return accountant.get_epsilon(DELTA)
-
-
 def run_tfp(trial, scaling, seed):
     import tensorflow_privacy as tfp
     from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
@@ -211,7 +199,7 @@ def run_tfp(trial, scaling, seed):
     x_val, y_val = arrays(ds_val)
     return {
         "auroc": auroc(model, x_val, y_val),
-        "epsilon": tfp_epsilon(sigma, batch / n, steps),
+        "epsilon": dp_sgd_epsilon(sigma, batch / n, steps, DELTA),
         "sigma": sigma,
         "steps": steps,
         "notes": meta.notes,
@@ -232,13 +220,8 @@ def main():
         "(data split fixed; initialisation, batches and noise change)",
     )
     args = parser.parse_args()
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line),
-        "?",
-    )
     print(
-        f"Machine: {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
-        f"TF {tf.__version__}, {datetime.date.today().isoformat()}. Scaling: {args.scaling}, "
+        f"Machine: {machine_description()}. Scaling: {args.scaling}, "
         f"seed {args.seed}, (epsilon, delta) = ({EPSILON:g}, {DELTA:g}).\n"
     )
     summary = []
