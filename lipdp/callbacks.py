@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 
 import tensorflow as tf
+
+from lipdp import validation
+from lipdp.accounting.planning import get_eps_delta
+from lipdp.accounting.registry import get_accountant
 
 logger = logging.getLogger(__name__)
 
@@ -28,27 +31,30 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         accountant: ``"rdp"`` (default, as the original package) or ``"pld"``.
 
     Epochs are counted from the model's first training step: a model trained by
-    several ``fit`` calls keeps its count (``model.optimizer.iterations``).
+    several ``fit`` calls keeps its count (``model.optimizer.iterations``, converted by
+    :meth:`lipdp.metadata.DatasetMetadata.epochs_for_steps`: a partial epoch counts as a
+    whole one). ``epsilon`` is that of the model's privacy plan
+    (:meth:`lipdp.model.DP_Model.privacy_plan`), the plan ``get_eps_delta`` and
+    ``get_max_epochs`` read before training.
     """
 
     def __init__(self, log_fn=None, epsilon_budget=None, accountant="rdp"):
         super().__init__()
-        if epsilon_budget is not None and not float(epsilon_budget) > 0:
-            raise ValueError(f"epsilon_budget must be > 0, got {epsilon_budget}.")
+        if epsilon_budget is not None:
+            epsilon_budget = validation.positive("epsilon_budget", epsilon_budget)
         if log_fn is not None and not callable(log_fn):
             raise TypeError("log_fn must be callable.")
         self.log_fn = log_fn
-        self.epsilon_budget = None if epsilon_budget is None else float(epsilon_budget)
-        self.accountant = accountant
+        self.epsilon_budget = epsilon_budget
+        self.accountant = (
+            get_accountant(accountant).name if isinstance(accountant, str) else accountant
+        )
 
     def _epsilon(self, epochs: int) -> tuple[float, float]:
-        from lipdp.accounting import get_eps_delta
-
         return get_eps_delta(self.model, epochs, accountant=self.accountant)
 
     def _epochs_done(self) -> int:
-        steps = int(self.model.optimizer.iterations.numpy())
-        return math.ceil(steps / self.model.dataset_metadata.nb_steps_per_epochs)
+        return epochs_trained(self.model)
 
     def on_train_begin(self, logs=None):
         metadata = self.model.dataset_metadata
@@ -87,3 +93,10 @@ class DP_Accountant(tf.keras.callbacks.Callback):
                     self.epsilon_budget,
                 )
                 self.model.stop_training = True
+
+
+def epochs_trained(model) -> int:
+    """Epochs begun by ``model`` (from its optimizer's step count; 0 before training)."""
+    optimizer = getattr(model, "optimizer", None)
+    steps = 0 if optimizer is None else int(optimizer.iterations.numpy())
+    return model.dataset_metadata.epochs_for_steps(steps)

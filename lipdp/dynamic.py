@@ -45,23 +45,28 @@ a ``ds_train`` with a static batch dimension (the signature of ``drop_remainder=
 pass ``ds_train`` batched *without* ``drop_remainder`` (the training pipeline itself
 may keep it).
 
-Accounting interface
---------------------
-Each callback sets ``model.dynamic_clipping = self`` in ``set_model`` and implements
-``accounting_config(epochs)``, the list of mechanisms run in ``epochs`` epochs:
+Accounting: declared before training
+------------------------------------
+The releases are part of the model's privacy plan (rule S11): the model declares them in
+``DPParameters(..., dynamic_clipping=callback)`` (or the callback's
+:class:`DynamicClippingSpec`), so that ``get_eps_delta``, ``get_max_epochs``,
+calibration, ``DP_Accountant`` and the report count them *before* ``fit``. A callback
+refuses to run on a model that declared something else. The plan counts
+(:meth:`DynamicClippingSpec.release`):
 
-* ``{"mode": "laplace", "epsilon": eps, "num_updates": n}``: ``n`` Laplace mechanisms,
-  each ``eps``-DP, with privacy loss exactly that of the scalar Laplace mechanism with
-  ``scale / sensitivity = 1 / eps`` (autodp's ``LaplaceMechanism(b=1/eps)``); no
+* ``"laplace"``: ``n`` Laplace mechanisms, each ``eps``-DP, with privacy loss exactly
+  that of the scalar Laplace mechanism with ``scale / sensitivity = 1 / eps``; no
   subsampling;
-* ``{"mode": "quantiles", "noise_multiplier": s, "num_updates": n, "sampling_rate": q}``:
-  ``n`` Gaussian mechanisms on a sensitivity-1 count with noise multiplier ``s``, each on
-  its own Poisson subsample of rate ``q = model.dataset_metadata.sampling_rate``.
+* ``"quantiles"``: ``n`` Gaussian mechanisms on a sensitivity-1 count with noise
+  multiplier ``s``, each on its own Poisson subsample of rate
+  ``q = model.dataset_metadata.sampling_rate``.
 
 ``n`` counts every release: ``(epochs // patience)`` update rounds times the number of
 dynamic clip layers (times ``steps_per_update`` for :class:`AdaptiveQuantileClipping`).
-The release at the end of the last epoch is counted, as the value is published in the
-logs and in the model. With several dynamic clip layers, :class:`AdaptiveQuantileClipping`
+Rounds follow the model's epochs (counted from its optimizer steps, across ``fit``
+calls), so that the releases after ``E`` epochs are exactly the plan's. The release at
+the end of the last epoch is counted, as the value is published in the logs and in the
+model. With several dynamic clip layers, :class:`AdaptiveQuantileClipping`
 draws a fresh Poisson subsample per layer: composing ``L`` subsampled Gaussian mechanisms
 assumes independent subsamples (``L`` counts on one shared subsample would be a single
 subsampled Gaussian with multiplier ``s / sqrt(L)``, whose amplified RDP can exceed the
@@ -76,10 +81,13 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import tensorflow as tf
 
+from lipdp import validation
+from lipdp.accounting.mechanisms import Laplace, Release, SubsampledGaussian
 from lipdp.layers import DP_ClipGradient
 
 logger = logging.getLogger(__name__)
@@ -88,6 +96,8 @@ __all__ = [
     "LaplaceAdaptiveLossGradientClipping",
     "AdaptiveQuantileClipping",
     "CotangentNorms",
+    "DynamicClippingSpec",
+    "dynamic_clip_layers",
     "per_example_cotangent_norms",
     "find_dynamic_clip_layers",
     "cotangent_upper_bound",
@@ -104,60 +114,117 @@ __all__ = [
 DEFAULT_MIN_CLIP_VALUE = 1e-3
 
 
-# ----------------------------------------------------------------------------- validation
-def _positive(name, value) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.") from None
-    if isinstance(value, bool) or not math.isfinite(out) or out <= 0:
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.")
-    return out
+# ---------------------------------------------------------------------- declaration
+@dataclass(frozen=True)
+class DynamicClippingSpec:
+    """What a dynamic-clipping callback releases, declared before training (rule S11).
 
+    A DP model with ``DP_ClipGradient(mode="dynamic")`` layers must declare it, in
+    ``DPParameters(..., dynamic_clipping=...)`` (a callback of this module, its ``spec``,
+    or this object), so that every plan -- ``get_eps_delta``, ``get_max_epochs``,
+    calibration, the accountant, the report -- composes the clipping releases; the
+    callback refuses to run on a model that declared something else.
 
-def _positive_int(name, value, minimum=1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
-    return int(value)
+    Attributes:
+        mode: ``"laplace"`` (:class:`LaplaceAdaptiveLossGradientClipping`) or
+            ``"quantiles"`` (:class:`AdaptiveQuantileClipping`).
+        patience: one round of updates every ``patience`` epochs.
+        epsilon: cost of one Laplace release (``"laplace"``).
+        noise_multiplier: multiplier of one Gaussian count (``"quantiles"``).
+        sampling_rate: Poisson rate of the counts (``"quantiles"``; ``None``: the training
+            rate ``b / N``).
+        steps_per_update: releases per layer per round (``"quantiles"``).
+    """
 
+    mode: str
+    patience: int = 1
+    epsilon: float | None = None
+    noise_multiplier: float | None = None
+    sampling_rate: float | None = None
+    steps_per_update: int = 1
 
-def _open_unit(name, value) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a number in (0, 1), got {value!r}.") from None
-    if isinstance(value, bool) or not 0.0 < out < 1.0:
-        raise ValueError(f"`{name}` must be a number in (0, 1), got {value!r}.")
-    return out
+    def __post_init__(self):
+        validation.choice("dynamic clipping mode", self.mode, ("laplace", "quantiles"))
+        object.__setattr__(self, "patience", validation.count("`patience`", self.patience, 1))
+        steps = validation.count("`steps_per_update`", self.steps_per_update, 1)
+        object.__setattr__(self, "steps_per_update", steps)
+        if self.mode == "laplace":
+            object.__setattr__(self, "epsilon", validation.positive("`epsilon`", self.epsilon))
+        else:
+            sigma = validation.positive("`noise_multiplier`", self.noise_multiplier)
+            object.__setattr__(self, "noise_multiplier", sigma)
+            if self.sampling_rate is not None:
+                rate = validation.probability("`sampling_rate`", self.sampling_rate)
+                object.__setattr__(self, "sampling_rate", rate)
+
+    @classmethod
+    def coerce(cls, value) -> DynamicClippingSpec | None:
+        """``None``, a spec, its config dict, or anything with a ``spec`` (a callback)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        spec = getattr(value, "spec", None)
+        if isinstance(spec, cls):
+            return spec
+        raise TypeError(
+            "dynamic_clipping must be None, a dynamic clipping callback of lipdp.dynamic or a "
+            f"DynamicClippingSpec, got {value!r}."
+        )
+
+    def release(self, nb_layers: int, training_sampling_rate: float) -> Release:
+        """The releases of a model with ``nb_layers`` dynamic clip layers."""
+        per_round = validation.count("nb_layers", nb_layers, 1) * self.steps_per_update
+        if self.mode == "laplace":
+            mechanism = Laplace(self.epsilon)
+        else:
+            rate = training_sampling_rate if self.sampling_rate is None else self.sampling_rate
+            mechanism = SubsampledGaussian(self.noise_multiplier, rate)
+        label = f"dynamic clipping ({self.mode})"
+        return Release(mechanism, label, per_round=per_round, patience=self.patience)
+
+    def to_config(self) -> dict:
+        return asdict(self)
 
 
 # ------------------------------------------------------------------- layers and bounds
-def find_dynamic_clip_layers(model) -> list[tuple[int, DP_ClipGradient]]:
-    """``[(index in model.layers_forward_order(), layer)]`` of the dynamic clip layers.
+def dynamic_clip_layers(layers) -> list[tuple[int, DP_ClipGradient]]:
+    """``[(position, layer)]`` of the ``DP_ClipGradient(mode="dynamic")`` layers.
 
-    Raises ``ValueError`` if there is none, if a ``DP_ClipGradient`` has mode
-    ``"fixed"`` (a callback of this module updates every clip layer, and a fixed one
-    must not be changed from data), or if a dynamic one is wrapped in a residual
-    block (its cotangent bound is one entry of a pair: not supported).
+    Raises ``ValueError`` if one is wrapped in a residual block (its cotangent bound is
+    one entry of a pair: not supported).
     """
     found = []
-    for index, layer in enumerate(model.layers_forward_order()):
+    for index, layer in enumerate(layers):
         block = getattr(layer, "block", None)
         if isinstance(block, DP_ClipGradient) and block.mode == "dynamic":
             raise ValueError(
                 f"DP_ClipGradient {block.name!r} is wrapped in a residual block: dynamic "
                 "clipping is only supported for clip layers on the main path."
             )
-        if not isinstance(layer, DP_ClipGradient):
-            continue
-        if layer.mode != "dynamic":
+        if isinstance(layer, DP_ClipGradient) and layer.mode == "dynamic":
+            found.append((index, layer))
+    return found
+
+
+def find_dynamic_clip_layers(model) -> list[tuple[int, DP_ClipGradient]]:
+    """``[(index in model.layers_forward_order(), layer)]`` of the dynamic clip layers.
+
+    Raises ``ValueError`` if there is none, if a ``DP_ClipGradient`` has mode
+    ``"fixed"`` (a callback of this module updates every clip layer, and a fixed one
+    must not be changed from data), or if a dynamic one is wrapped in a residual
+    block.
+    """
+    layers = model.layers_forward_order()
+    found = dynamic_clip_layers(layers)
+    for layer in layers:
+        if isinstance(layer, DP_ClipGradient) and layer.mode != "dynamic":
             raise ValueError(
                 f"DP_ClipGradient {layer.name!r} has mode={layer.mode!r}: the dynamic "
                 "clipping callbacks update every clip layer of the model. Build it with "
                 'DP_ClipGradient(clip_value, mode="dynamic") to let it be updated, or remove '
                 "the callback."
             )
-        found.append((index, layer))
     if not found:
         raise ValueError(
             "The model has no DP_ClipGradient(..., mode='dynamic') layer: there is no "
@@ -170,19 +237,14 @@ def find_dynamic_clip_layers(model) -> list[tuple[int, DP_ClipGradient]]:
 def cotangent_upper_bound(model, index: int) -> float:
     """``U``: bound on one example's cotangent norm at the output of layer ``index``.
 
-    Backward pass of bounds from ``model.loss.get_L()`` through the layers after
-    ``index`` (``backpropagate_inputs``), so clip layers further down count with their
-    current clip value.
+    Read from the model's bound pass (:mod:`lipdp.bounds`): clip layers further down
+    count with their current clip value.
     """
-    layers = model.layers_forward_order()
-    input_bounds, _ = model.input_bounds()
-    bound = model.loss.get_L()
-    for j in range(len(layers) - 1, index, -1):
-        bound = layers[j].backpropagate_inputs(input_bounds[j], bound)
+    bound = model.bounds().output_cotangent_bounds[index]
     if isinstance(bound, (tuple, list)):
         raise ValueError(
-            f"Layer {layers[index].name!r} sits inside a residual block (its cotangent "
-            "bound is a pair): dynamic clipping is not supported there."
+            f"Layer {model.layers_forward_order()[index].name!r} sits inside a residual block "
+            "(its cotangent bound is a pair): dynamic clipping is not supported there."
         )
     return float(np.asarray(bound))
 
@@ -199,12 +261,12 @@ class CotangentNorms:
     Differentiating w.r.t. the *output* of a ``DP_ClipGradient`` gives its cotangent
     before its own clipping (the layer clips what it passes to its input). The
     gradient is taken of ``sum_i loss_i / s`` and multiplied by ``s``, where ``s`` is
-    the normaliser the clip layers divide their threshold by (their
-    ``batch_normalizer``, set by the DP model to the batch size ``b``; the number of
-    rows when unset): clip layers further down then clip ``g_i / s`` at ``C / s``,
-    exactly as in training (differentiating the plain sum would let them clip ``g_i``
-    at ``C / s``). Rows are per-example because the loss is a sum of per-example terms
-    and every layer acts per example (rule S2).
+    the model's loss normaliser (:attr:`lipdp.metadata.DatasetMetadata.loss_normalizer`,
+    the number of rows when the model has no metadata), the one the clip layers receive:
+    clip layers further down then clip ``g_i / s`` at ``C / s``, exactly as in training
+    (differentiating the plain sum would let them clip ``g_i`` at ``C / s``). Rows are
+    per-example because the loss is a sum of per-example terms and every layer acts per
+    example (rule S2).
     """
 
     def __init__(self, model, indices):
@@ -213,38 +275,29 @@ class CotangentNorms:
         count = len(model.layers_forward_order())
         if not self.indices or any(not 0 <= i < count for i in self.indices):
             raise ValueError(f"indices must be layer positions in [0, {count}), got {indices}.")
-        normalizers = {
-            getattr(layer, "batch_normalizer", None)
-            for layer in model.layers_forward_order()
-            if isinstance(layer, DP_ClipGradient)
-        }
-        if len(normalizers) > 1:
-            raise ValueError(
-                f"The clip layers of the model use different batch normalisers {normalizers}."
-            )
-        self.normalizer = normalizers.pop() if normalizers else None
         self._function = None
 
     def _norms(self, x, y):
-        layers = self.model.layers_forward_order()
         wanted = set(self.indices)
         outputs = {}
+
         with tf.GradientTape() as tape:
-            h = x
-            for index, layer in enumerate(layers):
-                h = layer(h)
+
+            def watch(index, output):
                 if index in wanted:
-                    tape.watch(h)
-                    outputs[index] = h
-            losses = self.model.loss.call(y, h)
+                    tape.watch(output)
+                    outputs[index] = output
+                return output
+
+            losses = self.model.loss.call(y, self.model.forward(x, observe=watch))
             batch = tf.shape(losses)[0]
-            if self.normalizer is None:
+            normalizer = self.model.loss_normalizer
+            if normalizer is None:
                 scale = tf.cast(batch, losses.dtype)
             else:
-                scale = tf.constant(float(self.normalizer), losses.dtype)
+                scale = tf.constant(float(normalizer), losses.dtype)
             total = tf.reduce_sum(losses) / scale
-        watched = [outputs[i] for i in self.indices]
-        grads = tape.gradient(total, watched)
+        grads = tape.gradient(total, [outputs[i] for i in self.indices])
         return [
             tf.norm(tf.reshape(g * tf.cast(scale, g.dtype), tf.stack([batch, -1])), axis=1)
             for g in grads
@@ -376,8 +429,8 @@ class _DynamicClipping(tf.keras.callbacks.Callback):
         if ds_train is None:
             raise ValueError("`ds_train` is required: the training data (x, y) batches.")
         self.ds_train = ds_train
-        self.patience = _positive_int("patience", patience)
-        self.min_clip_value = _positive("min_clip_value", min_clip_value)
+        self.patience = validation.count("`patience`", patience, 1)
+        self.min_clip_value = validation.positive("`min_clip_value`", min_clip_value)
         self.rng = np.random.default_rng(seed)
         #: ``[(epoch, layer name, old clip value, new clip value)]``, one per release.
         self.history = []
@@ -386,39 +439,25 @@ class _DynamicClipping(tf.keras.callbacks.Callback):
         self._clip_layers = []
         self._dataset = None
 
-    # -- accounting ---------------------------------------------------------------------
-    def set_model(self, model):
-        super().set_model(model)
-        model.dynamic_clipping = self
-
-    def _num_layers(self) -> int:
-        if self.model is None:
-            raise ValueError(
-                f"{type(self).__name__}.accounting_config needs the model: call "
-                "set_model(model) first (fit does it)."
-            )
-        return len(find_dynamic_clip_layers(self.model))
-
-    def _num_rounds(self, epochs) -> int:
-        if isinstance(epochs, bool) or int(epochs) != epochs or epochs < 0:
-            raise ValueError(f"`epochs` must be an integer >= 0, got {epochs!r}.")
-        return int(epochs) // self.patience
-
-    def accounting_config(self, epochs) -> dict:
+    # -- declaration ------------------------------------------------------------------
+    @property
+    def spec(self) -> DynamicClippingSpec:
+        """What this callback releases: declare it in ``DPParameters(dynamic_clipping=...)``."""
         raise NotImplementedError
 
     # -- training -----------------------------------------------------------------------
     def on_train_begin(self, logs=None):
         model = self.model
-        other = getattr(model, "dynamic_clipping", None)
+        self._check_declared(model)
+        other = getattr(model, "_running_dynamic_clipping", None)
         if other is not self and other is not None and getattr(other, "_active", False):
             raise ValueError(
-                "Two dynamic clipping callbacks are used in the same fit: the accountant "
-                "reads only one (model.dynamic_clipping). Use a single one. (If an earlier "
-                "fit with another dynamic clipping callback was interrupted, call its "
-                "on_train_end() first.)"
+                "Two dynamic clipping callbacks are used in the same fit: the privacy plan "
+                "declares the releases of one. Use a single one. (If an earlier fit with "
+                "another dynamic clipping callback was interrupted, call its on_train_end() "
+                "first.)"
             )
-        model.dynamic_clipping = self
+        model._running_dynamic_clipping = self
         loss = getattr(model, "loss", None)
         if not callable(getattr(loss, "get_L", None)) or not callable(getattr(loss, "call", None)):
             raise ValueError(
@@ -435,11 +474,29 @@ class _DynamicClipping(tf.keras.callbacks.Callback):
         self._dataset = self._prepare_dataset(self.ds_train)
         self._active = True
 
+    def _check_declared(self, model):
+        """Rule S11: the model's privacy plan must already contain these releases."""
+        parameters = getattr(model, "dp_parameters", None)
+        declared = getattr(parameters, "dynamic_clipping", None)
+        if declared != self.spec:
+            raise ValueError(
+                f"{type(self).__name__} releases {self.spec} but the model declares "
+                f"dynamic_clipping={declared}: the privacy plan (epsilon before, during and "
+                "after training) would not count these releases. Build the model with "
+                "DPParameters(..., dynamic_clipping=<this callback>)."
+            )
+
     def on_train_end(self, logs=None):
         self._active = False
+        if getattr(self.model, "_running_dynamic_clipping", None) is self:
+            self.model._running_dynamic_clipping = None
 
     def on_epoch_end(self, epoch, logs=None):
-        if (epoch + 1) % self.patience == 0:
+        # Rounds follow the model's epochs (its optimizer steps), as the privacy plan
+        # counts them: after E epochs in any number of fit calls, E // patience rounds.
+        metadata = self.model.dataset_metadata
+        epochs_done = metadata.epochs_for_steps(int(self.model.optimizer.iterations.numpy()))
+        if epochs_done % self.patience == 0:
             self._update(epoch)
         if logs is not None and self._clip_layers:
             values = [float(layer.clip_value.numpy()) for _, layer in self._clip_layers]
@@ -531,9 +588,8 @@ class LaplaceAdaptiveLossGradientClipping(_DynamicClipping):
     ``ds_train`` yield every example exactly once (no ``drop_remainder``).
 
     Cost: each update of each layer is one ``epsilon``-DP Laplace mechanism, not
-    subsampled; ``accounting_config(epochs)`` returns
-    ``{"mode": "laplace", "epsilon": epsilon, "num_updates": (epochs // patience) * L}``
-    with ``L`` the number of dynamic clip layers.
+    subsampled: ``(epochs // patience) * L`` releases in ``epochs`` epochs, with ``L``
+    the number of dynamic clip layers (``spec``, to declare in ``DPParameters``).
 
     Args:
         ds_train: the private training data, ``(x, y)`` batches (a partial last batch is
@@ -564,20 +620,17 @@ class LaplaceAdaptiveLossGradientClipping(_DynamicClipping):
         seed=None,
     ):
         super().__init__(ds_train, patience, min_clip_value, seed)
-        self.epsilon = _positive("epsilon", epsilon)
-        self.quantile = _open_unit("quantile", quantile)
+        self.epsilon = validation.positive("`epsilon`", epsilon)
+        self.quantile = validation.open_unit("`quantile`", quantile)
         if statistic not in self.STATISTICS:
             raise ValueError(f"`statistic` must be one of {self.STATISTICS}, got {statistic!r}.")
         self.statistic = statistic
-        self.multiplier = _positive("multiplier", multiplier)
-        self.num_bins = _positive_int("num_bins", num_bins, minimum=2)
+        self.multiplier = validation.positive("`multiplier`", multiplier)
+        self.num_bins = validation.count("`num_bins`", num_bins, 2)
 
-    def accounting_config(self, epochs) -> dict:
-        return {
-            "mode": "laplace",
-            "epsilon": self.epsilon,
-            "num_updates": self._num_rounds(epochs) * self._num_layers(),
-        }
+    @property
+    def spec(self) -> DynamicClippingSpec:
+        return DynamicClippingSpec("laplace", self.patience, epsilon=self.epsilon)
 
     def _update(self, epoch):
         limits = [self._limits(index) for index, _ in self._clip_layers]
@@ -625,11 +678,10 @@ class AdaptiveQuantileClipping(_DynamicClipping):
 
     Privacy: adding/removing one example changes ``count`` by at most 1 (sensitivity 1),
     so step 3 is a Gaussian mechanism with noise multiplier ``noise_multiplier``,
-    amplified by the Poisson subsampling of step 1. ``accounting_config(epochs)`` returns
-    ``{"mode": "quantiles", "noise_multiplier": noise_multiplier, "num_updates": n,
-    "sampling_rate": q}`` with ``n = (epochs // patience) * steps_per_update * L``
-    (``L`` dynamic clip layers), each a subsampled Gaussian mechanism on its own
-    subsample. As in :class:`LaplaceAdaptiveLossGradientClipping`, one pass of
+    amplified by the Poisson subsampling of step 1: ``n = (epochs // patience) *
+    steps_per_update * L`` releases in ``epochs`` epochs (``L`` dynamic clip layers), each
+    a subsampled Gaussian mechanism on its own subsample (``spec``, to declare in
+    ``DPParameters``). As in :class:`LaplaceAdaptiveLossGradientClipping`, one pass of
     ``ds_train`` must yield every training example exactly once.
 
     The fixed point of the update is ``C`` at the ``quantile``-quantile of the norms; one
@@ -664,10 +716,10 @@ class AdaptiveQuantileClipping(_DynamicClipping):
         seed=None,
     ):
         super().__init__(ds_train, patience, min_clip_value, seed)
-        self.noise_multiplier = _positive("noise_multiplier", noise_multiplier)
-        self.quantile = _open_unit("quantile", quantile)
-        self.learning_rate = _positive("learning_rate", learning_rate)
-        self.steps_per_update = _positive_int("steps_per_update", steps_per_update)
+        self.noise_multiplier = validation.positive("`noise_multiplier`", noise_multiplier)
+        self.quantile = validation.open_unit("`quantile`", quantile)
+        self.learning_rate = validation.positive("`learning_rate`", learning_rate)
+        self.steps_per_update = validation.count("`steps_per_update`", steps_per_update, 1)
 
     def _sampling_rate(self) -> float:
         if self.model is None or getattr(self.model, "dataset_metadata", None) is None:
@@ -676,13 +728,14 @@ class AdaptiveQuantileClipping(_DynamicClipping):
             )
         return float(self.model.dataset_metadata.sampling_rate)
 
-    def accounting_config(self, epochs) -> dict:
-        return {
-            "mode": "quantiles",
-            "noise_multiplier": self.noise_multiplier,
-            "num_updates": self._num_rounds(epochs) * self.steps_per_update * self._num_layers(),
-            "sampling_rate": self._sampling_rate(),
-        }
+    @property
+    def spec(self) -> DynamicClippingSpec:
+        return DynamicClippingSpec(
+            "quantiles",
+            self.patience,
+            noise_multiplier=self.noise_multiplier,
+            steps_per_update=self.steps_per_update,
+        )
 
     def count_below(self, position, clip_value):
         """Count of a fresh Poisson subsample with norm ``<= clip_value`` at one layer.

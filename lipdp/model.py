@@ -4,36 +4,40 @@ One training step (``DP_Model.train_step``):
 
 1. forward and backward pass on the batch (loss = mean of per-example losses);
 2. sensitivities ``Delta_v`` of the averaged gradient of every trainable variable,
-   from the bound propagation of :mod:`lipdp.layers` (in-graph: the Python loop
-   runs once, at tracing time, and leaves a handful of scalar ops);
-3. Gaussian noise — ``"global"``: one isotropic noise of standard deviation
-   ``sigma * sqrt(sum_v Delta_v^2)`` on every coordinate; ``"per-layer"``:
-   ``sigma * c_v * Delta_v`` on variable ``v`` (``c_v`` the layer's ``nm_coef``);
+   from the one bound pass of :mod:`lipdp.bounds` (in-graph: the Python loop runs once,
+   at tracing time, and leaves a handful of scalar ops);
+3. Gaussian noise by the one noise rule of :mod:`lipdp.noise` — ``"global"``: one
+   isotropic noise of standard deviation ``sigma * sqrt(sum_v Delta_v^2)`` on every
+   coordinate; ``"per-layer"``: ``sigma * c_v * Delta_v`` on variable ``v`` (``c_v``
+   the layer's ``nm_coef``);
 4. the optimizer step on the noisy gradient (post-processing: any first-order
    Keras optimizer);
 5. projection of every constrained weight onto its feasible set.
+
+The model's privacy plan (:meth:`DP_Model.privacy_plan`, :mod:`lipdp.accounting.plan`)
+lists every mechanism a run releases: the noisy steps and the dynamic-clipping updates
+declared in :class:`DPParameters`. ``get_eps_delta``, ``get_max_epochs``, the accountant
+callback and the privacy report all read it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
 
-from lipdp.layers import DP_BoundedInput, DP_ClipGradient, DP_InputLayer, DPLayer
-from lipdp.pipeline import DatasetMetadata
+from lipdp import noise, validation
+from lipdp.accounting.plan import PrivacyPlan
+from lipdp.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
+from lipdp.dynamic import DynamicClippingSpec, dynamic_clip_layers
+from lipdp.layers import DP_BoundedInput, DP_InputLayer, DPLayer
+from lipdp.metadata import DatasetMetadata
+from lipdp.noise import NOISIFY_STRATEGIES
 
 logger = logging.getLogger(__name__)
-
-NOISIFY_STRATEGIES = ("global", "per-layer")
-
-#: Relative slack added to every sensitivity. The bounds are exact for real
-#: arithmetic; gradients computed in float32 can exceed them by round-off (relative
-#: ~1e-7 to 1e-6 was observed where a bound is tight). The slack covers it.
-ROUNDOFF_SLACK = 1e-5
 
 #: DP replacements suggested when a plain Keras or deel-lip layer is found.
 _REPLACEMENTS = {
@@ -73,19 +77,21 @@ class DPParameters:
         non_private: ``True`` only for a reference run without noise
             (``noise_multiplier`` must then be 0): same network, same projections,
             no privacy.
+        dynamic_clipping: the dynamic-clipping updates the run releases, declared before
+            training so that every privacy plan counts them (rule S11): a callback of
+            :mod:`lipdp.dynamic` (e.g. ``LaplaceAdaptiveLossGradientClipping(ds, epsilon=
+            0.5)``), its ``spec``, or ``None`` (no ``DP_ClipGradient(mode="dynamic")``).
     """
 
     noisify_strategy: str
     noise_multiplier: float
     delta: float
     non_private: bool = False
+    dynamic_clipping: DynamicClippingSpec | None = None
 
     def __post_init__(self):
-        if self.noisify_strategy not in NOISIFY_STRATEGIES:
-            raise ValueError(
-                f"noisify_strategy must be one of {NOISIFY_STRATEGIES}, "
-                f"got {self.noisify_strategy!r}."
-            )
+        validation.choice("noisify_strategy", self.noisify_strategy, NOISIFY_STRATEGIES)
+        self.dynamic_clipping = DynamicClippingSpec.coerce(self.dynamic_clipping)
         self.noise_multiplier = float(self.noise_multiplier)
         if self.non_private:
             if self.noise_multiplier != 0:
@@ -97,8 +103,18 @@ class DPParameters:
                 f"noise_multiplier must be > 0, got {self.noise_multiplier}. For a "
                 "non-private reference run pass non_private=True and noise_multiplier=0."
             )
-        if not 0 < float(self.delta) < 1:
-            raise ValueError(f"delta must be in (0, 1), got {self.delta}.")
+        self.delta = validation.delta(self.delta)
+
+    def to_config(self) -> dict:
+        config = {
+            "noisify_strategy": self.noisify_strategy,
+            "noise_multiplier": self.noise_multiplier,
+            "delta": self.delta,
+            "non_private": self.non_private,
+        }
+        if self.dynamic_clipping is not None:
+            config["dynamic_clipping"] = self.dynamic_clipping.to_config()
+        return config
 
 
 def _describe(layer) -> str:
@@ -176,7 +192,7 @@ class DP_Model(tf.keras.Model):
     Args:
         dp_layers: list of DP layers, the first being :class:`DP_BoundedInput`.
         dp_parameters: :class:`DPParameters`.
-        dataset_metadata: :class:`lipdp.pipeline.DatasetMetadata` (the batch size
+        dataset_metadata: :class:`lipdp.metadata.DatasetMetadata` (the batch size
             ``b`` and ``N``); required for training.
         debug: run eagerly and log every step's sensitivities and noise levels.
     """
@@ -189,34 +205,43 @@ class DP_Model(tf.keras.Model):
         if not isinstance(dp_parameters, DPParameters):
             raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
         if dataset_metadata is not None and not isinstance(dataset_metadata, DatasetMetadata):
-            raise TypeError("dataset_metadata must be a lipdp.pipeline.DatasetMetadata.")
+            raise TypeError("dataset_metadata must be a lipdp.metadata.DatasetMetadata.")
         self.dp_layers = list(dp_layers)
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
         self.debug = bool(debug)
-        #: Set by the callbacks of :mod:`lipdp.dynamic`; the accountant composes its cost.
-        self.dynamic_clipping = None
+        _check_dynamic_declaration(self.dp_layers, dp_parameters)
         if dataset_metadata is not None:
             if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
                 raise ValueError(
                     "Augmentation multiplicity is not supported with Poisson sampling; "
                     "use sampling='shuffle' or multiplicity=0."
                 )
-            # The loss divides by the rows of a batch (b originals x m augmented copies),
-            # so cotangents are clipped at C / rows: each copy's gradient at C.
-            for layer in _with_wrapped_blocks(self.dp_layers):
-                if isinstance(layer, DP_ClipGradient):
-                    layer.batch_normalizer = dataset_metadata.rows_per_batch
         input_shape = getattr(self.dp_layers[0], "_batch_input_shape", None)
         if input_shape is not None:
             self.build(input_shape)
 
     # ----------------------------------------------------------------- structure
     def call(self, inputs, training=None):
-        x = inputs
-        for layer in self.dp_layers:
-            x = layer(x, training=training)
-        return x
+        return self.forward(inputs, training=training)
+
+    def forward(self, inputs, training=None, observe=None):
+        """The one forward loop over ``dp_layers``.
+
+        Layers that clip cotangents receive the loss normaliser of the model's metadata
+        (:attr:`loss_normalizer`). ``observe(index, output)``, if given, is called after
+        every layer and returns the tensor to continue with (e.g. after ``tape.watch``):
+        how diagnostics and dynamic clipping look inside the network without a second
+        copy of this loop.
+        """
+        h = inputs
+        normalizer = {"loss_normalizer": self.loss_normalizer}
+        for index, layer in enumerate(self.dp_layers):
+            kwargs = normalizer if layer.uses_loss_normalizer else {}
+            h = layer(h, training=training, **kwargs)
+            if observe is not None:
+                h = observe(index, h)
+        return h
 
     def layers_forward_order(self):
         return list(self.dp_layers)
@@ -226,12 +251,24 @@ class DP_Model(tf.keras.Model):
 
     @property
     def batch_size(self) -> int:
+        """``b``: the sensitivities of the averaged gradient are ``bound / b``."""
+        return int(self._metadata_for("training").batch_size)
+
+    @property
+    def loss_normalizer(self) -> int | None:
+        """What the summed per-row loss of a batch is divided by (``None``: the rows of
+        the batch, for a model without metadata)."""
+        metadata = self.dataset_metadata
+        return None if metadata is None else metadata.loss_normalizer
+
+    def _metadata_for(self, purpose) -> DatasetMetadata:
         if self.dataset_metadata is None:
             raise ValueError(
-                f"{type(self).__name__} needs dataset_metadata=DatasetMetadata(...) to train: "
-                "the sensitivity depends on the batch size."
+                f"{type(self).__name__} needs dataset_metadata=DatasetMetadata(...) for "
+                f"{purpose}: the sensitivity depends on the batch size, the privacy "
+                "accounting on the sampling rate b/N and the steps per epoch."
             )
-        return int(self.dataset_metadata.batch_size)
+        return self.dataset_metadata
 
     # ---------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
@@ -243,47 +280,27 @@ class DP_Model(tf.keras.Model):
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     # ------------------------------------------------------------------ bounds
-    def input_bounds(self):
-        """Bound on the input norm of each layer (forward order) and on the output norm."""
-        bounds, bound = [], None
-        for layer in self.dp_layers:
-            bounds.append(bound)
-            bound = layer.propagate_inputs(bound)
-        return bounds, bound
-
-    def per_example_sensitivities(self):
-        """``[(variable, bound, nm_coef)]``: bound on one example's gradient norm.
-
-        The backward pass of bounds starts from ``get_L()`` of the compiled loss.
-        """
+    def bounds(self):
+        """The one bound pass (:func:`lipdp.bounds.bound_pass`) from the compiled loss."""
         if not self.built:
             raise ValueError("Build the model (call it on data) before computing bounds.")
         check_loss(self.loss)
-        input_bounds, _ = self.input_bounds()
-        gradient_bound = self.loss.get_L()
-        result = []
-        for layer, input_bound in zip(reversed(self.dp_layers), reversed(input_bounds)):
-            if layer.has_parameters():
-                bounds = layer.backpropagate_params(input_bound, gradient_bound)
-                bounds = list(bounds) if isinstance(bounds, (list, tuple)) else [bounds]
-                variables = layer.trainable_variables
-                if len(bounds) != len(variables):
-                    raise RuntimeError(
-                        f"{_describe(layer)} returned {len(bounds)} bounds for "
-                        f"{len(variables)} trainable variables."
-                    )
-                result += [(v, b, layer.nm_coef) for v, b in zip(variables, bounds)]
-            gradient_bound = layer.backpropagate_inputs(input_bound, gradient_bound)
-        return result
+        return bound_pass(self.dp_layers, self.loss.get_L())
 
-    def _sensitivities(self):
-        """``[(variable, Delta, nm_coef)]`` for the averaged gradient, checked complete.
+    def input_bounds(self):
+        """Bound on the input norm of each layer (forward order) and on the output norm."""
+        bounds = bound_pass(self.dp_layers)
+        return bounds.input_bounds, bounds.output_bound
 
-        ``Delta = per-example bound * (1 + ROUNDOFF_SLACK) / b``.
-        """
-        scale = (1.0 + ROUNDOFF_SLACK) / self.batch_size
-        result = [(v, bound * scale, c) for v, bound, c in self.per_example_sensitivities()]
-        covered = {v.ref() for v, _, _ in result}
+    def per_example_sensitivities(self):
+        """``[(variable, bound, nm_coef)]``: bound on one example's gradient norm."""
+        return [(e.variable, e.bound, e.nm_coef) for e in self.bounds().variables]
+
+    def sensitivities(self):
+        """``[(VariableBound, Delta)]`` of the averaged gradient, checked complete
+        (:meth:`lipdp.bounds.Bounds.sensitivities`)."""
+        result = self.bounds().sensitivities(self.batch_size)
+        covered = {entry.variable.ref() for entry, _ in result}
         missing = [v.name for v in self.trainable_variables if v.ref() not in covered]
         if missing:
             raise ValueError(
@@ -293,52 +310,76 @@ class DP_Model(tf.keras.Model):
         return result
 
     def noise_multipliers(self) -> list[float]:
-        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant.
-
-        ``"global"``: one mechanism, ``[sigma]``. ``"per-layer"``: one mechanism per
-        trainable variable, ``sigma * nm_coef`` each (their composition is a single
-        Gaussian mechanism with ``sigma_eff = (sum_v sigma_v^-2)^(-1/2)``).
-        """
+        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant
+        (:func:`lipdp.noise.noise_multipliers`)."""
         params = self.dp_parameters
-        if params.noisify_strategy == "global":
-            return [params.noise_multiplier]
-        return [
-            params.noise_multiplier * float(layer.nm_coef)
-            for layer in self.dp_layers
-            if layer.has_parameters()
-            for _ in layer.trainable_variables
-        ]
+        coefs = [float(layer.nm_coef) for layer, _ in parameterized_variables(self.dp_layers)]
+        return noise.noise_multipliers(params.noisify_strategy, params.noise_multiplier, coefs)
+
+    def noise_stddevs(self):
+        """``{variable ref: standard deviation of its noise}`` (:mod:`lipdp.noise`)."""
+        params = self.dp_parameters
+        entries = self.sensitivities()
+        sigma = 0.0 if params.non_private else params.noise_multiplier
+        stddevs = noise.noise_stddevs(
+            params.noisify_strategy,
+            sigma,
+            [delta for _, delta in entries],
+            [entry.nm_coef for entry, _ in entries],
+        )
+        return {entry.variable.ref(): s for (entry, _), s in zip(entries, stddevs)}
+
+    # ----------------------------------------------------------------- privacy
+    def privacy_plan(self) -> PrivacyPlan:
+        """Every mechanism a training run of this model releases (rule S11).
+
+        The noisy steps (noise multipliers of :meth:`noise_multipliers`, sampling rate
+        and steps per epoch of the metadata) and the dynamic-clipping updates declared in
+        ``dp_parameters.dynamic_clipping``. A model with dynamic clip layers that declared
+        nothing is refused: its plan would silently leave the clipping releases out.
+        """
+        metadata = self._metadata_for("privacy accounting")
+        params = self.dp_parameters
+        others = ()
+        spec = params.dynamic_clipping
+        dynamic_layers = dynamic_clip_layers(self.dp_layers)
+        if dynamic_layers and spec is None and not params.non_private:
+            names = ", ".join(repr(layer.name) for _, layer in dynamic_layers)
+            raise ValueError(
+                f"DP_ClipGradient layer(s) {names} have mode='dynamic': their clip values are "
+                "data-dependent releases the privacy plan must count. Declare the callback "
+                "that updates them: DPParameters(..., dynamic_clipping="
+                "LaplaceAdaptiveLossGradientClipping(...) or AdaptiveQuantileClipping(...)), "
+                "or use mode='fixed'."
+            )
+        if spec is not None:
+            others = (spec.release(len(dynamic_layers), metadata.sampling_rate),)
+        return PrivacyPlan.for_training(
+            noise_multipliers=self.noise_multipliers() if not params.non_private else 1.0,
+            sampling_rate=metadata.sampling_rate,
+            steps_per_epoch=metadata.nb_steps_per_epochs,
+            delta=params.delta,
+            other_releases=others,
+            non_private=params.non_private,
+            noise_multiplier=params.noise_multiplier if not params.non_private else None,
+        )
+
+    @property
+    def dynamic_clipping(self):
+        """The declared :class:`~lipdp.dynamic.DynamicClippingSpec` (or ``None``)."""
+        return self.dp_parameters.dynamic_clipping
 
     # --------------------------------------------------------------- training
     def noisify(self, gradients, variables):
         """Add the calibrated Gaussian noise to ``gradients`` (aligned with ``variables``)."""
-        params = self.dp_parameters
-        by_ref = {v.ref(): (delta, coef) for v, delta, coef in self._sensitivities()}
-        if params.non_private:
+        stddevs = self.noise_stddevs()
+        if self.dp_parameters.non_private:
             return list(gradients)
-        sigma = params.noise_multiplier
-        if params.noisify_strategy == "global":
-            total = tf.sqrt(
-                tf.add_n([tf.square(tf.cast(d, tf.float32)) for d, _ in by_ref.values()])
-            )
-            stddevs = [sigma * total] * len(variables)
-        else:
-            stddevs = [
-                sigma * by_ref[v.ref()][1] * tf.cast(by_ref[v.ref()][0], tf.float32)
-                for v in variables
-            ]
+        aligned = [stddevs[v.ref()] for v in variables]
         if self.debug:
-            for v, s in zip(variables, stddevs):
-                logger.info(
-                    "variable %s: sensitivity %.6g, noise std %.6g",
-                    v.name,
-                    float(by_ref[v.ref()][0]),
-                    float(s),
-                )
-        return [
-            g + tf.random.normal(tf.shape(g), stddev=s, dtype=g.dtype)
-            for g, s in zip(gradients, stddevs)
-        ]
+            for v, s in zip(variables, aligned):
+                logger.info("variable %s: noise std %.6g", v.name, float(s))
+        return noise.add_noise(gradients, aligned)
 
     def project(self):
         """Project every constrained weight onto its feasible set."""
@@ -367,11 +408,12 @@ class DP_Model(tf.keras.Model):
             y_pred = self(x, training=True)
             self._refuse_extra_losses()
             loss = self.compute_loss(x, y, y_pred)
-            if self.poisson_sampling:
-                # Random batch sizes: the sum of per-example losses is divided by the
-                # *expected* batch size q N (rule S5), the b of the sensitivities;
-                # compute_loss divided it by the actual size (and returns 0 if empty).
-                loss = loss * tf.cast(batch_rows, loss.dtype) / float(self.batch_size)
+            # The training loss is the sum of per-row losses / the loss normaliser, the
+            # number the sensitivities and the clip layers are computed for (rule S5).
+            # compute_loss divided by the actual rows (0 if the batch is empty): equal for
+            # fixed-size batches (asserted above), the expected size q N under Poisson.
+            normalizer = float(self.dataset_metadata.loss_normalizer)
+            loss = loss * tf.cast(batch_rows, loss.dtype) / normalizer
         variables = self.trainable_variables
         gradients = tape.gradient(loss, variables)
         gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
@@ -468,7 +510,7 @@ class DP_Model(tf.keras.Model):
     def get_config(self):
         return {
             self._layers_key: [tf.keras.layers.serialize(layer) for layer in self.dp_layers],
-            "dp_parameters": asdict(self.dp_parameters),
+            "dp_parameters": self.dp_parameters.to_config(),
             "dataset_metadata": (
                 None if self.dataset_metadata is None else self.dataset_metadata.to_config()
             ),
@@ -487,7 +529,7 @@ class DP_Model(tf.keras.Model):
         return cls(
             layers,
             dp_parameters=DPParameters(**config.pop("dp_parameters")),
-            dataset_metadata=None if metadata is None else DatasetMetadata(**metadata),
+            dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
             **config,
         )
 
@@ -515,15 +557,11 @@ def compute_gradient_bounds(model) -> dict:
     """Sensitivity of the *averaged* minibatch gradient of each trainable variable.
 
     Returns ``{"<layer name>/<variable>": Delta}`` with
-    ``Delta = per-example bound * (1 + ROUNDOFF_SLACK) / b``.
-    Keys are qualified by the owning DP layer because Keras does not keep variable
-    names unique across save/load.
+    ``Delta = per-example bound * (1 + ROUNDOFF_SLACK) / b``
+    (:meth:`lipdp.bounds.Bounds.sensitivities`). Keys are qualified by the owning DP
+    layer because Keras does not keep variable names unique across save/load.
     """
-    keys = {}
-    for layer in model.dp_layers:
-        for v in layer.trainable_variables:
-            keys[v.ref()] = f"{layer.name}/{v.name.rsplit('/', 1)[-1]}"
-    return {keys[v.ref()]: delta for v, delta, _ in model._sensitivities()}
+    return {entry.key: delta for entry, delta in model.sensitivities()}
 
 
 def global_sensitivity(model) -> float:
@@ -531,7 +569,20 @@ def global_sensitivity(model) -> float:
     return float(np.sqrt(sum(float(d) ** 2 for d in compute_gradient_bounds(model).values())))
 
 
-# Re-exported for the API of the original package (``from lipdp.model import DP_Accountant``).
+def _check_dynamic_declaration(layers, dp_parameters) -> None:
+    """A declared dynamic clipping needs a layer to update (the converse is checked when
+    a privacy plan is made: a model may be built for inference without declaring)."""
+    if dp_parameters.dynamic_clipping is not None and not dynamic_clip_layers(layers):
+        raise ValueError(
+            "DPParameters(dynamic_clipping=...) declares clip-value updates but the model has "
+            "no DP_ClipGradient(..., mode='dynamic') layer to update: add one or remove the "
+            "declaration."
+        )
+
+
+# Re-exported for the API of the original package (``from lipdp.model import
+# DP_Accountant, get_eps_delta``).
+from lipdp.accounting.planning import get_eps_delta  # noqa: E402
 from lipdp.callbacks import DP_Accountant  # noqa: E402
 
 __all__ = [
@@ -539,6 +590,8 @@ __all__ = [
     "DP_Model",
     "DP_Sequential",
     "DP_Accountant",
+    "ROUNDOFF_SLACK",
     "compute_gradient_bounds",
+    "get_eps_delta",
     "global_sensitivity",
 ]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lipdp import validation
+from lipdp.accounting.plan import GRADIENT_STEPS
+
 NEIGHBOURING = "add/remove one example"
 
 _SAMPLING = {
@@ -32,7 +35,7 @@ class PrivacyReport:
     epochs: int
     batch_size: int
     nb_samples_train: int
-    dynamic_clipping: dict | None = None
+    dynamic_clipping: list | None = None
     notes: list = field(default_factory=list)
 
     @property
@@ -51,20 +54,29 @@ class PrivacyReport:
             "  sensitivities of the averaged gradient:",
         ]
         lines += [f"    {name}: {value:.4g}" for name, value in self.sensitivities.items()]
-        if self.dynamic_clipping:
-            lines.append(f"  dynamic clipping (composed): {self.dynamic_clipping}")
+        for release in self.dynamic_clipping or []:
+            lines.append(
+                f"  composed: {release['release']}, {release['count']} x {release['mechanism']}"
+            )
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
-def privacy_report(model, epochs: int, accountant: str = "rdp") -> PrivacyReport:
-    """The guarantee of ``epochs`` epochs of training ``model`` and its assumptions."""
-    from lipdp.accounting import get_eps_delta
+def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") -> PrivacyReport:
+    """The guarantee of ``epochs`` epochs of training ``model`` and its assumptions.
+
+    ``epochs=None``: the epochs the model has begun (:func:`lipdp.callbacks.epochs_trained`).
+    Every number comes from the model's privacy plan, bound pass and noise rule, the same
+    objects training and ``get_eps_delta`` use.
+    """
+    from lipdp.callbacks import epochs_trained
     from lipdp.model import compute_gradient_bounds
 
-    epsilon, delta = get_eps_delta(model, epochs, accountant=accountant)
+    if epochs is None:
+        epochs = epochs_trained(model)
+    epochs = validation.count("epochs", epochs)
+    plan = model.privacy_plan()
     metadata = model.dataset_metadata
-    dynamic = getattr(model, "dynamic_clipping", None)
     notes = list(metadata.notes)
     if metadata.multiplicity:
         notes.append(
@@ -73,20 +85,21 @@ def privacy_report(model, epochs: int, accountant: str = "rdp") -> PrivacyReport
         )
     if model.dp_parameters.non_private:
         notes.append("non-private reference run: no noise, no guarantee.")
+    releases = [r for r in plan.describe(epochs) if r["release"] != GRADIENT_STEPS]
     return PrivacyReport(
-        epsilon=epsilon,
-        delta=delta,
+        epsilon=plan.epsilon(epochs, accountant),
+        delta=plan.delta,
         accountant=accountant,
         neighbouring_relation=NEIGHBOURING,
         sampling=metadata.sampling,
         sampling_assumption=_SAMPLING[metadata.sampling],
         noise_strategy=model.dp_parameters.noisify_strategy,
-        noise_multipliers=model.noise_multipliers(),
+        noise_multipliers=list(plan.noise_multipliers),
         sensitivities={k: float(v) for k, v in compute_gradient_bounds(model).items()},
-        steps=epochs * metadata.nb_steps_per_epochs,
+        steps=plan.steps(epochs),
         epochs=epochs,
         batch_size=metadata.batch_size,
         nb_samples_train=metadata.nb_samples_train,
-        dynamic_clipping=None if dynamic is None else dynamic.accounting_config(epochs),
+        dynamic_clipping=releases or None,
         notes=notes,
     )

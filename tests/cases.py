@@ -13,7 +13,7 @@ import tensorflow as tf
 from lipdp import layers as L
 from lipdp import losses
 from lipdp.model import DP_Sequential, DPParameters
-from lipdp.pipeline import DatasetMetadata
+from lipdp.metadata import DatasetMetadata
 
 BATCH = 4
 NB_CLASSES = 5

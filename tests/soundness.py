@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from lipdp.model import ROUNDOFF_SLACK
+from lipdp.bounds import ROUNDOFF_SLACK
 
 #: The noise is calibrated for the bound times (1 + ROUNDOFF_SLACK): float32
 #: round-off may exceed the exact bound by that much, not more.
@@ -73,38 +73,48 @@ def per_example_losses(model, x, y):
 
 
 def measure(model, x, y) -> Ratios:
-    """Largest ratios measured/declared on the batch ``(x, y)``."""
+    """Largest ratios measured/declared on the batch ``(x, y)``.
+
+    Declared bounds come from the model's one bound pass (``model.bounds()``); the
+    measurements from autodiff through the model's own forward loop.
+    """
     x = tf.convert_to_tensor(x)
     y = tf.convert_to_tensor(y)
-    bounds = {v.ref(): (v.name, float(b)) for v, b, _ in model.per_example_sensitivities()}
-    input_bounds, _ = model.input_bounds()
+    declared = model.bounds()
+    bounds = {e.variable.ref(): (e.key, float(e.bound)) for e in declared.variables}
     ratios = Ratios()
+    count = len(model.dp_layers)
 
-    # Forward pass, layer by layer, keeping every layer input for the cotangents.
+    # Forward pass, keeping every layer input for the cotangents.
     inputs = []
     with tf.GradientTape(persistent=True) as tape:
-        h = x
-        for layer in model.dp_layers:
+
+        def watched(h):
             # Fresh tensors per path: after DP_SplitResidual both entries of the pair
             # are one tensor, whose gradient would sum the two paths.
             h = tf.nest.map_structure(tf.identity, h)
             tape.watch(tf.nest.flatten(h))
             inputs.append(h)
-            h = layer(h, training=True)
+            return h
+
+        h = model.forward(
+            watched(x),
+            training=True,
+            observe=lambda index, out: watched(out) if index + 1 < count else out,
+        )
         # The contribution of each example to the *mean* loss, as in training (the
-        # cotangent clipping of DP_ClipGradient is calibrated for it); norms are
-        # multiplied back by the batch size to compare with per-example bounds.
-        batch = x.shape[0]
+        # cotangent clipping of DP_ClipGradient is calibrated for the loss normaliser);
+        # norms are multiplied back by it to compare with per-example bounds.
+        batch = model.loss_normalizer or x.shape[0]
         contributions = model.loss.call(y, h) / batch
         total = tf.reduce_sum(contributions)
 
-    for layer_input, bound in zip(inputs, input_bounds):
+    for layer_input, bound in zip(inputs, declared.input_bounds):
         if bound is not None:
             ratios.activation = max(
                 ratios.activation, float(tf.reduce_max(_norms(layer_input) / _as_pair_array(bound)))
             )
-    gradient_bounds = _cotangent_bounds(model)
-    for layer_input, g_bound in zip(inputs, gradient_bounds):
+    for layer_input, g_bound in zip(inputs, declared.input_cotangent_bounds):
         cot = tape.gradient(total, layer_input)
         if cot is None or (isinstance(cot, (list, tuple)) and any(c is None for c in cot)):
             continue
@@ -113,7 +123,6 @@ def measure(model, x, y) -> Ratios:
 
     variables = model.trainable_variables
     jacobians = tape.jacobian(contributions, variables)
-    del tape
     for v, jac in zip(variables, jacobians):
         name, bound = bounds[v.ref()]
         per_example = batch * _norms(jac)
@@ -121,21 +130,10 @@ def measure(model, x, y) -> Ratios:
     return ratios
 
 
-def _cotangent_bounds(model):
-    """Bound on the cotangent at the *input* of every layer, forward order."""
-    input_bounds, _ = model.input_bounds()
-    g = model.loss.get_L()
-    result = []
-    for layer, x_bound in zip(reversed(model.dp_layers), reversed(input_bounds)):
-        g = layer.backpropagate_inputs(x_bound, g)
-        result.append(g)
-    return list(reversed(result))
-
-
 def _gradient_ratio_objective(model, x, y, bounds):
     """Sum over examples and variables of (per-example gradient norm / bound)^2."""
     total = 0.0
-    b = model.batch_size  # the loss normaliser (DP_ClipGradient clips at C / b)
+    b = model.loss_normalizer  # DP_ClipGradient clips at C / b
     for i in range(x.shape[0]):
         with tf.GradientTape() as inner:
             li = per_example_losses(model, x[i : i + 1], y[i : i + 1])[0] / b
@@ -152,7 +150,7 @@ def adversarial_search(model, x, y, steps=15, step_size=0.3, attack_weights=True
     projected back onto their constraint sets after every ascent step, so they
     stay in the set the bounds are proven for. Returns the worst ratios seen.
     """
-    bounds = {v.ref(): float(b) for v, b, _ in model.per_example_sensitivities()}
+    bounds = {e.variable.ref(): float(e.bound) for e in model.bounds().variables}
     x = tf.Variable(tf.convert_to_tensor(x))
     y = tf.convert_to_tensor(y)
     worst = measure(model, x, y)

@@ -8,20 +8,22 @@ as part of a DP release.
 
 For a batch ``(x_i, y_i)`` and every trainable variable ``v``:
 
-* per-example gradients ``g_i = grad_v loss(y_i, f(x_i))`` by ``tape.jacobian`` of
-  the per-example losses ``model.loss.call(y, y_pred)``. The losses are divided by
-  the batch size the model normalises with before differentiation and the
-  Jacobian multiplied back, so a :class:`~lipdp.layers.DP_ClipGradient` clips
-  exactly as in training;
+* per-row gradients ``g_i = grad_v loss(y_i, f(x_i))`` by ``tape.jacobian`` of the
+  per-row losses ``model.loss.call(y, y_pred)``. The losses are divided by the
+  model's loss normaliser (:attr:`lipdp.metadata.DatasetMetadata.loss_normalizer`, the
+  number training divides by: ``b * m`` rows with augmentation multiplicity ``m``)
+  before differentiation and the Jacobian multiplied back, so a
+  :class:`~lipdp.layers.DP_ClipGradient` clips every row's cotangent at ``C`` exactly as
+  in training. A row's gradient is bounded by the per-example bound too (an original
+  example's gradient is the mean of its ``m`` rows');
 * **gradient-to-bound ratio** ``||g_i|| / B_v`` with ``B_v`` the per-example bound of
-  ``model.per_example_sensitivities()``. Rule S1 says it never exceeds 1; how far
-  below 1 it sits measures how loose the bound is;
+  the model's bound pass (:mod:`lipdp.bounds`). Rule S1 says it never exceeds 1; how
+  far below 1 it sits measures how loose the bound is;
 * **signal-to-noise ratio** ``||mean_i g_i|| / (s_v sqrt(d_v))``: the norm of the
   averaged gradient against the expected norm of the noise added to it
   (``d_v`` coordinates of standard deviation ``s_v``; ``E||N(0, s^2 I_d)|| ~
-  s sqrt(d)``). ``s_v = sigma * c_v * Delta_v`` for the ``"per-layer"`` strategy and
-  ``sigma * sqrt(sum_u Delta_u^2)`` for ``"global"``, with ``Delta`` the
-  sensitivities of :func:`lipdp.model.compute_gradient_bounds`.
+  s sqrt(d)``), ``s_v`` from the noise rule of :mod:`lipdp.noise` (what training
+  adds).
 
 :class:`SensitivityAudit` combines the measured gradient ratios with the exact
 operator norms of :func:`lipdp.audit.audit_model` and reports (or raises on) any
@@ -38,23 +40,15 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.audit import DEFAULT_TOLERANCE, SensitivityViolation, audit_model, format_records
-from lipdp.model import ROUNDOFF_SLACK, compute_gradient_bounds
+from lipdp.bounds import ROUNDOFF_SLACK
 
 logger = logging.getLogger(__name__)
 
 
-def _variable_keys(model) -> dict:
-    """``{variable ref: "<layer>/<variable>"}``, the keys of ``compute_gradient_bounds``."""
-    keys = {}
-    for layer in model.layers_forward_order():
-        for v in layer.trainable_variables:
-            keys[v.ref()] = f"{layer.name}/{v.name.rsplit('/', 1)[-1]}"
-    return keys
-
-
-def _loss_normalizer(model, batch: int) -> int:
-    metadata = getattr(model, "dataset_metadata", None)
-    return int(metadata.batch_size) if metadata is not None else int(batch)
+def _loss_normalizer(model, rows: int) -> int:
+    """The number training divides the summed loss by (``rows`` without metadata)."""
+    normalizer = getattr(model, "loss_normalizer", None)
+    return int(rows) if normalizer is None else int(normalizer)
 
 
 def _per_example_gradients(model, x, y, b):
@@ -69,8 +63,9 @@ def _per_example_gradients(model, x, y, b):
 
 
 def per_example_gradients(model, x, y, function=None) -> list:
-    """Per-example gradients of the per-example losses, one ``(n, *v.shape)`` tensor
-    per trainable variable (aligned with ``model.trainable_variables``).
+    """Per-row gradients of the per-row losses, one ``(n, *v.shape)`` tensor per
+    trainable variable (aligned with ``model.trainable_variables``), with cotangents
+    clipped as in training (module docstring).
 
     ``function``: a compiled version from :func:`compiled_per_example_gradients`
     (reused across calls; the default traces the Jacobian anew at every call).
@@ -129,30 +124,20 @@ def gradient_statistics(model, x, y, function=None) -> list[VariableStatistics]:
     """:class:`VariableStatistics` of every trainable variable on ``(x, y)``
     (module docstring). Reads the data given: private if it is training data.
     ``function``: see :func:`per_example_gradients`."""
-    keys = _variable_keys(model)
-    deltas = compute_gradient_bounds(model)
-    sensitivities = model.per_example_sensitivities()
-    bounds = {v.ref(): float(b) for v, b, _ in sensitivities}
-    coefs = {v.ref(): float(c) for v, _, c in sensitivities}
-    params = model.dp_parameters
-    sigma = 0.0 if params.non_private else float(params.noise_multiplier)
-    total = math.sqrt(sum(float(d) ** 2 for d in deltas.values()))
+    entries = {entry.variable.ref(): entry for entry, _ in model.sensitivities()}
+    stddevs = model.noise_stddevs()
     stats = []
     for v, g in zip(model.trainable_variables, per_example_gradients(model, x, y, function)):
-        key = keys[v.ref()]
+        entry = entries[v.ref()]
         n = g.shape[0]
         norms = tf.norm(tf.reshape(g, (n, -1)), axis=1).numpy()
-        if params.noisify_strategy == "global":
-            std = sigma * total
-        else:
-            std = sigma * coefs[v.ref()] * float(deltas[key])
         stats.append(
             VariableStatistics(
-                name=key,
-                ratios=norms / bounds[v.ref()],
-                bound=bounds[v.ref()],
+                name=entry.key,
+                ratios=norms / float(entry.bound),
+                bound=float(entry.bound),
                 mean_gradient_norm=float(tf.norm(tf.reduce_mean(g, axis=0))),
-                noise_std=std,
+                noise_std=float(stddevs[v.ref()]),
                 dim=int(v.shape.num_elements()),
             )
         )
@@ -363,13 +348,13 @@ class SensitivityAudit(tf.keras.callbacks.Callback):
     def run(self, epoch=None) -> AuditReport:
         """Audit ``self.model`` now; returns the report (never raises on violations)."""
         model = self.model
-        keys = _variable_keys(model)
-        bounds = {v.ref(): float(b) for v, b, _ in model.per_example_sensitivities()}
+        entries = {entry.variable.ref(): entry for entry in model.bounds().variables}
         ratios = {}
         gradients = per_example_gradients(model, self.x, self.y, self._function)
         for v, g in zip(model.trainable_variables, gradients):
             norms = tf.norm(tf.reshape(g, (g.shape[0], -1)), axis=1)
-            ratios[keys[v.ref()]] = float(tf.reduce_max(norms)) / bounds[v.ref()]
+            entry = entries[v.ref()]
+            ratios[entry.key] = float(tf.reduce_max(norms)) / float(entry.bound)
         records = audit_model(model, tolerance=self.audit_tolerance, **self.audit_kwargs)
         violations = [
             f"{name}: per-example gradient norm {ratio:.6g} x its declared bound"

@@ -6,8 +6,9 @@ constants to the bound propagation. This module turns those declarations into
 
 Lipschitz constant of the function
 ----------------------------------
-:func:`lipschitz_constant` composes the constants of the layers in
-``model.layers_forward_order()``. The constant of one layer is
+:func:`lipschitz_constant` reads the constant of the one bound pass
+(:func:`lipdp.bounds.bound_pass`), which composes the layers' own
+``propagate_lipschitz``. The constant of one layer is by default
 ``layer.backpropagate_inputs(X, 1.0)``: the bound on the cotangent at the layer
 input for a unit cotangent at its output, i.e. a bound on the operator norm of the
 layer's Jacobian at every input of norm at most ``X`` (the layer's input bound).
@@ -22,8 +23,8 @@ Lipschitz constant on that set. Two exceptions:
 * residual blocks carry pairs ``(skip path, transformed path)``. The constants of
   the two paths with respect to the block input are tracked separately
   (``l1 = 1`` on the skip path, ``l2`` the product of the wrapped layers'
-  constants) and the merge gives ``l1 + l2`` for ``"add"`` and ``(l1 + l2) / 2``
-  for ``"1-lip-add"``.
+  constants) and the merge gives ``scale * (l1 + l2)`` with the merge layer's
+  ``scale`` (1 for ``"add"``, 1/2 for ``"1-lip-add"``).
 
 The result is an upper bound on the ``l2 -> l2`` Lipschitz constant of
 ``x -> logits`` *provided the weights satisfy their constraints*; the operator
@@ -63,69 +64,21 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lipdp.layers import (
-    DP_ClipGradient,
-    DP_MergeResidual,
-    DP_SplitResidual,
-    DP_WrappedResidual,
-)
+from lipdp.bounds import bound_pass
 
 SQRT2 = math.sqrt(2.0)
 
 
 # ------------------------------------------------------------------ Lipschitz constant
-def layer_lipschitz_constant(layer, input_bound) -> float:
-    """Lipschitz constant (``l2 -> l2``) of one single-path layer on inputs of norm
-    at most ``input_bound``: ``backpropagate_inputs(input_bound, 1.0)``, except for
-    :class:`~lipdp.layers.DP_ClipGradient` (identity forward: 1)."""
-    if isinstance(layer, DP_ClipGradient):
-        return 1.0
-    if isinstance(layer, (DP_SplitResidual, DP_MergeResidual, DP_WrappedResidual)):
-        raise TypeError(
-            f"{layer.name!r} is part of a residual block: use lipschitz_constant(model)."
-        )
-    return float(layer.backpropagate_inputs(input_bound, 1.0))
-
-
 def lipschitz_constant(model) -> float:
     """Upper bound on the ``l2 -> l2`` Lipschitz constant of ``x -> model(x)``.
 
-    Composes the layers' constants in ``model.layers_forward_order()`` (module
-    docstring): single-path layers multiply, residual blocks track one constant per
-    path and merge them (``l1 + l2`` for ``"add"``, ``(l1 + l2) / 2`` for
-    ``"1-lip-add"``), :class:`~lipdp.layers.DP_ClipGradient` counts 1.
+    The Lipschitz constant of the bound pass (:func:`lipdp.bounds.bound_pass`, module
+    docstring): single-path layers multiply, residual blocks track one constant per path
+    and merge them with the merge layer's factor,
+    :class:`~lipdp.layers.DP_ClipGradient` counts 1.
     """
-    input_bounds, _ = model.input_bounds()
-    lip = 1.0
-    for layer, bound in zip(model.layers_forward_order(), input_bounds):
-        lip = _propagate(layer, lip, bound)
-    if isinstance(lip, tuple):
-        raise ValueError("The model ends inside a residual block (no DP_MergeResidual).")
-    return float(lip)
-
-
-def _propagate(layer, lip, bound):
-    """Constant(s) of the path(s) after ``layer``; pairs inside residual blocks (nested
-    blocks inside a wrapped path give nested pairs)."""
-    if isinstance(layer, DP_SplitResidual):
-        return (lip, lip)
-    if isinstance(layer, DP_WrappedResidual):
-        skip, path = _as_pair(lip, layer)
-        return (skip, _propagate(layer.block, path, bound[1]))
-    if isinstance(layer, DP_MergeResidual):
-        skip, path = _as_pair(lip, layer)
-        if isinstance(skip, tuple) or isinstance(path, tuple):
-            raise ValueError(f"{layer.name!r} merges a path that is still split.")
-        return {"add": 1.0, "1-lip-add": 0.5}[layer.merge_policy] * (skip + path)
-    if isinstance(lip, tuple):
-        raise ValueError(f"{layer.name!r} acts on a pair of paths outside DP_WrappedResidual.")
-    return lip * layer_lipschitz_constant(layer, bound)
-
-
-def _as_pair(lip, layer):
-    if not isinstance(lip, tuple):
-        raise ValueError(f"{layer.name!r} expects the two paths of a residual block.")
-    return lip
+    return float(bound_pass(model.layers_forward_order()).lipschitz)
 
 
 # ------------------------------------------------------------------------ certificates
@@ -397,7 +350,6 @@ class CertifiableAUROC(ScaledAUC):
 
 __all__ = [
     "lipschitz_constant",
-    "layer_lipschitz_constant",
     "predict_logits",
     "certified_radius",
     "certified_accuracy",

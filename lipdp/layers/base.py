@@ -18,7 +18,19 @@ A layer answers four questions:
 * ``backpropagate_params(X, G)``: a bound on the Frobenius norm of the gradient
   with respect to each trainable variable (a float when the layer has one
   variable, a list aligned with ``trainable_variables`` otherwise);
-* ``has_parameters()``: whether the layer owns trainable variables.
+* ``has_parameters()``: whether the layer owns trainable variables;
+* ``propagate_lipschitz(X, lip)``: given a bound ``lip`` on the Lipschitz constant of
+  the network up to the layer input, a bound up to its output. By default
+  ``lip * backpropagate_inputs(X, 1)``: the cotangent bound for a unit cotangent is a
+  bound on the operator norm of the Jacobian at every input of norm ``<= X``, hence a
+  Lipschitz constant on that ball (the model clips its inputs into it first). Layers
+  whose backward bound is not their Jacobian (``DP_ClipGradient``) and residual layers
+  (pairs) override it.
+
+Layers that clip cotangents need the loss normaliser (rows the summed loss of a batch is
+divided by, :attr:`lipdp.metadata.DatasetMetadata.loss_normalizer`); they set
+``uses_loss_normalizer = True`` and the model passes it to them as a call argument, so
+a layer holds no state that depends on the model it is used in.
 
 ``project()`` is called after every optimizer step; constrained layers map their
 weights back onto the feasible set there (rule S3: training by projection).
@@ -28,12 +40,17 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from lipdp import validation
+
 
 class DPLayer:
     """Mixin implemented by every layer allowed inside a DP model."""
 
     #: Per-layer noise-multiplier coefficient (``"per-layer"`` strategy only).
     nm_coef: float = 1.0
+
+    #: Whether ``call`` takes ``loss_normalizer=`` (module docstring).
+    uses_loss_normalizer: bool = False
 
     def propagate_inputs(self, input_bound):
         raise NotImplementedError
@@ -46,6 +63,10 @@ class DPLayer:
 
     def has_parameters(self) -> bool:
         return False
+
+    def propagate_lipschitz(self, input_bound, lipschitz):
+        """Bound on the Lipschitz constant up to the output (module docstring)."""
+        return lipschitz * self.backpropagate_inputs(input_bound, 1.0)
 
     def project(self) -> None:
         """Map the weights back onto their constraint set (no-op by default)."""
@@ -67,10 +88,8 @@ class NonExpansiveLayer(DPLayer):
 
 
 def validate_nm_coef(nm_coef) -> float:
-    nm_coef = float(nm_coef)
-    if not nm_coef > 0:
-        raise ValueError(f"nm_coef must be > 0 (got {nm_coef}); it multiplies the noise.")
-    return nm_coef
+    """``nm_coef > 0``: it multiplies the noise of the layer's variables."""
+    return validation.positive("nm_coef (it multiplies the noise)", nm_coef)
 
 
 def refuse_bias(layer_name: str, use_bias: bool) -> None:

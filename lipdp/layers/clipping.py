@@ -10,13 +10,14 @@ MODES = ("fixed", "dynamic")
 
 
 def _clip_cotangent(inputs, clip_value, normalizer=None):
-    """Identity whose backward pass clips each example's cotangent to ``clip_value / b``.
+    """Identity whose backward pass clips each row's cotangent to ``clip_value / n``.
 
-    The loss is the sum of per-example losses divided by ``b`` (the batch size, or
-    the expected batch size under Poisson sampling), so the cotangent of example
-    ``i`` is ``g_i / b`` with ``g_i`` the gradient of its own loss; clipping ``g_i / b``
-    at ``C / b`` is clipping ``g_i`` at ``C``. ``normalizer=None`` uses the number of
-    rows of the batch.
+    The loss is the sum of per-row losses divided by ``n``, the loss normaliser
+    (:attr:`lipdp.metadata.DatasetMetadata.loss_normalizer`: the rows of a batch, the
+    expected batch size under Poisson sampling), so the cotangent of row ``i`` is
+    ``g_i / n`` with ``g_i`` the gradient of its own loss; clipping ``g_i / n`` at
+    ``C / n`` is clipping ``g_i`` at ``C``. ``normalizer=None`` uses the number of rows
+    of the batch.
     """
 
     @tf.custom_gradient
@@ -56,21 +57,26 @@ class DP_ClipGradient(tf.keras.layers.Layer, NonExpansiveLayer):
         if clip_value is None or not float(clip_value) > 0:
             raise ValueError(f"clip_value must be > 0, got {clip_value}.")
         self.mode = mode
-        #: The loss normaliser ``b``; set by the DP model from its dataset metadata.
-        self.batch_normalizer = None
         # A variable so that the in-graph bounds follow dynamic updates.
         self.clip_value = tf.Variable(
             float(clip_value), trainable=False, dtype=tf.float32, name="clip_value"
         )
 
-    def call(self, inputs):
-        return _clip_cotangent(inputs, self.clip_value, self.batch_normalizer)
+    uses_loss_normalizer = True
+
+    def call(self, inputs, loss_normalizer=None):
+        """``loss_normalizer``: passed by the DP model it runs in (its metadata's)."""
+        return _clip_cotangent(inputs, self.clip_value, loss_normalizer)
 
     def compute_output_shape(self, input_shape):
         return input_shape
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return tf.minimum(tf.cast(gradient_bound, tf.float32), self.clip_value)
+
+    def propagate_lipschitz(self, input_bound, lipschitz):
+        # Identity forward: clipping is a property of training, not of the function.
+        return lipschitz
 
     def get_config(self):
         config = super().get_config()

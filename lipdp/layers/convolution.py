@@ -35,7 +35,7 @@ import math
 
 import tensorflow as tf
 
-from lipdp import projections
+from lipdp import projections, validation
 from lipdp.layers.base import refuse_bias, register
 from lipdp.layers.constrained import ConstrainedKernelLayer
 
@@ -67,7 +67,7 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
     ):
         name = type(self).__name__
         refuse_bias(name, use_bias)
-        if tuple(_pair(dilation_rate)) != (1, 1):
+        if validation.int_pair("dilation_rate", dilation_rate) != (1, 1):
             raise ValueError(f"{name} does not support dilation (got {dilation_rate}).")
         if data_format not in (None, "channels_last"):
             raise ValueError(f"{name} supports data_format='channels_last' only.")
@@ -78,8 +78,8 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
             )
         super().__init__(**kwargs)
         self.filters = int(filters)
-        self.kernel_size = _pair(kernel_size)
-        self.strides = _pair(strides)
+        self.kernel_size = validation.int_pair("kernel_size", kernel_size)
+        self.strides = validation.int_pair("strides", strides)
         self.padding = padding
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
         self._init_constraint(
@@ -148,15 +148,6 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
             **self._constraint_config(),
         )
         return config
-
-
-def _pair(value) -> tuple[int, int]:
-    if isinstance(value, int):
-        return (value, value)
-    value = tuple(int(v) for v in value)
-    if len(value) != 2:
-        raise ValueError(f"expected an int or a pair, got {value}.")
-    return value
 
 
 def _ceil_div(a, b):

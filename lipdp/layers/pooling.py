@@ -14,6 +14,7 @@ import math
 
 import tensorflow as tf
 
+from lipdp import validation
 from lipdp.layers.base import NonExpansiveLayer, register
 
 _EPS = 1e-6
@@ -32,10 +33,6 @@ def _check_disjoint_windows(name, pool_size, strides):
         )
 
 
-def _pair(value):
-    return (value, value) if isinstance(value, int) else tuple(int(v) for v in value)
-
-
 @register
 class DP_ScaledL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
     """L2-norm pooling over non-overlapping windows (module docstring).
@@ -45,9 +42,11 @@ class DP_ScaledL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
 
     def __init__(self, pool_size=(2, 2), strides=None, padding="valid", eps=_EPS, **kwargs):
         super().__init__(**kwargs)
-        self.pool_size = _pair(pool_size)
+        self.pool_size = validation.int_pair("pool_size", pool_size)
         _check_disjoint_windows(
-            type(self).__name__, self.pool_size, None if strides is None else _pair(strides)
+            type(self).__name__,
+            self.pool_size,
+            None if strides is None else validation.int_pair("strides", strides),
         )
         if padding.lower() not in ("valid", "same"):
             raise ValueError(f"padding must be 'valid' or 'same', got {padding!r}.")
@@ -124,6 +123,8 @@ class DP_MaxPool2D(tf.keras.layers.MaxPool2D, NonExpansiveLayer):
 
     def __init__(self, pool_size=(2, 2), strides=None, padding="valid", **kwargs):
         _check_disjoint_windows(
-            type(self).__name__, _pair(pool_size), None if strides is None else _pair(strides)
+            type(self).__name__,
+            validation.int_pair("pool_size", pool_size),
+            None if strides is None else validation.int_pair("strides", strides),
         )
         super().__init__(pool_size=pool_size, strides=None, padding=padding, **kwargs)

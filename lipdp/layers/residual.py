@@ -13,9 +13,12 @@ import tensorflow as tf
 from lipdp.layers.base import DPLayer, register
 
 MERGE_POLICIES = ("add", "1-lip-add")
+#: ``merge(x1, x2) = scale * (x1 + x2)``.
+MERGE_SCALES = {"add": 1.0, "1-lip-add": 0.5}
 
 
-def _pair(value, what):
+def _paths(value, what):
+    """The two entries ``(skip path, transformed path)`` of a value inside a block."""
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise ValueError(f"inside a residual block {what} must be a pair, got {value!r}.")
     return value
@@ -23,7 +26,8 @@ def _pair(value, what):
 
 @register
 class DP_SplitResidual(tf.keras.layers.Layer, DPLayer):
-    """``x -> (x, x)``. Bounds ``X -> (X, X)``; cotangents add: ``(G1, G2) -> G1 + G2``."""
+    """``x -> (x, x)``. Bounds ``X -> (X, X)``; cotangents add: ``(G1, G2) -> G1 + G2``;
+    Lipschitz constants ``l -> (l, l)`` (one per path)."""
 
     def call(self, inputs):
         return (inputs, inputs)
@@ -32,18 +36,24 @@ class DP_SplitResidual(tf.keras.layers.Layer, DPLayer):
         return (input_bound, input_bound)
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
-        g1, g2 = _pair(gradient_bound, "the gradient bound")
+        g1, g2 = _paths(gradient_bound, "the gradient bound")
         return g1 + g2
+
+    def propagate_lipschitz(self, input_bound, lipschitz):
+        if isinstance(lipschitz, (tuple, list)):
+            raise ValueError(f"{self.name!r} splits a path that is already split.")
+        return (lipschitz, lipschitz)
 
 
 @register
 class DP_MergeResidual(tf.keras.layers.Layer, DPLayer):
     """Merges the two paths.
 
-    * ``"add"``: ``x1 + x2``; bound ``X1 + X2``; cotangent ``G -> (G, G)``.
-    * ``"1-lip-add"``: ``(x1 + x2) / 2``; bound ``(X1 + X2) / 2``; ``G -> (G/2, G/2)``.
-      As a function of the block input, the whole block is then 1-Lipschitz when
-      the wrapped layers are.
+    ``scale * (x1 + x2)`` with ``scale`` (:data:`MERGE_SCALES`) 1 for ``"add"`` and 1/2
+    for ``"1-lip-add"``: bound ``scale * (X1 + X2)``; cotangent ``G -> (scale G, scale G)``;
+    Lipschitz constant ``scale * (l1 + l2)`` from the constants ``(l1, l2)`` of the two
+    paths w.r.t. the block input. With ``"1-lip-add"`` the whole block is 1-Lipschitz
+    when the wrapped layers are.
     """
 
     def __init__(self, merge_policy="1-lip-add", **kwargs):
@@ -51,18 +61,25 @@ class DP_MergeResidual(tf.keras.layers.Layer, DPLayer):
         if merge_policy not in MERGE_POLICIES:
             raise ValueError(f"merge_policy must be one of {MERGE_POLICIES}, got {merge_policy!r}.")
         self.merge_policy = merge_policy
-        self._scale = 1.0 if merge_policy == "add" else 0.5
+        #: The merge factor, the one place it is defined.
+        self.scale = MERGE_SCALES[merge_policy]
 
     def call(self, inputs):
-        x1, x2 = _pair(inputs, "the inputs")
-        return self._scale * (x1 + x2)
+        x1, x2 = _paths(inputs, "the inputs")
+        return self.scale * (x1 + x2)
 
     def propagate_inputs(self, input_bound):
-        x1, x2 = _pair(input_bound, "the input bound")
-        return self._scale * (x1 + x2)
+        x1, x2 = _paths(input_bound, "the input bound")
+        return self.scale * (x1 + x2)
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
-        return (self._scale * gradient_bound, self._scale * gradient_bound)
+        return (self.scale * gradient_bound, self.scale * gradient_bound)
+
+    def propagate_lipschitz(self, input_bound, lipschitz):
+        skip, path = _paths(lipschitz, "the Lipschitz constant")
+        if isinstance(skip, (tuple, list)) or isinstance(path, (tuple, list)):
+            raise ValueError(f"{self.name!r} merges a path that is still split.")
+        return self.scale * (skip + path)
 
     def get_config(self):
         config = super().get_config()
@@ -82,22 +99,32 @@ class DP_WrappedResidual(tf.keras.layers.Layer, DPLayer):
             raise TypeError(f"DP_WrappedResidual wraps DP layers only, got {type(block).__name__}.")
         self.block = block
 
-    def call(self, inputs, **kwargs):
-        x1, x2 = _pair(inputs, "the inputs")
-        return (x1, self.block(x2, **kwargs))
+    def call(self, inputs, training=None, loss_normalizer=None):
+        x1, x2 = _paths(inputs, "the inputs")
+        kwargs = {"loss_normalizer": loss_normalizer} if self.block.uses_loss_normalizer else {}
+        return (x1, self.block(x2, training=training, **kwargs))
+
+    @property
+    def uses_loss_normalizer(self):
+        return self.block.uses_loss_normalizer
+
+    def propagate_lipschitz(self, input_bound, lipschitz):
+        _, x2 = _paths(input_bound, "the input bound")
+        skip, path = _paths(lipschitz, "the Lipschitz constant")
+        return (skip, self.block.propagate_lipschitz(x2, path))
 
     def propagate_inputs(self, input_bound):
-        x1, x2 = _pair(input_bound, "the input bound")
+        x1, x2 = _paths(input_bound, "the input bound")
         return (x1, self.block.propagate_inputs(x2))
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
-        _, x2 = _pair(input_bound, "the input bound")
-        g1, g2 = _pair(gradient_bound, "the gradient bound")
+        _, x2 = _paths(input_bound, "the input bound")
+        g1, g2 = _paths(gradient_bound, "the gradient bound")
         return (g1, self.block.backpropagate_inputs(x2, g2))
 
     def backpropagate_params(self, input_bound, gradient_bound):
-        _, x2 = _pair(input_bound, "the input bound")
-        _, g2 = _pair(gradient_bound, "the gradient bound")
+        _, x2 = _paths(input_bound, "the input bound")
+        _, g2 = _paths(gradient_bound, "the gradient bound")
         return self.block.backpropagate_params(x2, g2)
 
     def has_parameters(self):

@@ -1,0 +1,34 @@
+"""Accountants by name: ``get_accountant("rdp")``, ``register_accountant(name, accountant)``.
+
+An accountant is any object with ``name`` and ``epsilon(terms, delta) -> float``, where
+``terms`` is a sequence of ``(mechanism, count)`` pairs (:mod:`lipdp.accounting.mechanisms`)
+and ``epsilon`` is an upper bound on the privacy loss of their composition (add/remove
+one example). Every entry point that takes ``accountant="..."`` resolves it here.
+"""
+
+from __future__ import annotations
+
+from lipdp.accounting.pld import PLDAccountant
+from lipdp.accounting.rdp import RDPAccountant
+
+_REGISTRY = {"rdp": RDPAccountant(), "pld": PLDAccountant()}
+
+
+def register_accountant(name: str, accountant) -> None:
+    """Make ``accountant`` available as ``accountant=name`` everywhere."""
+    if not callable(getattr(accountant, "epsilon", None)):
+        raise TypeError(f"an accountant needs epsilon(terms, delta); got {accountant!r}.")
+    _REGISTRY[str(name)] = accountant
+
+
+def get_accountant(name="rdp"):
+    """The accountant registered as ``name`` (an accountant object is returned as is)."""
+    if not isinstance(name, str) and callable(getattr(name, "epsilon", None)):
+        return name
+    if name not in _REGISTRY:
+        raise ValueError(f"accountant must be one of {tuple(_REGISTRY)}, got {name!r}.")
+    return _REGISTRY[name]
+
+
+def accountant_names() -> tuple:
+    return tuple(_REGISTRY)

@@ -1,0 +1,61 @@
+r"""The noise rule: how much Gaussian noise each variable's averaged gradient receives.
+
+With ``Delta_v`` the sensitivity of the averaged gradient of variable ``v``
+(:meth:`lipdp.bounds.Bounds.sensitivities`), ``sigma`` the noise multiplier and ``c_v`` the
+``nm_coef`` of the layer that owns ``v``:
+
+* ``"global"``: one Gaussian mechanism on the whole gradient, whose L2 sensitivity is
+  ``sqrt(sum_v Delta_v^2)``: every coordinate gets standard deviation
+  ``sigma * sqrt(sum_v Delta_v^2)``; the accountant sees one mechanism of multiplier
+  ``sigma``.
+* ``"per-layer"``: one Gaussian mechanism per variable, standard deviation
+  ``sigma * c_v * Delta_v``; the accountant sees multipliers ``sigma * c_v``, which
+  compose into one Gaussian of ``sigma_eff = (sum_v (sigma c_v)^-2)^(-1/2)``.
+
+:func:`noise_stddevs` and :func:`noise_multipliers` are the only places these numbers are
+computed: the model's training step, the diagnostics and the privacy report read them.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from lipdp import validation
+
+NOISIFY_STRATEGIES = ("global", "per-layer")
+
+
+def noise_multipliers(strategy, sigma, nm_coefs) -> list[float]:
+    """Multipliers of the Gaussian mechanisms of one step, for the accountant:
+    ``[sigma]`` (``"global"``) or ``[sigma * c_v for each variable]`` (``"per-layer"``)."""
+    validation.choice("noisify_strategy", strategy, NOISIFY_STRATEGIES)
+    if strategy == "global":
+        return [float(sigma)]
+    return [float(sigma) * float(c) for c in nm_coefs]
+
+
+def noise_stddevs(strategy, sigma, sensitivities, nm_coefs) -> list:
+    """Standard deviation of the noise on each variable (aligned with ``sensitivities``).
+
+    Works on Python floats and on tensors (in-graph: ``sensitivities`` may depend on
+    variables such as clip values).
+    """
+    validation.choice("noisify_strategy", strategy, NOISIFY_STRATEGIES)
+    deltas = [tf.cast(d, tf.float32) for d in sensitivities]
+    if not deltas:
+        return []
+    if strategy == "global":
+        total = tf.sqrt(tf.add_n([tf.square(d) for d in deltas]))
+        return [float(sigma) * total] * len(deltas)
+    return [float(sigma) * float(c) * d for d, c in zip(deltas, nm_coefs)]
+
+
+def add_noise(gradients, stddevs):
+    """``g + N(0, s^2 I)`` for every gradient ``g`` and its standard deviation ``s``."""
+    return [
+        g + tf.random.normal(tf.shape(g), stddev=tf.cast(s, g.dtype), dtype=g.dtype)
+        for g, s in zip(gradients, stddevs)
+    ]
+
+
+__all__ = ["NOISIFY_STRATEGIES", "add_noise", "noise_multipliers", "noise_stddevs"]
