@@ -48,7 +48,7 @@ def steps_per_epoch(nb_samples: int, batch_size: int, partial_last_batch: bool =
     return nb_samples // batch_size
 
 
-@dataclass
+@dataclass(frozen=True)
 class DatasetMetadata:
     """Public description of a training set.
 
@@ -75,6 +75,9 @@ class DatasetMetadata:
             DP training refuses such batches (rule S5); for non-private use only.
         notes: assumptions the privacy guarantee does *not* cover, e.g. a preprocessing
             step fitted on the private data (rule S7); privacy reports list them.
+
+    Immutable: models, plans and callbacks read the same instance, so a value changed
+    after a plan was made would make the plan wrong. Use ``dataclasses.replace``.
     """
 
     input_shape: tuple
@@ -93,23 +96,27 @@ class DatasetMetadata:
     def __post_init__(self):
         if self.sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {self.sampling!r}.")
-        self.input_shape = tuple(int(d) for d in self.input_shape)
-        self.batch_size = _whole("batch_size", self.batch_size, 1)
-        self.nb_samples_train = _whole("nb_samples_train", self.nb_samples_train, 1)
+        self._set("input_shape", tuple(int(d) for d in self.input_shape))
+        self._set("batch_size", _whole("batch_size", self.batch_size, 1))
+        self._set("nb_samples_train", _whole("nb_samples_train", self.nb_samples_train, 1))
         if self.batch_size > self.nb_samples_train:
             raise ValueError(
                 f"batch_size ({self.batch_size}) is larger than the training set "
                 f"({self.nb_samples_train} examples)."
             )
-        self.multiplicity = _whole("multiplicity", self.multiplicity, 0)
-        self.partial_last_batch = bool(self.partial_last_batch)
+        self._set("multiplicity", _whole("multiplicity", self.multiplicity, 0))
+        self._set("partial_last_batch", bool(self.partial_last_batch))
         if self.nb_steps_per_epochs is None:
-            self.nb_steps_per_epochs = steps_per_epoch(
-                self.nb_samples_train, self.batch_size, self.partial_last_batch
-            )
-        self.nb_steps_per_epochs = _whole("nb_steps_per_epochs", self.nb_steps_per_epochs, 1)
-        self.class_names = list(self.class_names)
-        self.notes = list(self.notes)
+            steps = steps_per_epoch(self.nb_samples_train, self.batch_size, self.partial_last_batch)
+            self._set("nb_steps_per_epochs", steps)
+        steps = _whole("nb_steps_per_epochs", self.nb_steps_per_epochs, 1)
+        self._set("nb_steps_per_epochs", steps)
+        self._set("class_names", list(self.class_names))
+        self._set("notes", list(self.notes))
+
+    def _set(self, name, value):
+        # Normalisation in __post_init__ of a frozen dataclass.
+        object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ sampling
     @property

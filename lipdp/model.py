@@ -66,7 +66,7 @@ _REPLACEMENTS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class DPParameters:
     """Privacy parameters of a training run.
 
@@ -81,6 +81,9 @@ class DPParameters:
             training so that every privacy plan counts them (rule S11): a callback of
             :mod:`lipdp.dynamic` (e.g. ``LaplaceAdaptiveLossGradientClipping(ds, epsilon=
             0.5)``), its ``spec``, or ``None`` (no ``DP_ClipGradient(mode="dynamic")``).
+
+    Immutable (the model, its plan and its training step read the same values); use
+    ``dataclasses.replace`` for a variant.
     """
 
     noisify_strategy: str
@@ -91,8 +94,11 @@ class DPParameters:
 
     def __post_init__(self):
         validation.choice("noisify_strategy", self.noisify_strategy, NOISIFY_STRATEGIES)
-        self.dynamic_clipping = DynamicClippingSpec.coerce(self.dynamic_clipping)
-        self.noise_multiplier = float(self.noise_multiplier)
+        set_field = object.__setattr__  # normalisation of a frozen dataclass
+        set_field(self, "dynamic_clipping", DynamicClippingSpec.coerce(self.dynamic_clipping))
+        sigma = validation.non_negative("noise_multiplier", self.noise_multiplier)
+        set_field(self, "noise_multiplier", sigma)
+        set_field(self, "non_private", bool(self.non_private))
         if self.non_private:
             if self.noise_multiplier != 0:
                 raise ValueError(
@@ -103,7 +109,7 @@ class DPParameters:
                 f"noise_multiplier must be > 0, got {self.noise_multiplier}. For a "
                 "non-private reference run pass non_private=True and noise_multiplier=0."
             )
-        self.delta = validation.delta(self.delta)
+        set_field(self, "delta", validation.delta(self.delta))
 
     def to_config(self) -> dict:
         config = {
