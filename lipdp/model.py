@@ -322,10 +322,12 @@ class DP_Model(tf.keras.Model):
         coefs = [float(layer.nm_coef) for layer, _ in parameterized_variables(self.dp_layers)]
         return noise.noise_multipliers(params.noisify_strategy, params.noise_multiplier, coefs)
 
-    def noise_stddevs(self):
-        """``{variable ref: standard deviation of its noise}`` (:mod:`lipdp.noise`)."""
+    def noise_stddevs(self, sensitivities=None):
+        """``{variable ref: standard deviation of its noise}`` by the noise rule of
+        :mod:`lipdp.noise` (0 for a non-private model); ``sensitivities``: the result of
+        :meth:`sensitivities` if already computed."""
         params = self.dp_parameters
-        entries = self.sensitivities()
+        entries = self.sensitivities() if sensitivities is None else sensitivities
         sigma = 0.0 if params.non_private else params.noise_multiplier
         stddevs = noise.noise_stddevs(
             params.noisify_strategy,
@@ -378,14 +380,20 @@ class DP_Model(tf.keras.Model):
     # --------------------------------------------------------------- training
     def noisify(self, gradients, variables):
         """Add the calibrated Gaussian noise to ``gradients`` (aligned with ``variables``)."""
-        stddevs = self.noise_stddevs()
+        entries = self.sensitivities()
+        stddevs = self.noise_stddevs(entries)
+        if self.debug:
+            deltas = {entry.variable.ref(): delta for entry, delta in entries}
+            for v in variables:
+                logger.info(
+                    "variable %s: sensitivity %.6g, noise std %.6g",
+                    v.name,
+                    float(deltas[v.ref()]),
+                    float(stddevs[v.ref()]),
+                )
         if self.dp_parameters.non_private:
             return list(gradients)
-        aligned = [stddevs[v.ref()] for v in variables]
-        if self.debug:
-            for v, s in zip(variables, aligned):
-                logger.info("variable %s: noise std %.6g", v.name, float(s))
-        return noise.add_noise(gradients, aligned)
+        return noise.add_noise(gradients, [stddevs[v.ref()] for v in variables])
 
     def project(self):
         """Project every constrained weight onto its feasible set."""

@@ -10,8 +10,8 @@ from autodp import mechanism_zoo, transformer_zoo
 
 from lipdp import cli, losses
 from lipdp import layers as L
+from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Accountant, DP_Sequential, DPParameters
-from lipdp.pipeline import DatasetMetadata
 from lipdp.report import privacy_report
 
 N, B = 512, 64

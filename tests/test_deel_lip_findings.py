@@ -16,8 +16,8 @@ from deel.lip.layers import SpectralDense
 
 from lipdp import layers as L
 from lipdp import losses
+from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Sequential, DPParameters
-from lipdp.pipeline import DatasetMetadata
 from tests.soundness import measure
 
 

@@ -8,9 +8,11 @@ import tensorflow as tf
 
 from lipdp import layers as L
 from lipdp import losses
+from lipdp.accounting import Laplace, SubsampledGaussian, autodp_epsilon, get_eps_delta
 from lipdp.dynamic import (
     AdaptiveQuantileClipping,
     CotangentNorms,
+    DynamicClippingSpec,
     LaplaceAdaptiveLossGradientClipping,
     cotangent_upper_bound,
     find_dynamic_clip_layers,
@@ -23,8 +25,8 @@ from lipdp.dynamic import (
     per_example_cotangent_norms,
     poisson_mask,
 )
+from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Sequential, DPParameters
-from lipdp.pipeline import DatasetMetadata
 
 N = 256
 BATCH = 32
@@ -32,7 +34,8 @@ CLASSES = 5
 TAU = 4.0
 
 
-def make_model(middle=None, clip_value=1.0, mode="dynamic", clip_last=True):
+def make_model(middle=None, clip_value=1.0, mode="dynamic", clip_last=True, dynamic=None):
+    """A small classifier; ``dynamic``: the dynamic clipping declared in DPParameters."""
     meta = DatasetMetadata(
         input_shape=(12,), nb_classes=CLASSES, nb_samples_train=N, batch_size=BATCH
     )
@@ -44,7 +47,7 @@ def make_model(middle=None, clip_value=1.0, mode="dynamic", clip_last=True):
         stack.append(L.DP_ClipGradient(clip_value, mode=mode))
     model = DP_Sequential(
         stack,
-        dp_parameters=DPParameters("global", 1.0, 1e-5),
+        dp_parameters=DPParameters("global", 1.0, 1e-5, dynamic_clipping=dynamic),
         dataset_metadata=meta,
     )
     model.compile(
@@ -74,7 +77,6 @@ def datasets(x, y):
 # ------------------------------------------------------------------------------ training
 @pytest.mark.parametrize("kind", ["laplace-quantile", "laplace-mean", "quantiles"])
 def test_callbacks_change_clip_value_within_limits(kind):
-    model = make_model(clip_value=1.0)
     x, y = make_data()
     train, full = datasets(x, y)
     if kind == "quantiles":
@@ -86,6 +88,7 @@ def test_callbacks_change_clip_value_within_limits(kind):
         callback = LaplaceAdaptiveLossGradientClipping(
             full, epsilon=1.0, statistic=statistic, multiplier=1.0, seed=1
         )
+    model = make_model(clip_value=1.0, dynamic=callback)
     history = model.fit(train, epochs=3, verbose=0, callbacks=[callback])
     values = history.history["clip_value"]
     assert len(values) == 3
@@ -95,48 +98,62 @@ def test_callbacks_change_clip_value_within_limits(kind):
     layer = model.dp_layers[-1]
     assert float(layer.clip_value.numpy()) == pytest.approx(values[-1])
     assert len(callback.history) == 3
-    assert model.dynamic_clipping is callback
+    assert model.dynamic_clipping == callback.spec
+    # Exactly the releases the plan counted before fit (rule S11).
+    assert model.privacy_plan().releases[1].count(3) == len(callback.history)
 
 
 @pytest.mark.parametrize(
     "callback_cls", [LaplaceAdaptiveLossGradientClipping, AdaptiveQuantileClipping]
 )
 def test_two_dynamic_layers_are_updated_and_logged(callback_cls):
-    model = make_model(middle=L.DP_ClipGradient(0.2, mode="dynamic"), clip_value=0.5)
     x, y = make_data()
     train, full = datasets(x, y)
     callback = callback_cls(full, seed=2)
+    middle = L.DP_ClipGradient(0.2, mode="dynamic")
+    model = make_model(middle=middle, clip_value=0.5, dynamic=callback)
     history = model.fit(train, epochs=2, verbose=0, callbacks=[callback])
     (_, mid), (_, last) = find_dynamic_clip_layers(model)
     logged = history.history
     assert logged[f"clip_value/{mid.name}"][-1] == pytest.approx(float(mid.clip_value.numpy()))
     assert logged[f"clip_value/{last.name}"][-1] == pytest.approx(float(last.clip_value.numpy()))
     assert logged[f"clip_value/{mid.name}"] == logged["clip_value"]  # the first one
-    assert len(callback.history) == 4
+    assert len(callback.history) == 4 == model.privacy_plan().releases[1].count(2)
     assert {name for _, name, _, _ in callback.history} == {mid.name, last.name}
     assert all(1e-3 <= new <= math.sqrt(2) for *_, new in callback.history)
 
 
 def test_patience_schedules_updates():
-    model = make_model()
     x, y = make_data()
     train, full = datasets(x, y)
     callback = LaplaceAdaptiveLossGradientClipping(full, patience=2, epsilon=2.0, seed=0)
+    model = make_model(dynamic=callback)
     history = model.fit(train, epochs=5, verbose=0, callbacks=[callback])
     assert [h[0] for h in callback.history] == [1, 3]  # end of epochs 2 and 4
     values = history.history["clip_value"]
     assert values[0] == pytest.approx(1.0) and values[1] == pytest.approx(values[2])
-    assert callback.accounting_config(5)["num_updates"] == 2
+    assert model.privacy_plan().releases[1].count(5) == 2
+
+
+def test_rounds_follow_the_model_epochs_across_fit_calls():
+    """Patience 2, three fit calls of one epoch: releases after epochs 2 (not 0, 1, 2)."""
+    x, y = make_data()
+    train, full = datasets(x, y)
+    callback = LaplaceAdaptiveLossGradientClipping(full, patience=2, epsilon=2.0, seed=0)
+    model = make_model(dynamic=callback)
+    for _ in range(3):
+        model.fit(train, epochs=1, verbose=0, callbacks=[callback])
+    assert len(callback.history) == 1 == model.privacy_plan().releases[1].count(3)
 
 
 def test_laplace_quantile_tracks_the_true_quantile():
     """With a large epsilon the released value is the bin edge just above the quantile."""
-    model = make_model()
     x, y = make_data()
     _, full = datasets(x, y)
     callback = LaplaceAdaptiveLossGradientClipping(
         full, epsilon=1e6, quantile=0.7, num_bins=200, seed=0
     )
+    model = make_model(dynamic=callback)
     callback.set_model(model)
     callback.on_train_begin()
     callback.on_epoch_end(0, {})
@@ -254,10 +271,10 @@ def test_poisson_mask_rate():
 
 
 def test_callback_subsample_has_rate_q():
-    model = make_model()
     x, y = make_data()
     _, full = datasets(x, y)
     callback = AdaptiveQuantileClipping(full, noise_multiplier=1.0, seed=4)
+    model = make_model(dynamic=callback)
     callback.set_model(model)
     callback.on_train_begin()
     sizes = [callback.count_below(0, 10.0) for _ in range(40)]
@@ -293,33 +310,46 @@ def _fit_with(model, callback):
 
 
 def test_error_without_dynamic_clip_layer():
-    model = make_model(clip_last=False)
     x, y = make_data()
+    callback = LaplaceAdaptiveLossGradientClipping((x, y))
     with pytest.raises(ValueError, match="no DP_ClipGradient"):
-        _fit_with(model, LaplaceAdaptiveLossGradientClipping((x, y)))
+        make_model(clip_last=False, dynamic=callback)
+    model = make_model(clip_last=False)
+    with pytest.raises(ValueError, match="declares"):
+        _fit_with(model, callback)
 
 
 def test_error_with_fixed_clip_layer():
-    model = make_model(mode="fixed")
     x, y = make_data()
+    callback = AdaptiveQuantileClipping((x, y))
+    model = make_model(
+        middle=L.DP_ClipGradient(0.5, mode="dynamic"), mode="fixed", dynamic=callback
+    )
     with pytest.raises(ValueError, match="mode='fixed'"):
-        _fit_with(model, AdaptiveQuantileClipping((x, y)))
+        _fit_with(model, callback)
+
+
+def test_error_undeclared_or_different_callback():
+    """Rule S11: a callback the plan does not know is refused, never silently cheaper."""
+    x, y = make_data()
+    callback = LaplaceAdaptiveLossGradientClipping((x, y), epsilon=0.5)
+    with pytest.raises(ValueError, match=r"DPParameters\(\.\.\., dynamic_clipping="):
+        _fit_with(make_model(), callback)
+    other = LaplaceAdaptiveLossGradientClipping((x, y), epsilon=0.1)
+    with pytest.raises(ValueError, match="declares"):
+        _fit_with(make_model(dynamic=other), callback)
 
 
 def test_error_two_callbacks_in_one_fit():
-    model = make_model()
     x, y = make_data()
     train, full = datasets(x, y)
+    first, second = (
+        LaplaceAdaptiveLossGradientClipping(full),
+        LaplaceAdaptiveLossGradientClipping(full),
+    )
+    model = make_model(dynamic=first)
     with pytest.raises(ValueError, match="Two dynamic clipping callbacks"):
-        model.fit(
-            train,
-            epochs=1,
-            verbose=0,
-            callbacks=[
-                LaplaceAdaptiveLossGradientClipping(full),
-                AdaptiveQuantileClipping(full),
-            ],
-        )
+        model.fit(train, epochs=1, verbose=0, callbacks=[first, second])
 
 
 @pytest.mark.parametrize(
@@ -368,44 +398,55 @@ def test_ds_train_is_required():
 
 
 # --------------------------------------------------------------------------- accounting
-def test_accounting_config():
-    model = make_model()
+def test_specs_of_the_callbacks():
     laplace = LaplaceAdaptiveLossGradientClipping(make_data(), patience=3, epsilon=0.5)
-    laplace.set_model(model)
-    assert model.dynamic_clipping is laplace
-    assert laplace.accounting_config(10) == {"mode": "laplace", "epsilon": 0.5, "num_updates": 3}
-    assert laplace.accounting_config(2)["num_updates"] == 0
+    assert laplace.spec == DynamicClippingSpec("laplace", 3, epsilon=0.5)
+    release = laplace.spec.release(1, BATCH / N)
+    assert release.mechanism == Laplace(0.5)
+    assert [release.count(e) for e in (2, 3, 10)] == [0, 1, 3]
     quantiles = AdaptiveQuantileClipping(make_data(), patience=2, noise_multiplier=4.0)
-    quantiles.set_model(model)
-    assert model.dynamic_clipping is quantiles
-    config = quantiles.accounting_config(7)
-    assert config == {
-        "mode": "quantiles",
-        "noise_multiplier": 4.0,
-        "num_updates": 3,
-        "sampling_rate": BATCH / N,
-    }
+    release = quantiles.spec.release(1, BATCH / N)
+    assert release.mechanism == SubsampledGaussian(4.0, BATCH / N)
+    assert release.count(7) == 3
     with pytest.raises(ValueError, match="epochs"):
-        quantiles.accounting_config(-1)
+        release.count(-1)
+    # Declaring the callback, its spec or the spec's config is the same declaration.
+    for declared in (quantiles, quantiles.spec, quantiles.spec.to_config()):
+        assert DPParameters("global", 1.0, 1e-5, dynamic_clipping=declared).dynamic_clipping == (
+            quantiles.spec
+        )
+    with pytest.raises(TypeError, match="dynamic_clipping"):
+        DPParameters("global", 1.0, 1e-5, dynamic_clipping="laplace")
+    with pytest.raises(ValueError, match="epsilon"):
+        DynamicClippingSpec("laplace")
 
 
-def test_accounting_config_counts_every_dynamic_layer():
-    model = make_model(middle=L.DP_ClipGradient(0.5, mode="dynamic"))
+def test_plan_counts_every_dynamic_layer():
     callback = AdaptiveQuantileClipping(make_data(), patience=1, steps_per_update=2)
-    callback.set_model(model)
-    assert callback.accounting_config(3)["num_updates"] == 3 * 2 * 2
+    model = make_model(middle=L.DP_ClipGradient(0.5, mode="dynamic"), dynamic=callback)
+    assert model.privacy_plan().releases[1].count(3) == 3 * 2 * 2
 
 
 @pytest.mark.parametrize("kind", ["laplace", "quantiles"])
-def test_accountant_composes_the_dynamic_clipping(kind):
-    accounting = pytest.importorskip("lipdp.accounting")
-    model = make_model()
-    model.dynamic_clipping = None
-    eps_without, _ = accounting.get_eps_delta(model, 4)
+def test_plan_composes_the_declared_clipping_before_fit(kind):
+    """The drift of issue 10: the epsilon planned before fit did not include the clipping
+    releases until the callback was attached. Now the undeclared model is refused and the
+    declared one counts them from the start."""
     if kind == "laplace":
         callback = LaplaceAdaptiveLossGradientClipping(make_data(), epsilon=0.1)
+        extra = Laplace(0.1)
     else:
         callback = AdaptiveQuantileClipping(make_data(), noise_multiplier=2.0)
-    callback.set_model(model)
-    eps_with, _ = accounting.get_eps_delta(model, 4)
+        extra = SubsampledGaussian(2.0, BATCH / N)
+    with pytest.raises(ValueError, match="mode='dynamic'"):
+        get_eps_delta(make_model(), 4)
+    fixed = make_model(mode="fixed")
+    declared = make_model(dynamic=callback)
+    eps_without, _ = get_eps_delta(fixed, 4)
+    eps_with, _ = get_eps_delta(declared, 4)
     assert eps_with > eps_without
+    steps = 4 * (N // BATCH)
+    expected = autodp_epsilon([(SubsampledGaussian(1.0, BATCH / N), steps), (extra, 4)], 1e-5)
+    assert eps_with == pytest.approx(expected, rel=1e-6)
+    callback.set_model(declared)  # attaching changes nothing
+    assert get_eps_delta(declared, 4)[0] == eps_with

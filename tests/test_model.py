@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from lipdp import layers as L
 from lipdp import losses
+from lipdp.metadata import DatasetMetadata
 from lipdp.model import (
     ROUNDOFF_SLACK,
     DP_Model,
@@ -16,7 +17,6 @@ from lipdp.model import (
     compute_gradient_bounds,
     global_sensitivity,
 )
-from lipdp.pipeline import DatasetMetadata
 from tests.cases import build
 
 SLACK = 1 + ROUNDOFF_SLACK
@@ -101,7 +101,7 @@ def _bias_step_change(strategy, sigma, nm_coef=1.0):
 def test_noise_std_matches_sigma_times_sensitivity(strategy):
     sigma = 1000.0  # the gradient itself (norm <= sensitivity) is negligible next to the noise
     model, change = _bias_step_change(strategy, sigma, nm_coef=2.0)
-    bounds = {v.name: d for v, d, _ in model._sensitivities()}
+    bounds = {e.key: d for e, d in model.sensitivities()}
     bias_delta = next(d for k, d in bounds.items() if "bias" in k)
     if strategy == "global":
         expected = sigma * math.sqrt(sum(d**2 for d in bounds.values()))
@@ -125,7 +125,7 @@ def test_noisify_direct_per_variable_stds():
     variables = model.trainable_variables
     zeros = [tf.zeros_like(v) for v in variables]
     noisy = model.noisify(zeros, variables)
-    bounds = {v.ref(): (d, c) for v, d, c in model._sensitivities()}
+    bounds = {e.variable.ref(): (d, e.nm_coef) for e, d in model.sensitivities()}
     for v, n in zip(variables, noisy):
         delta, coef = bounds[v.ref()]
         assert np.std(n.numpy()) == pytest.approx(2.0 * coef * delta, rel=0.05)

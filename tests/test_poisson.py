@@ -6,8 +6,9 @@ import tensorflow as tf
 
 from lipdp import layers as L
 from lipdp import losses
+from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Sequential, DPParameters, compute_gradient_bounds
-from lipdp.pipeline import DatasetMetadata, poisson_batches
+from lipdp.pipeline import poisson_batches
 
 
 def _meta(n=64, b=8, shape=(3,)):
@@ -68,7 +69,7 @@ def test_poisson_training_and_bounds_use_the_expected_batch_size():
     model.compile(loss=losses.DP_TauCategoricalCrossentropy(2.0), optimizer="adam")
     (bound,) = compute_gradient_bounds(model).values()
     assert float(bound) == pytest.approx(1.0 * 0.5 / 8, rel=1e-4)
-    assert model.dp_layers[-1].batch_normalizer == 8
+    assert model.loss_normalizer == 8  # the clip layers receive it from the model
     history = model.fit(poisson_batches(x, y, 8 / 64, 8, seed=0), epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     with pytest.raises(ValueError, match="poisson_batches"):

@@ -13,8 +13,8 @@ import tensorflow as tf
 
 from lipdp import audit, layers, projections
 from lipdp.layers.convolution import patch_overlap
+from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Sequential, DPParameters
-from lipdp.pipeline import DatasetMetadata
 
 S4_TOLERANCE = 1e-5
 

@@ -8,8 +8,8 @@ from sklearn.model_selection import train_test_split
 
 from lipdp import layers as L
 from lipdp import losses
+from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Sequential, DPParameters
-from lipdp.pipeline import DatasetMetadata
 
 N_TRAIN = 1536  # a multiple of every batch size used below: no partial batch
 
