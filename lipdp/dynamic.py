@@ -432,8 +432,10 @@ class _DynamicClipping(tf.keras.callbacks.Callback):
         self.patience = validation.count("`patience`", patience, 1)
         self.min_clip_value = validation.positive("`min_clip_value`", min_clip_value)
         self.rng = np.random.default_rng(seed)
-        #: ``[(epoch, layer name, old clip value, new clip value)]``, one per release.
+        #: ``[(epoch, layer name, old clip value, new clip value)]``, one per update.
         self.history = []
+        #: Number of DP releases made (mechanism invocations), what the plan counts.
+        self.releases = 0
         self._active = False
         self._norms = None
         self._clip_layers = []
@@ -649,11 +651,13 @@ class LaplaceAdaptiveLossGradientClipping(_DynamicClipping):
                 released, scale = laplace_clipped_mean(
                     sums[k], upper, nb_samples, self.epsilon, self.rng
                 )
+                self.releases += 1
                 detail = f"noisy clipped mean {released:.4g}, Laplace scale {scale:.3g}"
             else:
                 released, _ = laplace_histogram_quantile(
                     counts[k], edges[k], self.quantile, self.epsilon, self.rng
                 )
+                self.releases += 1
                 detail = f"noisy {self.quantile:g}-quantile {released:.4g}"
             value = float(np.clip(self.multiplier * released, lower, upper))
             self._set(epoch, layer, value, f"{detail}, limits [{lower:.3g}, {upper:.3g}]")
@@ -765,6 +769,7 @@ class AdaptiveQuantileClipping(_DynamicClipping):
             for _ in range(self.steps_per_update):
                 count, _ = self.count_below(position, clip)
                 fraction = noisy_fraction(count, expected, self.noise_multiplier, self.rng)
+                self.releases += 1
                 fractions.append(fraction)
                 clip = geometric_update(clip, fraction, self.quantile, self.learning_rate)
                 clip = float(np.clip(clip, lower, upper))

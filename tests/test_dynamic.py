@@ -100,7 +100,7 @@ def test_callbacks_change_clip_value_within_limits(kind):
     assert len(callback.history) == 3
     assert model.dynamic_clipping == callback.spec
     # Exactly the releases the plan counted before fit (rule S11).
-    assert model.privacy_plan().releases[1].count(3) == len(callback.history)
+    assert model.privacy_plan().releases[1].count(3) == callback.releases == 3
 
 
 @pytest.mark.parametrize(
@@ -119,6 +119,7 @@ def test_two_dynamic_layers_are_updated_and_logged(callback_cls):
     assert logged[f"clip_value/{last.name}"][-1] == pytest.approx(float(last.clip_value.numpy()))
     assert logged[f"clip_value/{mid.name}"] == logged["clip_value"]  # the first one
     assert len(callback.history) == 4 == model.privacy_plan().releases[1].count(2)
+    assert callback.releases == 4
     assert {name for _, name, _, _ in callback.history} == {mid.name, last.name}
     assert all(1e-3 <= new <= math.sqrt(2) for *_, new in callback.history)
 
@@ -143,7 +144,7 @@ def test_rounds_follow_the_model_epochs_across_fit_calls():
     model = make_model(dynamic=callback)
     for _ in range(3):
         model.fit(train, epochs=1, verbose=0, callbacks=[callback])
-    assert len(callback.history) == 1 == model.privacy_plan().releases[1].count(3)
+    assert callback.releases == 1 == model.privacy_plan().releases[1].count(3)
 
 
 def test_laplace_quantile_tracks_the_true_quantile():

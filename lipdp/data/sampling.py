@@ -1,0 +1,85 @@
+"""How training batches are drawn (the ``sampling`` of :class:`~lipdp.metadata.DatasetMetadata`).
+
+* ``"poisson"``: :func:`poisson_batches`, every example enters each batch independently
+  with probability ``q``: exactly the mechanism the accountant analyses.
+* ``"shuffle"``: the image and tabular pipelines draw batches from a uniform shuffle of
+  the *whole* training set every epoch (a permutation of the example indices; the
+  shuffle buffer holds all ``N`` indices); batches have exactly ``batch_size``
+  examples when ``drop_remainder=True``. Test sets are read in order.
+
+A fixed ``seed`` makes runs reproducible; privacy amplification by subsampling assumes
+the sampling randomness is unknown to the adversary, so publish no seed you train with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from lipdp.validation import count, probability
+
+
+def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.Dataset:
+    """Batches drawn by Poisson sampling: each example enters each batch independently
+    with probability ``sampling_rate``, fresh randomness every step and every epoch.
+
+    This is the sampling the accountant analyses (amplification by subsampling with
+    rate ``q``); use it with ``DatasetMetadata(sampling="poisson")``. Batch sizes are
+    random (possibly 0); the model divides the summed loss by the expected size.
+    """
+    sampling_rate = probability("sampling_rate", sampling_rate)
+    steps = count("steps_per_epoch", steps_per_epoch, minimum=1)
+    x = tf.convert_to_tensor(x)
+    y = tf.convert_to_tensor(y)
+    n = int(x.shape[0])
+    if int(y.shape[0]) != n:
+        raise ValueError(f"x has {n} examples but y has {int(y.shape[0])}.")
+
+    def draw(step_seed):
+        keep = tf.random.stateless_uniform([n], seed=tf.stack([step_seed, 0])) < sampling_rate
+        return tf.boolean_mask(x, keep), tf.boolean_mask(y, keep)
+
+    # Dataset.random re-draws its seeds at every iteration (every epoch).
+    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+    return seeds.take(steps).map(draw)
+
+
+# ------------------------------------------- fixed-size batches (used by the pipelines)
+def _check_batch_size(batch_size, n) -> int:
+    """``batch_size`` as an int in ``[1, n]``: a batch cannot hold more than the data."""
+    batch_size = count("batch_size", batch_size, minimum=1)
+    if batch_size > n:
+        raise ValueError(f"batch_size ({batch_size}) is larger than the training set ({n}).")
+    return batch_size
+
+
+def _partial_last_batch(n, batch_size, drop_remainder) -> bool:
+    """Whether the last training batch of an epoch has fewer than ``batch_size`` examples."""
+    return (not drop_remainder) and n % batch_size != 0
+
+
+def _one_hot(labels, nb_classes) -> np.ndarray:
+    """Class indices -> one-hot float32 rows, the label format of both pipelines."""
+    return np.eye(nb_classes, dtype="float32")[np.asarray(labels, dtype="int64")]
+
+
+def _shuffled_batches(n, batch_size, drop_remainder, seed, make_batch) -> tf.data.Dataset:
+    """Batches of a fresh uniform permutation of ``range(n)`` every epoch, mapped by
+    ``make_batch(indices, random_seed)`` (a per-batch int64 seed, fresh every epoch)."""
+    indices = tf.data.Dataset.range(n).shuffle(n, seed=seed, reshuffle_each_iteration=True)
+    indices = indices.batch(batch_size, drop_remainder=drop_remainder)
+    # seed + 1: the per-batch seeds get a seed of their own, not the shuffle's.
+    seeds = tf.data.Dataset.random(
+        seed=None if seed is None else seed + 1, rerandomize_each_iteration=True
+    )
+    batches = tf.data.Dataset.zip((indices, seeds))
+    return batches.map(make_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def _ordered_batches(n, batch_size, make_batch) -> tf.data.Dataset:
+    """Batches of ``range(n)`` in order (the last one may be partial): test sets."""
+    indices = tf.data.Dataset.range(n).batch(batch_size)
+    return indices.map(make_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+__all__ = ["poisson_batches"]
