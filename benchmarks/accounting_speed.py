@@ -32,7 +32,7 @@ from dp_accounting.pld import PLDAccountant as DpAccountingPLD  # noqa: E402
 from lipdp import accounting, layers  # noqa: E402
 from lipdp.accounting import DPGD_Mechanism, get_eps_delta, training_dp_event  # noqa: E402
 from lipdp.model import DP_Sequential, DPParameters  # noqa: E402
-from lipdp.pipeline import DatasetMetadata  # noqa: E402
+from lipdp.metadata import DatasetMetadata  # noqa: E402
 from lipdp.sensitivity import get_max_epochs  # noqa: E402
 
 SIGMA, BATCH, N, DELTA = 2.0, 1000, 60000, 1e-5
@@ -54,11 +54,7 @@ def make_model():
 
 
 def clear_lipdp_caches():
-    accounting._cached_accountant.cache_clear()
-    accounting._subsampled_gaussian_curve.cache_clear()
-    accounting._pure_dp_curve.cache_clear()
-    accounting._pld_subsampled_gaussian.cache_clear()
-    accounting._pld_laplace.cache_clear()
+    accounting.clear_caches()
 
 
 def timed(fn, *args, **kwargs):
@@ -123,8 +119,7 @@ def main():
     (autodp_max, calls), autodp_search = timed(autodp_max_epochs, args.epsilon_max, steps, q)
     clear_lipdp_caches()
     lipdp_max, lipdp_cold = timed(get_max_epochs, args.epsilon_max, model)
-    accountant = accounting.get_accountant(SIGMA, q, DELTA)
-    accountant._cache.clear()  # keep the one-step curve, forget the epsilons
+    accounting.clear_caches(results_only=True)  # keep the one-step curve, forget the epsilons
     _, lipdp_curve_cached = timed(get_max_epochs, args.epsilon_max, model)
     _, lipdp_warm = timed(get_max_epochs, args.epsilon_max, model)
     assert lipdp_max == autodp_max, (lipdp_max, autodp_max)

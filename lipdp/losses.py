@@ -58,6 +58,8 @@ import math
 
 import tensorflow as tf
 
+from lipdp import validation
+
 __all__ = [
     "DP_Loss",
     "DP_TauCategoricalCrossentropy",
@@ -76,34 +78,8 @@ _ACCEPTED_REDUCTIONS = (Reduction.SUM_OVER_BATCH_SIZE, Reduction.AUTO)
 # --------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------
-def _positive_float(name: str, value) -> float:
-    """Return ``float(value)`` if it is a finite number > 0, else raise ValueError."""
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.") from None
-    if not math.isfinite(out) or out <= 0.0:
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.")
-    return out
-
-
-def _non_negative_float(name: str, value) -> float:
-    """Return ``float(value)`` if it is a finite number >= 0, else raise ValueError."""
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.") from None
-    if not math.isfinite(out) or out < 0.0:
-        raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
-    return out
-
-
 def _nb_classes_or_none(value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or int(value) != value or int(value) < 2:
-        raise ValueError(f"`nb_classes` must be None or an integer >= 2, got {value!r}.")
-    return int(value)
+    return None if value is None else validation.count("`nb_classes`", value, minimum=2)
 
 
 def _check_reduction(owner: str, reduction) -> None:
@@ -309,7 +285,7 @@ class DP_TauCategoricalCrossentropy(DP_Loss):
         reduction=Reduction.SUM_OVER_BATCH_SIZE,
         name="DP_TauCategoricalCrossentropy",
     ):
-        self.tau = _positive_float("tau", tau)
+        self.tau = validation.positive("`tau`", tau)
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
@@ -347,7 +323,7 @@ class DP_TauBCE(DP_Loss):
     """
 
     def __init__(self, tau, reduction=Reduction.SUM_OVER_BATCH_SIZE, name="DP_TauBCE"):
-        self.tau = _positive_float("tau", tau)
+        self.tau = validation.positive("`tau`", tau)
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
@@ -394,7 +370,7 @@ class DP_MulticlassHinge(DP_Loss):
         reduction=Reduction.SUM_OVER_BATCH_SIZE,
         name="DP_MulticlassHinge",
     ):
-        self.min_margin = _positive_float("min_margin", min_margin)
+        self.min_margin = validation.positive("`min_margin`", min_margin)
         self.nb_classes = _nb_classes_or_none(nb_classes)
         super().__init__(reduction=reduction, name=name)
 
@@ -490,8 +466,8 @@ class DP_MulticlassHKR(DP_Loss):
         reduction=Reduction.SUM_OVER_BATCH_SIZE,
         name="DP_MulticlassHKR",
     ):
-        self.alpha = _non_negative_float("alpha", alpha)
-        self.min_margin = _positive_float("min_margin", min_margin)
+        self.alpha = validation.non_negative("`alpha`", alpha)
+        self.min_margin = validation.positive("`min_margin`", min_margin)
         self.nb_classes = _nb_classes_or_none(nb_classes)
         super().__init__(reduction=reduction, name=name)
 
@@ -554,7 +530,7 @@ class DP_KCosineSimilarity(DP_Loss):
         reduction=Reduction.SUM_OVER_BATCH_SIZE,
         name="DP_KCosineSimilarity",
     ):
-        self.K = _positive_float("K", K)
+        self.K = validation.positive("`K`", K)
         if isinstance(axis, bool) or int(axis) != axis or int(axis) == 0:
             raise ValueError(
                 f"`axis` must be a non-zero integer (axis 0 is the batch axis), got {axis!r}."

@@ -123,17 +123,22 @@ def bound_propagation(path: Path) -> None:
 
 
 def epsilon_vs_epochs(path: Path) -> None:
-    from lipdp.accounting import RDPAccountant
+    from lipdp.accounting import PrivacyPlan
 
     n, batch, delta = 60_000, 1_000, 1e-5
     steps_per_epoch = n // batch
     epochs = list(range(1, 201))
     fig, ax = plt.subplots(figsize=(6.4, 3.9))
     for sigma, color in ((1.0, ORANGE), (2.0, BLUE), (4.0, GREEN)):
-        accountant = RDPAccountant(sigma, batch / n, delta)
-        eps = [accountant.get_epsilon(e * steps_per_epoch) for e in epochs]
+        plan = PrivacyPlan.for_training(
+            noise_multipliers=sigma,
+            sampling_rate=batch / n,
+            steps_per_epoch=steps_per_epoch,
+            delta=delta,
+        )
+        eps = [plan.epsilon(e) for e in epochs]
         ax.plot(epochs, eps, color=color, label=rf"$\sigma$ = {sigma:g}")
-    budget_epochs = 91  # get_max_epochs(3.0, ...) for sigma = 2 (tests/test_accounting.py)
+    budget_epochs = 91  # get_max_epochs(3.0, ...) for sigma = 2 (tests/test_accounting_plan.py)
     ax.axhline(3.0, color=GREY, linestyle="--", linewidth=1)
     ax.axvline(budget_epochs, color=GREY, linestyle=":", linewidth=1)
     ax.annotate(

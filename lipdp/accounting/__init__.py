@@ -43,7 +43,12 @@ from lipdp.accounting.planning import (
 from lipdp.accounting.pld import PLD_VALUE_DISCRETIZATION_INTERVAL, PLDAccountant
 from lipdp.accounting.rdp import RDPAccountant
 from lipdp.accounting.reference import DPGD_Mechanism, autodp_epsilon
-from lipdp.accounting.registry import accountant_names, get_accountant, register_accountant
+from lipdp.accounting.registry import (
+    accountant_names,
+    clear_caches,
+    get_accountant,
+    register_accountant,
+)
 
 __all__ = [
     "DYNAMIC_MODES",
@@ -59,6 +64,7 @@ __all__ = [
     "accountant_names",
     "autodp_epsilon",
     "calibrate_noise_multiplier",
+    "clear_caches",
     "dp_event",
     "effective_noise_multiplier",
     "epsilon_for_steps",

@@ -8,6 +8,7 @@ one example). Every entry point that takes ``accountant="..."`` resolves it here
 
 from __future__ import annotations
 
+from lipdp.accounting import pld, rdp
 from lipdp.accounting.pld import PLDAccountant
 from lipdp.accounting.rdp import RDPAccountant
 
@@ -32,3 +33,16 @@ def get_accountant(name="rdp"):
 
 def accountant_names() -> tuple:
     return tuple(_REGISTRY)
+
+
+def clear_caches(results_only=False) -> None:
+    """Forget cached results (and, unless ``results_only``, the cached one-run RDP
+    curves and PLDs): for benchmarks that time cold starts."""
+    for accountant in _REGISTRY.values():
+        cache = getattr(accountant, "_cache", None)
+        if isinstance(cache, dict):
+            cache.clear()
+    if not results_only:
+        rdp.rdp_curve.cache_clear()
+        pld._one_run.cache_clear()
+        pld._composed.cache_clear()

@@ -6,7 +6,7 @@ import math
 
 import tensorflow as tf
 
-from lipdp import projections
+from lipdp import projections, validation
 from lipdp.layers.base import DPLayer, register, validate_nm_coef
 
 
@@ -31,9 +31,7 @@ class DP_AddBias(tf.keras.layers.Layer, DPLayer):
 
     def __init__(self, norm_max, nm_coef=1.0, **kwargs):
         super().__init__(**kwargs)
-        if not float(norm_max) > 0:
-            raise ValueError(f"DP_AddBias needs norm_max > 0, got {norm_max}.")
-        self.norm_max = float(norm_max)
+        self.norm_max = validation.positive("DP_AddBias norm_max", norm_max)
         self.nm_coef = validate_nm_coef(nm_coef)
 
     def build(self, input_shape):

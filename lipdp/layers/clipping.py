@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from lipdp import validation
 from lipdp.layers.base import NonExpansiveLayer, register
 
 MODES = ("fixed", "dynamic")
@@ -52,11 +53,8 @@ class DP_ClipGradient(tf.keras.layers.Layer, NonExpansiveLayer):
 
     def __init__(self, clip_value, mode="fixed", **kwargs):
         super().__init__(**kwargs)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-        if clip_value is None or not float(clip_value) > 0:
-            raise ValueError(f"clip_value must be > 0, got {clip_value}.")
-        self.mode = mode
+        self.mode = validation.choice("mode", mode, MODES)
+        clip_value = validation.positive("clip_value", clip_value)
         # A variable so that the in-graph bounds follow dynamic updates.
         self.clip_value = tf.Variable(
             float(clip_value), trainable=False, dtype=tf.float32, name="clip_value"

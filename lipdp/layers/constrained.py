@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from lipdp import projections
+from lipdp import projections, validation
 from lipdp.layers.base import DPLayer, validate_nm_coef
 
 #: The constraint sets a kernel (seen as a matrix) can be projected onto.
@@ -32,17 +32,11 @@ class ConstrainedKernelLayer(DPLayer):
         bjorck_iterations=projections.DEFAULT_BJORCK_ITERATIONS,
         margin=projections.DEFAULT_MARGIN,
     ):
-        if constraint not in CONSTRAINTS:
-            raise ValueError(f"constraint must be one of {CONSTRAINTS}, got {constraint!r}.")
-        if int(power_iterations) < 1 or int(bjorck_iterations) < 1:
-            raise ValueError("power_iterations and bjorck_iterations must be >= 1.")
-        if not 0 <= float(margin) < 1:
-            raise ValueError(f"margin must be in [0, 1), got {margin}.")
-        self.constraint = constraint
+        self.constraint = validation.choice("constraint", constraint, CONSTRAINTS)
         self.nm_coef = validate_nm_coef(nm_coef)
-        self.power_iterations = int(power_iterations)
-        self.bjorck_iterations = int(bjorck_iterations)
-        self.margin = float(margin)
+        self.power_iterations = validation.count("power_iterations", power_iterations, 1)
+        self.bjorck_iterations = validation.count("bjorck_iterations", bjorck_iterations, 1)
+        self.margin = validation.real("margin", margin, low=0.0, high=1.0, low_open=False)
 
     def _constraint_config(self) -> dict:
         return {

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from lipdp import projections
+from lipdp import projections, validation
 from lipdp.layers.base import refuse_bias, register
 from lipdp.layers.constrained import ConstrainedKernelLayer
 
@@ -39,9 +39,7 @@ class _ConstrainedDense(tf.keras.layers.Layer, ConstrainedKernelLayer):
     ):
         refuse_bias(type(self).__name__, use_bias)
         super().__init__(**kwargs)
-        if int(units) < 1:
-            raise ValueError(f"units must be a positive integer, got {units}.")
-        self.units = int(units)
+        self.units = validation.count("units", units, 1)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
         self._init_constraint(
             constraint or self._default_constraint,

@@ -6,6 +6,7 @@ import logging
 
 import tensorflow as tf
 
+from lipdp import validation
 from lipdp.layers.base import NonExpansiveLayer, register
 
 logger = logging.getLogger(__name__)
@@ -27,11 +28,12 @@ class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
     """
 
     def __init__(self, input_shape=None, upper_bound=None, enforce_clipping=True, **kwargs):
-        if upper_bound is None or not float(upper_bound) > 0:
+        if upper_bound is None:
             raise ValueError(
-                f"DP_BoundedInput needs upper_bound > 0 (got {upper_bound}): it is the public "
-                "bound on the norm of one example."
+                "DP_BoundedInput needs upper_bound > 0 (got None): it is the public bound on "
+                "the norm of one example."
             )
+        upper_bound = validation.positive("DP_BoundedInput upper_bound", upper_bound)
         if input_shape is not None:
             kwargs["input_shape"] = tuple(input_shape)
         super().__init__(**kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from lipdp import validation
 from lipdp.layers.base import DPLayer, register
 
 
@@ -31,17 +32,15 @@ class DP_Lambda(tf.keras.layers.Lambda, DPLayer):
                 "DP_Lambda needs lipschitz_constant= and output_gain= (and output_offset= if "
                 "f(0) != 0): an arbitrary function has no known bound."
             )
-        for name, value in [
-            ("lipschitz_constant", lipschitz_constant),
-            ("output_gain", output_gain),
-            ("output_offset", output_offset),
-        ]:
-            if float(value) < 0:
-                raise ValueError(f"DP_Lambda: {name} must be >= 0, got {value}.")
+        lipschitz_constant = validation.non_negative(
+            "DP_Lambda lipschitz_constant", lipschitz_constant
+        )
+        output_gain = validation.non_negative("DP_Lambda output_gain", output_gain)
+        output_offset = validation.non_negative("DP_Lambda output_offset", output_offset)
         super().__init__(function, **kwargs)
-        self.lipschitz_constant = float(lipschitz_constant)
-        self.output_gain = float(output_gain)
-        self.output_offset = float(output_offset)
+        self.lipschitz_constant = lipschitz_constant
+        self.output_gain = output_gain
+        self.output_offset = output_offset
 
     def propagate_inputs(self, input_bound):
         return self.output_gain * input_bound + self.output_offset

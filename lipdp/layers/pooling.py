@@ -48,12 +48,8 @@ class DP_ScaledL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
             self.pool_size,
             None if strides is None else validation.int_pair("strides", strides),
         )
-        if padding.lower() not in ("valid", "same"):
-            raise ValueError(f"padding must be 'valid' or 'same', got {padding!r}.")
-        self.padding = padding.lower()
-        if not eps > 0:
-            raise ValueError("eps must be > 0.")
-        self.eps = float(eps)
+        self.padding = validation.choice("padding", str(padding).lower(), ("valid", "same"))
+        self.eps = validation.positive("eps", eps)
 
     def call(self, inputs):
         squares = tf.square(inputs)
@@ -96,9 +92,7 @@ class DP_ScaledGlobalL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
 
     def __init__(self, eps=_EPS, **kwargs):
         super().__init__(**kwargs)
-        if not eps > 0:
-            raise ValueError("eps must be > 0.")
-        self.eps = float(eps)
+        self.eps = validation.positive("eps", eps)
 
     def call(self, inputs):
         return _smooth_norm(tf.reduce_sum(tf.square(inputs), axis=[1, 2]), self.eps)
