@@ -6,44 +6,7 @@ Every public name is re-exported, so ``from lipdp.datasets import load_digits`` 
 set it there, not here.
 """
 
-from lipdp.data.sources import (
-    CIFAR10_CLASSES,
-    DEBIAN_FASHION_MNIST,
-    FASHION_MNIST_CLASSES,
-    IDX_STEMS,
-    IMAGE_DATASETS,
-    MNIST_CLASSES,
-    SHARED_DATA_DIR,
-    ArrayDataset,
-    adbench_dirs,
-    canonical_name,
-    keras_cache_dirs,
-    load_adbench_data,
-    load_cifar10,
-    load_digits,
-    load_fashion_mnist,
-    load_images,
-    load_mnist,
-    read_idx,
-)
+from lipdp.data import sources
+from lipdp.data.sources import *  # noqa: F403  (the re-export is the point)
 
-__all__ = [
-    "CIFAR10_CLASSES",
-    "DEBIAN_FASHION_MNIST",
-    "FASHION_MNIST_CLASSES",
-    "IDX_STEMS",
-    "IMAGE_DATASETS",
-    "MNIST_CLASSES",
-    "SHARED_DATA_DIR",
-    "ArrayDataset",
-    "adbench_dirs",
-    "canonical_name",
-    "keras_cache_dirs",
-    "load_adbench_data",
-    "load_cifar10",
-    "load_digits",
-    "load_fashion_mnist",
-    "load_images",
-    "load_mnist",
-    "read_idx",
-]
+__all__ = list(sources.__all__)

@@ -18,46 +18,14 @@ The code now lives, one module per concept, in :mod:`lipdp.data`:
 New code should import from those modules.
 """
 
-from lipdp.data.images import (
-    AUGMENTATIONS,
-    CIFAR10_PUBLISHED_MEAN,
-    CIFAR10_PUBLISHED_STD,
-    COLORSPACES,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    augment_images,
-    colorspace_max_norm,
-    colorspace_output_shape,
-    convert_colorspace,
-    load_and_prepare_data,
-    load_and_prepare_images_data,
-)
-from lipdp.data.input_bounds import ROUNDING_MARGIN, bound_clip_value, bound_normalize
-from lipdp.data.sampling import poisson_batches
-from lipdp.data.tabular import TABULAR_SCALINGS, load_adbench_data, prepare_tabular_data
-from lipdp.metadata import SAMPLING_MODES, DatasetMetadata, default_delta_value
+from lipdp.data import images, input_bounds, sampling, tabular
+from lipdp.data.images import *  # noqa: F403  (the re-export is the point)
+from lipdp.data.input_bounds import *  # noqa: F403
+from lipdp.data.sampling import *  # noqa: F403
+from lipdp.data.tabular import *  # noqa: F403
+from lipdp.metadata import SAMPLING_MODES, DatasetMetadata, default_delta_value  # noqa: F401
 
-__all__ = [
-    "AUGMENTATIONS",
-    "CIFAR10_PUBLISHED_MEAN",
-    "CIFAR10_PUBLISHED_STD",
-    "COLORSPACES",
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "ROUNDING_MARGIN",
-    "SAMPLING_MODES",
-    "TABULAR_SCALINGS",
-    "DatasetMetadata",
-    "augment_images",
-    "bound_clip_value",
-    "bound_normalize",
-    "colorspace_max_norm",
-    "colorspace_output_shape",
-    "convert_colorspace",
-    "default_delta_value",
-    "load_adbench_data",
-    "load_and_prepare_data",
-    "load_and_prepare_images_data",
-    "poisson_batches",
-    "prepare_tabular_data",
-]
+__all__ = sorted(
+    {name for module in (images, input_bounds, sampling, tabular) for name in module.__all__}
+    | {"SAMPLING_MODES", "DatasetMetadata", "default_delta_value"}
+)
