@@ -144,6 +144,12 @@ def _one_hot_argmax(y_true, y_pred):
     return tf.one_hot(tf.argmax(y_true, axis=-1), depth=depth, dtype=y_pred.dtype)
 
 
+def _margin_inputs(y_true, y_pred, nb_classes):
+    """``(one-hot label, logits, K)`` of the multiclass margin losses (label = argmax)."""
+    y_true, y_pred = _prepare(y_true, y_pred, min_classes=2)
+    return _one_hot_argmax(y_true, y_pred), y_pred, _num_classes(y_pred, nb_classes)
+
+
 def _num_classes(y_pred, nb_classes: int | None):
     """K as a tensor of ``y_pred``'s dtype, checked against ``nb_classes`` if given."""
     static_k = y_pred.shape[-1]
@@ -375,9 +381,7 @@ class DP_MulticlassHinge(DP_Loss):
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = _prepare(y_true, y_pred, min_classes=2)
-        k = _num_classes(y_pred, self.nb_classes)
-        onehot = _one_hot_argmax(y_true, y_pred)
+        onehot, y_pred, k = _margin_inputs(y_true, y_pred, self.nb_classes)
         return _per_example(_hinge_terms(onehot, y_pred, k, self.min_margin))
 
     def get_L(self) -> float:
@@ -424,9 +428,7 @@ class DP_MulticlassKR(DP_Loss):
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = _prepare(y_true, y_pred, min_classes=2)
-        k = _num_classes(y_pred, self.nb_classes)
-        onehot = _one_hot_argmax(y_true, y_pred)
+        onehot, y_pred, k = _margin_inputs(y_true, y_pred, self.nb_classes)
         return _per_example(_kr_terms(onehot, y_pred, k))
 
     def get_L(self) -> float:
@@ -472,9 +474,7 @@ class DP_MulticlassHKR(DP_Loss):
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = _prepare(y_true, y_pred, min_classes=2)
-        k = _num_classes(y_pred, self.nb_classes)
-        onehot = _one_hot_argmax(y_true, y_pred)
+        onehot, y_pred, k = _margin_inputs(y_true, y_pred, self.nb_classes)
         kr = _kr_terms(onehot, y_pred, k)
         hinge = _hinge_terms(onehot, y_pred, k, self.min_margin)
         return _per_example(kr + self.alpha * hinge)
