@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/digits_cnn.py [--epochs 40] [--seeds 3]
 
-Trains DP_BoundedInput -> DP_QuickSpectralConv2D(16, 3) -> DP_GroupSort(2) ->
+Trains the CNN of ``lipdp train`` on digits (``lipdp.zoo.pooled_cnn``, input bound 5):
+DP_BoundedInput -> DP_QuickSpectralConv2D(16, 3) -> DP_GroupSort(2) ->
 DP_ScaledL2NormPooling2D(2) -> DP_Flatten -> DP_QuickSpectralDense(10) with
 DP_TauCategoricalCrossentropy(tau=8), Adam(0.02), batch 256, 1 536 training and 261
 test images, for several noise multipliers and both noise strategies, and prints the
@@ -21,8 +22,8 @@ import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
-from lipdp import layers, losses  # noqa: E402
-from lipdp.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp import losses, zoo  # noqa: E402
+from lipdp.model import DPParameters  # noqa: E402
 from lipdp.pipeline import DatasetMetadata  # noqa: E402
 
 N_TRAIN, BATCH = 1536, 256
@@ -32,18 +33,8 @@ def make_model(sigma, strategy):
     meta = DatasetMetadata(
         input_shape=(8, 8, 1), nb_classes=10, nb_samples_train=N_TRAIN, batch_size=BATCH
     )
-    model = DP_Sequential(
-        [
-            layers.DP_BoundedInput(input_shape=(8, 8, 1), upper_bound=5.0),
-            layers.DP_QuickSpectralConv2D(16, 3),
-            layers.DP_GroupSort(2),
-            layers.DP_ScaledL2NormPooling2D(2),
-            layers.DP_Flatten(),
-            layers.DP_QuickSpectralDense(10),
-        ],
-        dp_parameters=DPParameters(strategy, sigma, 1e-5, non_private=sigma == 0),
-        dataset_metadata=meta,
-    )
+    params = DPParameters(strategy, sigma, 1e-5, non_private=sigma == 0)
+    model = zoo.build_model("pooled_cnn", meta, params, upper_bound=5.0, widths=(16,))
     model.compile(
         loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
         optimizer=tf.keras.optimizers.Adam(0.02),

@@ -13,7 +13,8 @@ Contenders, each with its own search of the same size (``--trials`` configuratio
 first ones of a fixed list; for every trial the noise multiplier is the smallest that
 keeps epsilon <= target after its epochs, ``lipdp.accounting.calibrate_noise_multiplier``):
 
-* ``lipdp``: Clipless DP-SGD, the CNN of ``examples/01_getting_started.ipynb``: every
+* ``lipdp``: Clipless DP-SGD, the CNN of ``examples/01_getting_started.ipynb``
+  (``lipdp.zoo.strided_cnn`` with ``clip=0.3``): every
   image normalised to norm 1 (``bound_normalize()``, a public bound, no statistic of the
   data) -> DP_BoundedInput(1) -> DP_QuickSpectralConv2D(16, 2, strides=2) ->
   DP_GroupSort(2) -> DP_QuickSpectralConv2D(64, 2, strides=2) -> DP_GroupSort(2) ->
@@ -66,9 +67,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from common import dp_sgd_epsilon, machine_description  # noqa: E402
 
-from lipdp import datasets, layers, losses  # noqa: E402
+from lipdp import datasets, losses, zoo  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
-from lipdp.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp.model import DPParameters  # noqa: E402
 from lipdp.pipeline import DatasetMetadata, bound_normalize  # noqa: E402
 
 DELTA = 1e-5
@@ -119,20 +120,8 @@ def lipdp_model(batch, sigma, n, widths=(16, 64)):
     meta = DatasetMetadata(
         input_shape=(28, 28, 1), nb_classes=10, nb_samples_train=n, batch_size=batch, max_norm=1.0
     )
-    return DP_Sequential(
-        [
-            layers.DP_BoundedInput(input_shape=meta.input_shape, upper_bound=meta.max_norm),
-            layers.DP_QuickSpectralConv2D(widths[0], 2, strides=2),
-            layers.DP_GroupSort(2),
-            layers.DP_QuickSpectralConv2D(widths[1], 2, strides=2),
-            layers.DP_GroupSort(2),
-            layers.DP_Flatten(),
-            layers.DP_QuickSpectralDense(10),
-            layers.DP_ClipGradient(0.3),
-        ],
-        dp_parameters=DPParameters("global", sigma, DELTA, non_private=sigma == 0),
-        dataset_metadata=meta,
-    )
+    params = DPParameters("global", sigma, DELTA, non_private=sigma == 0)
+    return zoo.build_model("strided_cnn", meta, params, widths=widths, clip=0.3)
 
 
 def run_lipdp(trial, epsilon, data, seed):

@@ -23,7 +23,8 @@ first ones of a fixed list, best validation AUROC reported; the search itself is
 private, as in the paper; the best configuration is then re-trained with
 ``--confirm-seeds`` other seeds, same split, to show the seed-to-seed spread):
 
-* ``lipdp``: Clipless DP-SGD, DP_BoundedInput(3) -> DP_QuickSpectralDense(64) ->
+* ``lipdp``: Clipless DP-SGD, the network of ``examples/03_tabular.ipynb``
+  (``lipdp.zoo.tabular_mlp``): DP_BoundedInput(3) -> DP_QuickSpectralDense(64) ->
   DP_AddBias -> DP_GroupSort(2) -> DP_QuickSpectralDense(64) -> DP_AddBias ->
   DP_GroupSort(2) -> DP_QuickSpectralDense(2), DP_TauCategoricalCrossentropy(tau), Adam,
   global noise. Searched: batch size, epochs, learning rate, tau. The noise multiplier
@@ -55,10 +56,10 @@ import tensorflow as tf  # noqa: E402
 from common import dp_sgd_epsilon, machine_description  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
-from lipdp import layers, losses  # noqa: E402
+from lipdp import losses, zoo  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
 from lipdp.datasets import load_adbench_data  # noqa: E402
-from lipdp.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp.model import DPParameters  # noqa: E402
 from lipdp.pipeline import prepare_tabular_data  # noqa: E402
 
 EPSILON, DELTA = 1.0, 1e-5
@@ -139,20 +140,9 @@ def run_lipdp(trial, scaling, seed):
         EPSILON, epochs, batch, meta.nb_samples_train, DELTA, tol=1e-3
     )
     tf.keras.utils.set_random_seed(seed)
-    model = DP_Sequential(
-        [
-            layers.DP_BoundedInput(input_shape=(9,), upper_bound=meta.max_norm),
-            layers.DP_QuickSpectralDense(64),
-            layers.DP_AddBias(norm_max=1.0),
-            layers.DP_GroupSort(2),
-            layers.DP_QuickSpectralDense(64),
-            layers.DP_AddBias(norm_max=1.0),
-            layers.DP_GroupSort(2),
-            layers.DP_QuickSpectralDense(2),
-        ],
-        dp_parameters=DPParameters("global", sigma, DELTA),
-        dataset_metadata=meta,
-    )
+    # The network of notebook 03: 2 x (dense 64, bias in a ball of radius 1, GroupSort).
+    params = DPParameters("global", sigma, DELTA)
+    model = zoo.build_model("tabular_mlp", meta, params, width=64, depth=2, bias=1.0)
     model.compile(
         loss=losses.DP_TauCategoricalCrossentropy(tau=tau),
         optimizer=tf.keras.optimizers.Adam(lr),

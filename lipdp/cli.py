@@ -23,6 +23,9 @@ import time
 #: private data (a data-dependent bound would itself leak, rule S6).
 INPUT_BOUNDS = {"digits": 5.0, "fashion_mnist": 10.0}
 
+#: Channels of the convolution blocks of the CLI's CNN (:func:`lipdp.zoo.pooled_cnn`).
+CNN_WIDTHS = {"digits": (16,), "fashion_mnist": (32, 64)}
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lipdp", description=__doc__.splitlines()[0])
@@ -104,16 +107,16 @@ def _load(name, data_dir):
 
 
 def _build_model(data, args, batch_size, sigma):
+    """The CLI's model (architecture: :func:`lipdp.zoo.pooled_cnn`) and training arrays."""
     import numpy as np
 
-    from lipdp import layers
-    from lipdp.model import DP_Sequential, DPParameters
+    from lipdp import zoo
+    from lipdp.model import DPParameters
     from lipdp.pipeline import DatasetMetadata
 
     n_train = len(data.x_train) - len(data.x_train) % batch_size
-    shape = data.x_train.shape[1:]
     metadata = DatasetMetadata(
-        input_shape=shape,
+        input_shape=data.x_train.shape[1:],
         nb_classes=data.nb_classes,
         nb_samples_train=n_train,
         nb_samples_test=len(data.x_test),
@@ -121,24 +124,11 @@ def _build_model(data, args, batch_size, sigma):
         batch_size=batch_size,
         max_norm=INPUT_BOUNDS[args.dataset],
     )
-    width = 16 if args.dataset == "digits" else 32
-    stack = [
-        layers.DP_BoundedInput(input_shape=shape, upper_bound=INPUT_BOUNDS[args.dataset]),
-        layers.DP_QuickSpectralConv2D(width, 3),
-        layers.DP_GroupSort(2),
-        layers.DP_ScaledL2NormPooling2D(2),
-    ]
-    if args.dataset != "digits":
-        stack += [
-            layers.DP_QuickSpectralConv2D(2 * width, 3),
-            layers.DP_GroupSort(2),
-            layers.DP_ScaledL2NormPooling2D(2),
-        ]
-    stack += [layers.DP_Flatten(), layers.DP_QuickSpectralDense(data.nb_classes)]
-    model = DP_Sequential(
-        stack,
-        dp_parameters=DPParameters(args.strategy, sigma, args.delta),
-        dataset_metadata=metadata,
+    model = zoo.build_model(
+        "pooled_cnn",
+        metadata,
+        DPParameters(args.strategy, sigma, args.delta),
+        widths=CNN_WIDTHS[args.dataset],
     )
     y_train = np.eye(data.nb_classes, dtype="float32")[data.y_train[:n_train]]
     return model, data.x_train[:n_train], y_train

@@ -11,9 +11,9 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp import layers as L
-from lipdp import losses
-from lipdp.model import DP_Sequential, DPParameters
+from lipdp import losses, zoo
 from lipdp.metadata import DatasetMetadata
+from lipdp.model import DP_Sequential, DPParameters
 
 BATCH = 4
 NB_CLASSES = 5
@@ -234,4 +234,29 @@ COMPOSITION_CASES = {
     ),
 }
 
-ALL_CASES = {**LAYER_CASES, **LOSS_CASES, **COMPOSITION_CASES}
+
+def zoo_case(builder, input_shape, upper_bound=3.0, **options):
+    """A zoo architecture at a small size. The zoo's list starts with the same
+    DP_BoundedInput that ``build`` adds, so ``build`` gets the layers after it."""
+    bounded, *body = builder(
+        input_shape=input_shape, upper_bound=upper_bound, nb_classes=NB_CLASSES, **options
+    )
+    assert isinstance(bounded, L.DP_BoundedInput) and bounded.upper_bound == upper_bound
+    return build(body, input_shape, upper_bound=upper_bound)
+
+
+#: One case per builder of lipdp.zoo (and both merge policies of the residual network).
+ZOO_CASES = {
+    "Zoo:pooled_cnn": lambda: zoo_case(zoo.pooled_cnn, (8, 8, 1), widths=(4, 8)),
+    "Zoo:strided_cnn(clip)": lambda: zoo_case(zoo.strided_cnn, (8, 8, 1), widths=(4, 16), clip=0.3),
+    "Zoo:tabular_mlp": lambda: zoo_case(zoo.tabular_mlp, VEC, width=8, depth=2, bias=1.0),
+    "Zoo:resnet(1-lip-add)": lambda: zoo_case(zoo.resnet, (6, 6, 1), blocks=2, width=4),
+    "Zoo:resnet(add)": lambda: zoo_case(
+        zoo.resnet, (6, 6, 1), merge_policy="add", blocks=2, width=4
+    ),
+    "Zoo:mlp_mixer": lambda: zoo_case(
+        zoo.mlp_mixer, (4, 4, 2), patch_size=2, channels=4, token_hidden=8, channel_hidden=8
+    ),
+}
+
+ALL_CASES = {**LAYER_CASES, **LOSS_CASES, **COMPOSITION_CASES, **ZOO_CASES}

@@ -1,7 +1,6 @@
 """lipdp.evaluation: certificates vs attacks, calibration, membership inference,
 diagnostics and the ``lipdp evaluate`` command."""
 
-import argparse
 import logging
 import math
 
@@ -10,10 +9,10 @@ import pytest
 import tensorflow as tf
 from scipy.stats import norm
 
-from lipdp import datasets, losses
+from lipdp import datasets, losses, zoo
 from lipdp import layers as L
 from lipdp.audit import SensitivityViolation
-from lipdp.cli import _build_model, main
+from lipdp.cli import CNN_WIDTHS, INPUT_BOUNDS, main
 from lipdp.evaluation import calibration, diagnostics, membership, robustness
 from lipdp.model import DP_Sequential, DPParameters, compute_gradient_bounds
 from lipdp.pipeline import DatasetMetadata
@@ -26,8 +25,20 @@ def digits():
 
 
 def _digits_cnn(data, sigma=1.0, batch_size=512):
-    args = argparse.Namespace(dataset="digits", strategy="global", delta=1e-5)
-    model, x, y = _build_model(data, args, batch_size, sigma)
+    """The CNN of ``lipdp train`` on digits, on the whole batches of the training set."""
+    n = len(data.x_train) - len(data.x_train) % batch_size
+    metadata = DatasetMetadata(
+        input_shape=data.x_train.shape[1:],
+        nb_classes=data.nb_classes,
+        nb_samples_train=n,
+        nb_samples_test=len(data.x_test),
+        class_names=data.class_names,
+        batch_size=batch_size,
+        max_norm=INPUT_BOUNDS["digits"],
+    )
+    params = DPParameters("global", sigma, 1e-5)
+    model = zoo.build_model("pooled_cnn", metadata, params, widths=CNN_WIDTHS["digits"])
+    x, y = data.x_train[:n], np.eye(data.nb_classes, dtype="float32")[data.y_train[:n]]
     model.compile(
         loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
         optimizer=tf.keras.optimizers.Adam(0.02),
