@@ -31,29 +31,35 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lipdp", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a Lipschitz CNN under a privacy budget")
-    train.add_argument("--dataset", choices=sorted(INPUT_BOUNDS), default="digits")
-    train.add_argument("--data-dir", default=None, help="directory of IDX files (fashion_mnist)")
-    train.add_argument("--epsilon", type=float, default=3.0, help="privacy budget epsilon")
-    train.add_argument("--delta", type=float, default=1e-5)
-    train.add_argument(
+    _add_run_arguments(train)
+    train.set_defaults(handler=train_command)
+    _add_evaluate_parser(commands)
+    return parser
+
+
+def _add_run_arguments(parser) -> None:
+    """The options of a training run, shared by ``train`` and ``evaluate``."""
+    parser.add_argument("--dataset", choices=sorted(INPUT_BOUNDS), default="digits")
+    parser.add_argument("--data-dir", default=None, help="directory of IDX files (fashion_mnist)")
+    parser.add_argument("--epsilon", type=float, default=3.0, help="privacy budget epsilon")
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument(
         "--batch-size", type=int, default=None, help="default: 512 (digits), 2048 (fashion_mnist)"
     )
-    train.add_argument(
+    parser.add_argument(
         "--noise-multiplier",
         type=float,
         default=None,
         help="default: 6.0 (digits), 2.0 (fashion_mnist)",
     )
-    train.add_argument(
+    parser.add_argument(
         "--epochs", type=int, default=None, help="default: the most epochs within the budget"
     )
-    train.add_argument("--strategy", choices=["global", "per-layer"], default="global")
-    train.add_argument("--accountant", choices=["rdp", "pld"], default="rdp")
-    train.add_argument("--learning-rate", type=float, default=None)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_evaluate_parser(commands)
-    return parser
+    parser.add_argument("--strategy", choices=["global", "per-layer"], default="global")
+    parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp")
+    parser.add_argument("--learning-rate", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _add_evaluate_parser(commands) -> None:
@@ -66,19 +72,7 @@ def _add_evaluate_parser(commands) -> None:
         "--model", default=None, help="a saved .keras lipdp model to evaluate (no training)"
     )
     evaluate.add_argument("--save", default=None, help="save the trained model to this .keras path")
-    evaluate.add_argument("--dataset", choices=sorted(INPUT_BOUNDS), default="digits")
-    evaluate.add_argument("--data-dir", default=None, help="directory of IDX files")
-    evaluate.add_argument("--epsilon", type=float, default=3.0, help="privacy budget epsilon")
-    evaluate.add_argument("--delta", type=float, default=1e-5)
-    evaluate.add_argument("--batch-size", type=int, default=None)
-    evaluate.add_argument("--noise-multiplier", type=float, default=None)
-    evaluate.add_argument(
-        "--epochs", type=int, default=None, help="default: the most epochs within the budget"
-    )
-    evaluate.add_argument("--strategy", choices=["global", "per-layer"], default="global")
-    evaluate.add_argument("--accountant", choices=["rdp", "pld"], default="rdp")
-    evaluate.add_argument("--learning-rate", type=float, default=None)
-    evaluate.add_argument("--seed", type=int, default=0)
+    _add_run_arguments(evaluate)
     evaluate.add_argument(
         "--radii",
         type=float,
@@ -87,7 +81,6 @@ def _add_evaluate_parser(commands) -> None:
         help="l2 radii of the certified accuracy",
     )
     evaluate.add_argument("--bins", type=int, default=15, help="confidence bins of the ECE")
-    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
     evaluate.set_defaults(handler=evaluate_command)
 
 
@@ -176,12 +169,7 @@ def _train_private_model(args, data, verb):
     return model, x_train, y_train, time.perf_counter() - start
 
 
-def _trained_epochs(model) -> int:
-    steps = int(model.optimizer.iterations.numpy())
-    return steps // model.dataset_metadata.nb_steps_per_epochs
-
-
-def train(args) -> int:
+def train_command(args) -> int:
     import numpy as np
     import tensorflow as tf
 
@@ -193,7 +181,7 @@ def train(args) -> int:
     y_test = np.eye(data.nb_classes, dtype="float32")[data.y_test]
     _, accuracy = model.evaluate(data.x_test, y_test, verbose=0)
     print()
-    print(privacy_report(model, _trained_epochs(model), accountant=args.accountant))
+    print(privacy_report(model, accountant=args.accountant))
     print(f"test accuracy: {accuracy:.4f} ({len(data.x_test)} images, {seconds:.1f} s training)")
     return 0
 
@@ -232,7 +220,7 @@ def evaluate_command(args) -> int:
     optimizer = getattr(model, "optimizer", None)
     metadata = model.dataset_metadata
     if optimizer is not None and metadata is not None:
-        print(privacy_report(model, _trained_epochs(model), accountant=args.accountant))
+        print(privacy_report(model, accountant=args.accountant))
     else:
         print("privacy report: unavailable (the model has no optimizer state or metadata)")
     print()
@@ -267,7 +255,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     try:
-        return getattr(args, "handler", train)(args)
+        return args.handler(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"lipdp: error: {error}", file=sys.stderr)
         return 2

@@ -6,6 +6,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# Session fixtures shared by the evaluation tests (the digits CNN is trained once per
+# test process, not once per test module).
+from tests.evaluation_helpers import digits, trained  # noqa: E402, F401
+
 
 @pytest.fixture(autouse=True)
 def _seed_everything():

@@ -1,0 +1,68 @@
+"""Shared by the evaluation tests: the digits CNN of ``lipdp train``, trained once per
+test process, and a small vector model."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lipdp import datasets, losses, zoo
+from lipdp import layers as L
+from lipdp.cli import CNN_WIDTHS, INPUT_BOUNDS
+from lipdp.metadata import DatasetMetadata
+from lipdp.model import DP_Sequential, DPParameters
+
+
+@pytest.fixture(scope="session")
+def digits():
+    return datasets.load_digits()
+
+
+def digits_cnn(data, sigma=1.0, batch_size=512):
+    """The CNN of ``lipdp train`` on digits, on the whole batches of the training set."""
+    n = len(data.x_train) - len(data.x_train) % batch_size
+    metadata = DatasetMetadata(
+        input_shape=data.x_train.shape[1:],
+        nb_classes=data.nb_classes,
+        nb_samples_train=n,
+        nb_samples_test=len(data.x_test),
+        class_names=data.class_names,
+        batch_size=batch_size,
+        max_norm=INPUT_BOUNDS["digits"],
+    )
+    params = DPParameters("global", sigma, 1e-5)
+    model = zoo.build_model("pooled_cnn", metadata, params, widths=CNN_WIDTHS["digits"])
+    x, y = data.x_train[:n], np.eye(data.nb_classes, dtype="float32")[data.y_train[:n]]
+    model.compile(
+        loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
+        optimizer=tf.keras.optimizers.Adam(0.02),
+        metrics=["accuracy"],
+    )
+    return model, x, y
+
+
+@pytest.fixture(scope="session")
+def trained(digits):
+    """The CNN of ``lipdp train`` trained with DP (sigma = 1) for 15 epochs.
+
+    Shared by several tests: they must not train it further.
+    """
+    tf.keras.utils.set_random_seed(0)
+    model, x, y = digits_cnn(digits)
+    model.fit(x, y, batch_size=model.batch_size, epochs=15, verbose=0)
+    return model, x, y
+
+
+def vector_model(dp_layers, input_dim=6, batch=8, upper_bound=3.0, loss=None, lr=0.0):
+    meta = DatasetMetadata(
+        input_shape=(input_dim,), nb_classes=5, nb_samples_train=4 * batch, batch_size=batch
+    )
+    model = DP_Sequential(
+        [L.DP_BoundedInput(input_shape=(input_dim,), upper_bound=upper_bound), *dp_layers],
+        dp_parameters=DPParameters("global", 1.0, 1e-5),
+        dataset_metadata=meta,
+    )
+    model.compile(
+        loss=loss or losses.DP_TauCategoricalCrossentropy(tau=8.0),
+        optimizer=tf.keras.optimizers.SGD(lr),
+    )
+    return model
