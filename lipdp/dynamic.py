@@ -19,9 +19,10 @@ Notation
 For one example ``x`` and one dynamic clip layer, ``n(x)`` is the Euclidean norm of the
 cotangent at the layer *before* its clipping, i.e. of the gradient of ``x``'s own loss
 w.r.t. the layer output (clip layers further down the network do clip it, as in
-training). ``U`` is the public upper bound on ``n(x)``: the backward pass of bounds
-(``backpropagate_inputs``) from ``model.loss.get_L()`` through the layers after the clip
-layer -- ``U = get_L()`` for a clip layer right after the logits. ``N`` is the public
+training). ``U`` is the public upper bound on ``n(x)``: the cotangent bound at the
+layer's output in the model's bound pass (:mod:`lipdp.bounds`, from ``model.loss.get_L()``
+through the layers after the clip layer) -- ``U = get_L()`` for a clip layer right after
+the logits. ``N`` is the public
 training-set size ``model.dataset_metadata.nb_samples_train``.
 
 Why the statistics are functions of single examples

@@ -252,7 +252,7 @@ ZOO_CASES = {
     "Zoo:tabular_mlp": lambda: zoo_case(zoo.tabular_mlp, VEC, width=8, depth=2, bias=1.0),
     "Zoo:resnet(1-lip-add)": lambda: zoo_case(zoo.resnet, (6, 6, 1), blocks=2, width=4),
     "Zoo:resnet(add)": lambda: zoo_case(
-        zoo.resnet, (6, 6, 1), merge_policy="add", blocks=2, width=4
+        zoo.resnet, (6, 6, 1), merge_policy="add", blocks=1, width=4
     ),
     "Zoo:mlp_mixer": lambda: zoo_case(
         zoo.mlp_mixer, (4, 4, 2), patch_size=2, channels=4, token_hidden=8, channel_hidden=8
