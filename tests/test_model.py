@@ -378,6 +378,32 @@ def test_sequential_config_round_trip():
     assert clone.layers_backward_order()[0].units == 5
 
 
+def test_declared_dynamic_clipping_survives_save_and_load(tmp_path):
+    """The declaration is part of the model's config: a reloaded model plans the same
+    releases (rule S11) instead of silently dropping them."""
+    from lipdp.accounting import get_eps_delta
+    from lipdp.dynamic import DynamicClippingSpec
+
+    spec = DynamicClippingSpec("quantiles", patience=2, noise_multiplier=3.0)
+    model = DP_Sequential(
+        [
+            L.DP_BoundedInput(input_shape=(6,), upper_bound=1.0),
+            L.DP_QuickSpectralDense(5),
+            L.DP_ClipGradient(0.5, mode="dynamic"),
+        ],
+        dp_parameters=DPParameters("global", 1.0, 1e-5, dynamic_clipping=spec),
+        dataset_metadata=_meta(8, shape=(6,)),
+    )
+    model.compile(loss=losses.DP_TauCategoricalCrossentropy(2.0), optimizer="sgd")
+    path = tmp_path / "dynamic.keras"
+    model.save(path)
+    loaded = tf.keras.models.load_model(path)
+    assert loaded.dp_parameters == model.dp_parameters
+    assert loaded.dynamic_clipping == spec
+    assert get_eps_delta(loaded, 6) == get_eps_delta(model, 6)
+    assert get_eps_delta(model, 6)[0] > get_eps_delta(_model([L.DP_QuickSpectralDense(5)]), 6)[0]
+
+
 def test_shared_layers_and_extra_losses_are_refused():
     dense = L.DP_QuickSpectralDense(12)
     with pytest.raises(ValueError, match="appears twice"):
