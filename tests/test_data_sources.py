@@ -141,12 +141,11 @@ def test_adbench_file_names(tmp_path, monkeypatch):
     np.testing.assert_array_equal(x_path, x_read)
 
 
-def test_shuttle():
-    path = sources.SHARED_DATA_DIR / "adbench_shuttle.npz"
-    if not path.exists() and not os.environ.get("LIPDP_DATA_DIR"):
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must provide {path}")
-        pytest.skip(f"{path} is absent")
+def test_shuttle_is_shipped_with_the_package(monkeypatch):
+    """No ../shared, no LIPDP_DATA_DIR: the packaged copy is found (a fresh clone, a user)."""
+    monkeypatch.delenv("LIPDP_DATA_DIR", raising=False)
+    monkeypatch.setattr(sources, "SHARED_DATA_DIR", Path("/nonexistent/shared/data"))
+    assert (sources.PACKAGED_DATA_DIR / "adbench_shuttle.npz").is_file()
     x, y = load_adbench_data("shuttle")
     assert x.shape == (49097, 9) and x.dtype == np.float32
     assert y.shape == (49097,) and int(y.sum()) == 3511 and set(np.unique(y)) == {0, 1}

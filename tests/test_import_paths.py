@@ -48,6 +48,7 @@ DATASETS_NAMES = [
     "IDX_STEMS",
     "IMAGE_DATASETS",
     "MNIST_CLASSES",
+    "PACKAGED_DATA_DIR",
     "SHARED_DATA_DIR",
     "ArrayDataset",
     "adbench_dirs",

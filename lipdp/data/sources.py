@@ -54,6 +54,10 @@ DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 #: ``<repository>/../shared/data``: where the project's shared data files live.
 SHARED_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 
+#: Small public data sets shipped inside the package (ADBench "shuttle", 330 kB), so that
+#: users without the repository's neighbours have them (DESIGN section 6).
+PACKAGED_DATA_DIR = Path(__file__).resolve().parent / "files"
+
 FASHION_MNIST_CLASSES = [
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
     "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
@@ -403,7 +407,7 @@ def _load_from_sources(name: str, data_dir=None) -> ArrayDataset:
 def adbench_dirs(data_dir=None) -> list[Path]:
     """Directories searched by :func:`load_adbench_data`, in order."""
     dirs = [Path(d).expanduser() for d in (data_dir, os.environ.get("LIPDP_DATA_DIR")) if d]
-    dirs.append(SHARED_DATA_DIR)
+    dirs += [PACKAGED_DATA_DIR, SHARED_DATA_DIR]
     return dirs
 
 
@@ -412,7 +416,8 @@ def load_adbench_data(name: str, data_dir=None) -> tuple[np.ndarray, np.ndarray]
 
     ``name`` is a path to an ``.npz`` file, or a data set name such as ``"shuttle"``,
     looked for as ``<name>.npz``, ``adbench_<name>.npz`` or ADBench's numbered
-    ``<k>_<name>.npz`` in ``data_dir``, ``$LIPDP_DATA_DIR`` and ``<repository>/../shared/data``.
+    ``<k>_<name>.npz`` in ``data_dir``, ``$LIPDP_DATA_DIR``, the data shipped with lipdp
+    (:data:`PACKAGED_DATA_DIR`: ``shuttle``) and ``<repository>/../shared/data``.
 
     Returns ``(x, y)``: ``x`` float32 of shape ``(n, d)``, ``y`` int64 of shape ``(n,)``.
     """
@@ -452,6 +457,7 @@ __all__ = [
     "IDX_STEMS",
     "IMAGE_DATASETS",
     "MNIST_CLASSES",
+    "PACKAGED_DATA_DIR",
     "SHARED_DATA_DIR",
     "ArrayDataset",
     "adbench_dirs",
