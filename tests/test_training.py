@@ -57,6 +57,7 @@ def test_private_cnn_learns_digits(digits, strategy):
     assert accuracy > 0.7, f"noise multiplier 1, {strategy}: test accuracy {accuracy:.3f}"
 
 
+@pytest.mark.slow
 def test_non_private_reference_is_an_upper_reference(digits):
     _, private = train_and_evaluate(digits_cnn(sigma=3.0), digits, epochs=20)
     _, reference = train_and_evaluate(digits_cnn(sigma=0.0, non_private=True), digits, epochs=20)
