@@ -127,6 +127,21 @@ def _prepare(y_true, y_pred, min_classes: int = 1):
     return y_true, y_pred
 
 
+def finite_rows(values):
+    """``(batch,)`` booleans: every entry of the example is finite (not NaN, not inf)."""
+    values = tf.convert_to_tensor(values)
+    if not values.dtype.is_floating:
+        return tf.ones(tf.shape(values)[:1], dtype=tf.bool)
+    flat = tf.reshape(values, tf.stack([tf.shape(values)[0], -1]))
+    return tf.reduce_all(tf.math.is_finite(flat), axis=1)
+
+
+def _broadcast_rows(mask, like):
+    """A ``(batch,)`` mask broadcast to the shape of ``like``."""
+    shape = tf.concat([tf.shape(mask), tf.ones([tf.rank(like) - 1], tf.int32)], axis=0)
+    return tf.broadcast_to(tf.reshape(mask, shape), tf.shape(like))
+
+
 def _per_example(values):
     """Mean over every non-batch axis: shape (batch, ...) -> (batch,)."""
     rank = values.shape.rank
@@ -232,6 +247,23 @@ class DP_Loss(tf.keras.losses.Loss, metaclass=abc.ABCMeta):
     def get_L(self) -> float:
         """Upper bound on the norm of the gradient of one example's loss wrt its logits."""
 
+    @abc.abstractmethod
+    def per_example_loss(self, y_true, y_pred):
+        """The loss of each example, shape ``(batch,)``, for finite labels."""
+
+    def call(self, y_true, y_pred):
+        """Per-example losses; an example whose label has a NaN or an infinity counts 0.
+
+        Rule S9: such a label would make the example's gradient NaN, i.e. unbounded. Its
+        label is replaced by zeros (finite, so the loss and its gradient are finite) and
+        its loss by 0 (so its gradient is exactly 0, within every bound).
+        """
+        y_true = tf.convert_to_tensor(y_true)
+        finite = finite_rows(y_true)
+        safe = tf.where(_broadcast_rows(finite, y_true), y_true, tf.zeros_like(y_true))
+        losses = self.per_example_loss(safe, y_pred)
+        return tf.where(finite, losses, tf.zeros_like(losses))
+
     def __call__(self, y_true, y_pred, sample_weight=None):
         if getattr(y_pred, "_keras_mask", None) is not None:
             raise ValueError(
@@ -294,7 +326,7 @@ class DP_TauCategoricalCrossentropy(DP_Loss):
         self.tau = validation.positive("`tau`", tau)
         super().__init__(reduction=reduction, name=name)
 
-    def call(self, y_true, y_pred):
+    def per_example_loss(self, y_true, y_pred):
         y_true, y_pred = _prepare(y_true, y_pred)
         y_true = tf.nn.relu(y_true)
         total = tf.reduce_sum(y_true, axis=-1, keepdims=True)
@@ -332,7 +364,7 @@ class DP_TauBCE(DP_Loss):
         self.tau = validation.positive("`tau`", tau)
         super().__init__(reduction=reduction, name=name)
 
-    def call(self, y_true, y_pred):
+    def per_example_loss(self, y_true, y_pred):
         y_true, y_pred = _prepare(y_true, y_pred)
         y_true = tf.clip_by_value(y_true, 0.0, 1.0)
         bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=y_true, logits=self.tau * y_pred)
@@ -380,7 +412,7 @@ class DP_MulticlassHinge(DP_Loss):
         self.nb_classes = _nb_classes_or_none(nb_classes)
         super().__init__(reduction=reduction, name=name)
 
-    def call(self, y_true, y_pred):
+    def per_example_loss(self, y_true, y_pred):
         onehot, y_pred, k = _margin_inputs(y_true, y_pred, self.nb_classes)
         return _per_example(_hinge_terms(onehot, y_pred, k, self.min_margin))
 
@@ -427,7 +459,7 @@ class DP_MulticlassKR(DP_Loss):
         self.nb_classes = _nb_classes_or_none(nb_classes)
         super().__init__(reduction=reduction, name=name)
 
-    def call(self, y_true, y_pred):
+    def per_example_loss(self, y_true, y_pred):
         onehot, y_pred, k = _margin_inputs(y_true, y_pred, self.nb_classes)
         return _per_example(_kr_terms(onehot, y_pred, k))
 
@@ -473,7 +505,7 @@ class DP_MulticlassHKR(DP_Loss):
         self.nb_classes = _nb_classes_or_none(nb_classes)
         super().__init__(reduction=reduction, name=name)
 
-    def call(self, y_true, y_pred):
+    def per_example_loss(self, y_true, y_pred):
         onehot, y_pred, k = _margin_inputs(y_true, y_pred, self.nb_classes)
         kr = _kr_terms(onehot, y_pred, k)
         hinge = _hinge_terms(onehot, y_pred, k, self.min_margin)
@@ -538,7 +570,7 @@ class DP_KCosineSimilarity(DP_Loss):
         self.axis = int(axis)
         super().__init__(reduction=reduction, name=name)
 
-    def call(self, y_true, y_pred):
+    def per_example_loss(self, y_true, y_pred):
         y_true, y_pred = _prepare(y_true, y_pred)
         rank = y_pred.shape.rank
         if rank is not None and self.axis % rank == 0:
@@ -576,7 +608,7 @@ class DP_MeanAbsoluteError(DP_Loss):
     ):
         super().__init__(reduction=reduction, name=name)
 
-    def call(self, y_true, y_pred):
+    def per_example_loss(self, y_true, y_pred):
         y_true, y_pred = _prepare(y_true, y_pred)
         return _per_example(tf.abs(y_pred - y_true))
 

@@ -34,6 +34,7 @@ from lipdp.accounting.plan import PrivacyPlan
 from lipdp.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
 from lipdp.dynamic import DynamicClippingSpec, dynamic_clip_layers
 from lipdp.layers import DP_BoundedInput, DP_InputLayer, DPLayer
+from lipdp.losses import finite_rows
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
 
@@ -217,6 +218,11 @@ class DP_Model(tf.keras.Model):
         self.dataset_metadata = dataset_metadata
         self.debug = bool(debug)
         _check_dynamic_declaration(self.dp_layers, dp_parameters)
+        # Training examples with a NaN or an infinity (input or label), per epoch, in the
+        # training logs. Like the loss and the accuracy there, a statistic of the private
+        # data for its owner, not part of the DP release. Kept out of Keras' metric list
+        # (object.__setattr__) so that evaluate() returns what it always did.
+        object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
         if dataset_metadata is not None:
             if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
                 raise ValueError(
@@ -418,6 +424,10 @@ class DP_Model(tf.keras.Model):
                     "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
                 ),
             )
+        # Rule S9: DP_BoundedInput zeroes such inputs and the losses give such labels a
+        # zero loss; here they are only counted.
+        finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
+        self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             self._refuse_extra_losses()
@@ -433,7 +443,12 @@ class DP_Model(tf.keras.Model):
         gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
         self.optimizer.apply_gradients(zip(self.noisify(gradients, variables), variables))
         self.project()
-        return self.compute_metrics(x, y, y_pred, None)
+        logs = self.compute_metrics(x, y, y_pred, None)
+        return {**logs, "non_finite_examples": self._non_finite.result()}
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        self._non_finite.reset_state()
 
     @property
     def poisson_sampling(self) -> bool:
@@ -447,13 +462,13 @@ class DP_Model(tf.keras.Model):
             )
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        self._check_fit_arguments(x, batch_size, kwargs)
+        self._check_fit_arguments(x, y, batch_size, kwargs)
         # Weights set by hand (load_weights, set_weights) are brought back in the
         # feasible set before the first bound is trusted.
         self.project()
         return super().fit(x, y, batch_size, *args, **kwargs)
 
-    def _check_fit_arguments(self, x, batch_size, kwargs):
+    def _check_fit_arguments(self, x, y, batch_size, kwargs):
         if self.compiled_loss is None:
             raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
         b = self.batch_size
@@ -489,6 +504,7 @@ class DP_Model(tf.keras.Model):
             )
         if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
             return
+        _refuse_non_finite(x, y)
         n = len(tf.nest.flatten(x)[0])
         if batch_size is not None and batch_size != b:
             raise ValueError(
@@ -581,6 +597,28 @@ def compute_gradient_bounds(model) -> dict:
 def global_sensitivity(model) -> float:
     """``sqrt(sum_v Delta_v^2)``: the sensitivity of the whole averaged gradient."""
     return float(np.sqrt(sum(float(d) ** 2 for d in compute_gradient_bounds(model).values())))
+
+
+def _refuse_non_finite(x, y) -> None:
+    """Rule S9 for arrays: refuse examples with a NaN or an infinity, naming their rows.
+
+    (Pipelines are neutralised in-graph instead: such examples count zero.)
+    """
+    for name, values in (("x", x), ("y", y)):
+        for array in tf.nest.flatten(values):
+            if array is None:
+                continue
+            array = np.asarray(array)
+            if array.dtype.kind not in "fc" or array.ndim == 0:
+                continue
+            bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
+            if bad.size:
+                shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
+                raise ValueError(
+                    f"{name} has {bad.size} example(s) with NaN or infinite values (rows "
+                    f"{shown}): such a record has no bounded contribution. Remove or repair "
+                    "these rows before fit."
+                )
 
 
 def _check_dynamic_declaration(layers, dp_parameters) -> None:

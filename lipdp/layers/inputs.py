@@ -12,6 +12,16 @@ from lipdp.layers.base import NonExpansiveLayer, register
 logger = logging.getLogger(__name__)
 
 
+def zero_non_finite_rows(inputs):
+    """``inputs`` with every example that holds a NaN or an infinity replaced by zeros."""
+    flat = tf.reshape(inputs, tf.stack([tf.shape(inputs)[0], -1]))
+    finite = tf.reduce_all(tf.math.is_finite(flat), axis=1)
+    mask = tf.reshape(
+        finite, tf.concat([tf.shape(finite), tf.ones([tf.rank(inputs) - 1], tf.int32)], 0)
+    )
+    return tf.where(mask, inputs, tf.zeros_like(inputs))
+
+
 @register
 class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
     """Clips each example to Euclidean norm ``upper_bound`` (the public ``X_0``).
@@ -19,6 +29,12 @@ class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
     Clipping ``x -> x * min(1, B / ||x||)`` is the projection onto a convex ball,
     hence 1-Lipschitz; every output has norm at most ``B``. A DP model must start
     with this layer (optionally preceded by :class:`DP_InputLayer`).
+
+    Rule S9: an example with a NaN or an infinity anywhere is replaced by zeros (norm 0,
+    inside the ball), so that its contribution stays within the bounds; ``tf.clip_by_norm``
+    alone would pass a NaN through and turn an infinity into NaN. (A finite example is
+    unchanged by this step; the map is no longer continuous at non-finite inputs, which
+    are not points of the input space.)
 
     Args:
         upper_bound: the bound ``B > 0`` on the norm of one example.
@@ -47,6 +63,7 @@ class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
             )
 
     def call(self, inputs):
+        inputs = zero_non_finite_rows(inputs)  # also without clipping: NaN is never <= B
         if not self.enforce_clipping:
             return inputs
         axes = list(range(1, len(inputs.shape)))
