@@ -285,6 +285,7 @@ class DP_Model(tf.keras.Model):
     # ---------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
         check_loss(loss)
+        _refuse_mixed_precision(_with_wrapped_blocks(self.dp_layers))
         if kwargs.get("loss_weights") is not None:
             raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
         if self.debug:
@@ -462,11 +463,30 @@ class DP_Model(tf.keras.Model):
             )
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        _refuse_mixed_precision(_with_wrapped_blocks(self.dp_layers))
         self._check_fit_arguments(x, y, batch_size, kwargs)
         # Weights set by hand (load_weights, set_weights) are brought back in the
         # feasible set before the first bound is trusted.
         self.project()
         return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
+        _refuse_mixed_precision(_with_wrapped_blocks(self.dp_layers))
+        self.project()
+        return super().train_on_batch(*args, **kwargs)
+
+    def set_weights(self, weights):
+        """Set the weights, then project them onto their constraint sets (S12)."""
+        super().set_weights(weights)
+        self.project()
+
+    def load_weights(self, *args, **kwargs):
+        """Load the weights, then project them onto their constraint sets (S12)."""
+        status = super().load_weights(*args, **kwargs)
+        if self.built:
+            self.project()
+        return status
 
     def _check_fit_arguments(self, x, y, batch_size, kwargs):
         if self.compiled_loss is None:
@@ -481,6 +501,7 @@ class DP_Model(tf.keras.Model):
                     "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
                     "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
                 )
+            _check_poisson_pipeline(x, self.dataset_metadata)
             return
         metadata = self.dataset_metadata
         if metadata.partial_last_batch:
@@ -597,6 +618,49 @@ def compute_gradient_bounds(model) -> dict:
 def global_sensitivity(model) -> float:
     """``sqrt(sum_v Delta_v^2)``: the sensitivity of the whole averaged gradient."""
     return float(np.sqrt(sum(float(d) ** 2 for d in compute_gradient_bounds(model).values())))
+
+
+def _check_poisson_pipeline(dataset, metadata) -> None:
+    """A Poisson pipeline that states its rate must draw at the metadata's rate (the rate
+    the accountant uses): batches drawn 4x more often cost far more than reported."""
+    rate = getattr(dataset, "lipdp_sampling_rate", None)
+    if rate is None:
+        logger.warning(
+            "The Poisson pipeline does not state its sampling rate (pass the dataset "
+            "poisson_batches returns, before map/prefetch): the accountant assumes q = %g.",
+            metadata.sampling_rate,
+        )
+        return
+    if not math.isclose(rate, metadata.sampling_rate, rel_tol=1e-9):
+        raise ValueError(
+            f"The Poisson pipeline samples at rate {rate:g} but dataset_metadata declares "
+            f"q = batch_size / N = {metadata.sampling_rate:g}, the rate the privacy "
+            "accounting uses. Build the batches with metadata.sampling_rate."
+        )
+    steps = getattr(dataset, "lipdp_steps_per_epoch", None)
+    if steps is not None and steps != metadata.nb_steps_per_epochs:
+        raise ValueError(
+            f"The Poisson pipeline has {steps} steps per epoch but dataset_metadata declares "
+            f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong number "
+            "of steps. Build the batches with metadata.nb_steps_per_epochs."
+        )
+
+
+def _refuse_mixed_precision(layers) -> None:
+    """Bounds, clipping and noise are computed for float32: refuse other compute dtypes."""
+    policy = tf.keras.mixed_precision.global_policy()
+    names = [f"global policy {policy.name!r}"] if policy.compute_dtype != "float32" else []
+    names += [
+        f"layer {layer.name!r} ({layer.compute_dtype})"
+        for layer in layers
+        if getattr(layer, "compute_dtype", "float32") not in ("float32", None)
+    ]
+    if names:
+        raise ValueError(
+            f"Mixed precision is not supported ({', '.join(names)}): float16 round-off "
+            "exceeds the slack of the sensitivity bounds (an input clipped to norm 1 can "
+            "come out above 1). Use tf.keras.mixed_precision.set_global_policy('float32')."
+        )
 
 
 def _refuse_non_finite(x, y) -> None:

@@ -13,6 +13,8 @@ the sampling randomness is unknown to the adversary, so publish no seed you trai
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import tensorflow as tf
 
@@ -26,6 +28,13 @@ def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.
     This is the sampling the accountant analyses (amplification by subsampling with
     rate ``q``); use it with ``DatasetMetadata(sampling="poisson")``. Batch sizes are
     random (possibly 0); the model divides the summed loss by the expected size.
+
+    The dataset carries its rate and steps (``lipdp_sampling_rate``,
+    ``lipdp_steps_per_epoch``): ``fit`` refuses it if they differ from the model's
+    metadata (keep the dataset returned here; ``map``/``prefetch`` return new datasets
+    without them). ``seed=None`` draws the seed from the operating system, not from
+    TensorFlow's global seed: amplification by subsampling assumes nobody can
+    reproduce which examples were sampled (rule S8).
     """
     sampling_rate = probability("sampling_rate", sampling_rate)
     steps = count("steps_per_epoch", steps_per_epoch, minimum=1)
@@ -39,9 +48,14 @@ def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.
         keep = tf.random.stateless_uniform([n], seed=tf.stack([step_seed, 0])) < sampling_rate
         return tf.boolean_mask(x, keep), tf.boolean_mask(y, keep)
 
+    if seed is None:
+        seed = secrets.randbits(62)
     # Dataset.random re-draws its seeds at every iteration (every epoch).
     seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
-    return seeds.take(steps).map(draw)
+    dataset = seeds.take(steps).map(draw)
+    dataset.lipdp_sampling_rate = sampling_rate
+    dataset.lipdp_steps_per_epoch = steps
+    return dataset
 
 
 # ------------------------------------------- fixed-size batches (used by the pipelines)
