@@ -14,6 +14,18 @@ With ``Delta_v`` the sensitivity of the averaged gradient of variable ``v``
 
 :func:`noise_stddevs` and :func:`noise_multipliers` are the only places these numbers are
 computed: the model's training step, the diagnostics and the privacy report read them.
+
+**Where the noise comes from (rule S8).** :func:`add_noise` draws from one
+``tf.random.Generator`` seeded from operating-system entropy
+(``Generator.from_non_deterministic_state``), independent of ``tf.random.set_seed`` and
+``tf.keras.utils.set_random_seed``: someone who knows the seeds a user trains with cannot
+regenerate the noise and subtract it. Its state is never saved with a model (a saved
+counter-based state would let a reader regenerate past noise). For debugging only,
+:func:`use_reproducible_noise` seeds it explicitly; the privacy report then says the noise
+is reproducible. Switch modes before ``compile`` (a traced training step keeps the
+generator it was traced with). Caveat: like most DP libraries the Gaussian samples are
+floating-point numbers, whose low-order bits can leak information in theory (Mironov,
+CCS 2012); no snapping or discrete Gaussian is applied.
 """
 
 from __future__ import annotations
@@ -50,12 +62,50 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs) -> list:
     return [float(sigma) * float(c) * d for d, c in zip(deltas, nm_coefs)]
 
 
+_SOURCE = {"generator": None, "seed": None}
+
+
+def use_reproducible_noise(seed) -> None:
+    """``seed`` (an int): every later noise draw is reproducible from it -- for debugging
+    only, flagged by the privacy report. ``None``: back to operating-system entropy."""
+    if seed is not None:
+        seed = validation.count("seed", seed)
+    _SOURCE.update(generator=None, seed=seed)
+
+
+def reproducible_noise_seed():
+    """The seed set by :func:`use_reproducible_noise`, or ``None`` (secure noise)."""
+    return _SOURCE["seed"]
+
+
+def noise_generator() -> tf.random.Generator:
+    """The generator :func:`add_noise` draws from (created on first use)."""
+    if _SOURCE["generator"] is None:
+        with tf.init_scope():  # a variable: created eagerly even when called while tracing
+            seed = _SOURCE["seed"]
+            _SOURCE["generator"] = (
+                tf.random.Generator.from_non_deterministic_state()
+                if seed is None
+                else tf.random.Generator.from_seed(seed)
+            )
+    return _SOURCE["generator"]
+
+
 def add_noise(gradients, stddevs):
     """``g + N(0, s^2 I)`` for every gradient ``g`` and its standard deviation ``s``."""
+    generator = noise_generator()
     return [
-        g + tf.random.normal(tf.shape(g), stddev=tf.cast(s, g.dtype), dtype=g.dtype)
+        g + generator.normal(tf.shape(g), stddev=tf.cast(s, g.dtype), dtype=g.dtype)
         for g, s in zip(gradients, stddevs)
     ]
 
 
-__all__ = ["NOISIFY_STRATEGIES", "add_noise", "noise_multipliers", "noise_stddevs"]
+__all__ = [
+    "NOISIFY_STRATEGIES",
+    "add_noise",
+    "noise_generator",
+    "noise_multipliers",
+    "noise_stddevs",
+    "reproducible_noise_seed",
+    "use_reproducible_noise",
+]

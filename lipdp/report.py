@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from lipdp import validation
 from lipdp.accounting.plan import GRADIENT_STEPS
+from lipdp.noise import reproducible_noise_seed
 
 NEIGHBOURING = "add/remove one example"
 
@@ -85,6 +86,12 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
         )
     if model.dp_parameters.non_private:
         notes.append("non-private reference run: no noise, no guarantee.")
+    seed = reproducible_noise_seed()
+    if seed is not None:
+        notes.append(
+            f"REPRODUCIBLE NOISE (lipdp.noise.use_reproducible_noise({seed})): anyone who "
+            "knows the seed can regenerate the noise; for debugging only, not a private release."
+        )
     releases = [r for r in plan.describe(epochs) if r["release"] != GRADIENT_STEPS]
     return PrivacyReport(
         epsilon=plan.epsilon(epochs, accountant),
