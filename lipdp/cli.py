@@ -14,6 +14,7 @@ radii, the calibration errors and the AUROC of membership-inference attacks (see
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -27,8 +28,55 @@ INPUT_BOUNDS = {"digits": 5.0, "fashion_mnist": 10.0}
 CNN_WIDTHS = {"digits": (16,), "fashion_mnist": (32, 64)}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line, ``lipdp <command>: error: ...``, exit status 2 (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _number(convert, check, requirement):
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
+_seed = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+_probability = _number(float, lambda v: 0 < v < 1, "a number in (0, 1)")
+_radius = _number(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+
+
+def _directory(text):
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
+    return text
+
+
+def _model_file(text):
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+def _keras_path(text):
+    if not text.endswith(".keras"):
+        raise argparse.ArgumentTypeError(
+            f"must end with .keras (the format that saves the privacy state), got {text!r}"
+        )
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lipdp", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="lipdp", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a Lipschitz CNN under a privacy budget")
     _add_run_arguments(train)
@@ -40,26 +88,52 @@ def _parser() -> argparse.ArgumentParser:
 def _add_run_arguments(parser) -> None:
     """The options of a training run, shared by ``train`` and ``evaluate``."""
     parser.add_argument("--dataset", choices=sorted(INPUT_BOUNDS), default="digits")
-    parser.add_argument("--data-dir", default=None, help="directory of IDX files (fashion_mnist)")
-    parser.add_argument("--epsilon", type=float, default=3.0, help="privacy budget epsilon")
-    parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument(
-        "--batch-size", type=int, default=None, help="default: 512 (digits), 2048 (fashion_mnist)"
+        "--data-dir", type=_directory, default=None, help="directory of IDX files (fashion_mnist)"
+    )
+    parser.add_argument(
+        "--epsilon", type=_positive_float, default=3.0, help="privacy budget epsilon"
+    )
+    parser.add_argument("--delta", type=_probability, default=1e-5)
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        help="expected batch size b; default: 512 (digits), 2048 (fashion_mnist)",
     )
     parser.add_argument(
         "--noise-multiplier",
-        type=float,
+        type=_positive_float,
         default=None,
         help="default: 6.0 (digits), 2.0 (fashion_mnist)",
     )
     parser.add_argument(
-        "--epochs", type=int, default=None, help="default: the most epochs within the budget"
+        "--epochs",
+        type=_positive_int,
+        default=None,
+        help="default: the most epochs within the budget",
+    )
+    parser.add_argument(
+        "--sampling",
+        choices=["poisson", "shuffle"],
+        default="poisson",
+        help="poisson (default): batches are Poisson samples of rate b/N, the mechanism the "
+        "accountant analyses; shuffle: fixed-size batches of a shuffle, as the original "
+        "package (the Poisson analysis is then an assumption)",
     )
     parser.add_argument("--strategy", choices=["global", "per-layer"], default="global")
     parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp")
-    parser.add_argument("--learning-rate", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--learning-rate", type=_positive_float, default=None)
+    parser.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="seed of the initial weights (the noise and the Poisson batches are drawn from "
+        "the operating system's entropy regardless)",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="one line per epoch instead of the progress bar"
+    )
 
 
 def _add_evaluate_parser(commands) -> None:
@@ -69,18 +143,25 @@ def _add_evaluate_parser(commands) -> None:
         "calibration and membership inference",
     )
     evaluate.add_argument(
-        "--model", default=None, help="a saved .keras lipdp model to evaluate (no training)"
+        "--model",
+        type=_model_file,
+        default=None,
+        help="a saved .keras lipdp model to evaluate (no training)",
     )
-    evaluate.add_argument("--save", default=None, help="save the trained model to this .keras path")
+    evaluate.add_argument(
+        "--save", type=_keras_path, default=None, help="save the trained model to this .keras path"
+    )
     _add_run_arguments(evaluate)
     evaluate.add_argument(
         "--radii",
-        type=float,
+        type=_radius,
         nargs="+",
         default=[0.0, 0.05, 0.1, 0.2, 0.5],
         help="l2 radii of the certified accuracy",
     )
-    evaluate.add_argument("--bins", type=int, default=15, help="confidence bins of the ECE")
+    evaluate.add_argument(
+        "--bins", type=_positive_int, default=15, help="confidence bins of the ECE"
+    )
     evaluate.set_defaults(handler=evaluate_command)
 
 
@@ -107,7 +188,10 @@ def _build_model(data, args, batch_size, sigma):
     from lipdp.model import DPParameters
     from lipdp.pipeline import DatasetMetadata
 
-    n_train = len(data.x_train) - len(data.x_train) % batch_size
+    # Poisson batches use every example; fixed-size batches drop the remainder (rule S5).
+    n_train = len(data.x_train)
+    if args.sampling == "shuffle":
+        n_train -= n_train % batch_size
     metadata = DatasetMetadata(
         input_shape=data.x_train.shape[1:],
         nb_classes=data.nb_classes,
@@ -116,6 +200,7 @@ def _build_model(data, args, batch_size, sigma):
         class_names=data.class_names,
         batch_size=batch_size,
         max_norm=INPUT_BOUNDS[args.dataset],
+        sampling=args.sampling,
     )
     model = zoo.build_model(
         "pooled_cnn",
@@ -136,13 +221,16 @@ def _train_private_model(args, data, verb):
 
     from lipdp import losses
     from lipdp.model import DP_Accountant
+    from lipdp.pipeline import poisson_batches
     from lipdp.sensitivity import get_max_epochs
 
     default_batch, default_sigma, default_lr = _DEFAULTS[args.dataset]
     batch_size = args.batch_size or default_batch
     sigma = args.noise_multiplier or default_sigma
     if batch_size > len(data.x_train):
-        raise SystemExit(f"--batch-size {batch_size} exceeds the {len(data.x_train)} examples.")
+        raise ValueError(
+            f"--batch-size {batch_size} exceeds the {len(data.x_train)} training examples."
+        )
     model, x_train, y_train = _build_model(data, args, batch_size, sigma)
     epochs = args.epochs
     if epochs is None:
@@ -157,16 +245,54 @@ def _train_private_model(args, data, verb):
         optimizer=tf.keras.optimizers.Adam(args.learning_rate or default_lr),
         metrics=["accuracy"],
     )
+    callbacks = [DP_Accountant(epsilon_budget=args.epsilon, accountant=args.accountant)]
+    if args.quiet:
+        callbacks.append(_epoch_lines(epochs))
+    metadata = model.dataset_metadata
     start = time.perf_counter()
-    model.fit(
-        x_train,
-        y_train,
-        batch_size=batch_size,
-        epochs=epochs,
-        verbose=0 if args.quiet else 1,
-        callbacks=[DP_Accountant(epsilon_budget=args.epsilon, accountant=args.accountant)],
-    )
+    if metadata.sampling == "poisson":
+        batches = poisson_batches(
+            x_train, y_train, metadata.sampling_rate, metadata.nb_steps_per_epochs
+        )
+        model.fit(batches, epochs=epochs, verbose=0 if args.quiet else 1, callbacks=callbacks)
+    else:
+        model.fit(
+            x_train,
+            y_train,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=0 if args.quiet else 1,
+            callbacks=callbacks,
+        )
     return model, x_train, y_train, time.perf_counter() - start
+
+
+def _epoch_lines(epochs):
+    """``--quiet`` progress: one line per epoch with epsilon, and after the second epoch
+    (the first includes the compilation) an estimate of the time left."""
+    import tensorflow as tf
+
+    class EpochLines(tf.keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.start = time.perf_counter()
+            self.first = None
+
+        def on_epoch_end(self, epoch, logs=None):
+            logs = logs or {}
+            elapsed = time.perf_counter() - self.start
+            line = (
+                f"epoch {epoch + 1}/{epochs}: loss {logs.get('loss', float('nan')):.4f}, "
+                f"accuracy {logs.get('accuracy', float('nan')):.4f}, "
+                f"epsilon {logs.get('epsilon', float('nan')):.4f} ({elapsed:.1f} s)"
+            )
+            if epoch == 0:
+                self.first = elapsed
+            elif epoch == 1 and epochs > 2:
+                left = (elapsed - self.first) * (epochs - 2)
+                line += f"; about {left:.0f} s to go"
+            print(line, flush=True)
+
+    return EpochLines()
 
 
 def train_command(args) -> int:
@@ -184,6 +310,21 @@ def train_command(args) -> int:
     print(privacy_report(model, accountant=args.accountant))
     print(f"test accuracy: {accuracy:.4f} ({len(data.x_test)} images, {seconds:.1f} s training)")
     return 0
+
+
+def _load_model(path):
+    import tensorflow as tf
+
+    from lipdp.model import DP_Model
+
+    try:
+        model = tf.keras.models.load_model(path)
+    except Exception as error:  # any reason a file is not a loadable model
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--model: cannot load a model from {path!r} ({reason[:200]})") from None
+    if not isinstance(model, DP_Model):
+        raise ValueError(f"--model: {path!r} holds a {type(model).__name__}, not a lipdp DP model.")
+    return model
 
 
 def evaluate_command(args) -> int:
@@ -204,7 +345,7 @@ def evaluate_command(args) -> int:
     tf.keras.utils.set_random_seed(args.seed)
     data = _load(args.dataset, args.data_dir)
     if args.model is not None:
-        model = tf.keras.models.load_model(args.model)
+        model = _load_model(args.model)
         metadata = model.dataset_metadata
         n_train = len(data.x_train) if metadata is None else metadata.nb_samples_train
         x_train = data.x_train[:n_train]
@@ -250,15 +391,48 @@ def evaluate_command(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _native_logs_silenced():
+    """TensorFlow's C++ and absl start-up lines (CUDA factories, XLA compilation notices)
+    write to file descriptor 2 directly, whatever TF_CPP_MIN_LOG_LEVEL says: send that
+    descriptor to /dev/null while Python's own stderr (errors, warnings, logging) keeps
+    the real one. ``LIPDP_NATIVE_LOGS=1`` keeps them."""
+    if os.environ.get("LIPDP_NATIVE_LOGS") == "1" or sys.stderr is not sys.__stderr__:
+        yield  # (a caller that replaced sys.stderr, e.g. a test, manages its own streams)
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    python_stderr = sys.stderr
+    try:
+        sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is python_stderr:
+                handler.setStream(sys.stderr)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        replaced, sys.stderr = sys.stderr, python_stderr
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is replaced:
+                handler.setStream(python_stderr)
+        replaced.close()
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"lipdp: error: {error}", file=sys.stderr)
-        return 2
+    with _native_logs_silenced():
+        try:
+            return args.handler(args)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"lipdp {args.command}: error: {error}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -1,20 +1,89 @@
-"""lipdp.cli: the lipdp command."""
+"""lipdp.cli: the lipdp command, its errors and its output."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from lipdp import cli
 
+MISUSES = [
+    (["train", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
+    (["train", "--batch-size", "-3"], "argument --batch-size: must be an integer >= 1"),
+    (
+        ["train", "--noise-multiplier", "0"],
+        "argument --noise-multiplier: must be a finite number > 0",
+    ),
+    (["train", "--learning-rate", "0"], "argument --learning-rate: must be a finite number > 0"),
+    (["train", "--epochs", "0"], "argument --epochs: must be an integer >= 1"),
+    (["train", "--epochs", "1.5"], "argument --epochs: must be an integer >= 1"),
+    (["train", "--delta", "2"], "argument --delta: must be a number in (0, 1)"),
+    (["train", "--epsilon", "-1"], "argument --epsilon: must be a finite number > 0"),
+    (["train", "--epsilon", "inf"], "argument --epsilon: must be a finite number > 0"),
+    (["train", "--data-dir", "/nonexistent"], "argument --data-dir: no such directory"),
+    (["train", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
+    (["evaluate", "--model", "/nonexistent.keras"], "argument --model: no such file"),
+    (["evaluate", "--save", "model.h5"], "argument --save: must end with .keras"),
+    (["evaluate", "--bins", "0"], "argument --bins: must be an integer >= 1"),
+    (["evaluate", "--radii", "-0.1"], "argument --radii: must be a finite number >= 0"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv,message", MISUSES, ids=lambda v: " ".join(v) if isinstance(v, list) else ""
+)
+def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"lipdp {argv[0]}: error: {message}")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["train", "--batch-size", "100000"], "--batch-size 100000 exceeds the 1536"),
+        (["train", "--epsilon", "1e-6"], "One epoch already costs epsilon="),
+        (["evaluate", "--model", "README.md"], "--model: cannot load a model from 'README.md'"),
+    ],
+)
+def test_runtime_errors_are_one_line(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"lipdp {argv[0]}: error: {message}")
+    assert "Traceback" not in err
+
 
 def test_cli_train_runs_and_reports(capsys):
-    code = cli.main(["train", "--quiet", "--epochs", "2", "--batch-size", "512"])
+    code = cli.main(["train", "--quiet", "--epochs", "3", "--batch-size", "512"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "-> 2 epochs" in out and "(epsilon = " in out and "test accuracy:" in out
+    assert "-> 3 epochs" in out and "(epsilon = " in out and "test accuracy:" in out
+    lines = [line for line in out.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+    assert all("epsilon" in line for line in lines) and "s to go" in lines[1]
+    assert "exactly as trained" in out  # Poisson sampling by default
 
 
-def test_cli_errors_are_reported(capsys):
-    assert cli.main(["train", "--quiet", "--delta", "2"]) == 2
-    assert "delta" in capsys.readouterr().err
-    assert cli.main(["train", "--quiet", "--epsilon", "1e-6"]) == 2
-    assert "epsilon" in capsys.readouterr().err
+def test_no_native_start_up_lines_in_a_real_process():
+    """A real process: TensorFlow's C++/absl lines (fd 2) are silenced, --quiet prints one
+    line per epoch, stderr stays empty."""
+    env = dict(os.environ)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "lipdp.cli", "train", "--quiet", "--epochs", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parents[1],
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert "epoch 2/2:" in result.stdout
 
 
 def test_cli_evaluate_trains_saves_and_loads(tmp_path, capsys):
