@@ -31,9 +31,9 @@ class DP_Accountant(tf.keras.callbacks.Callback):
         accountant: ``"rdp"`` (default, as the original package) or ``"pld"``.
 
     Epochs are counted from the model's first training step: a model trained by
-    several ``fit`` calls keeps its count (``model.optimizer.iterations``, converted by
-    :meth:`lipdp.metadata.DatasetMetadata.epochs_for_steps`: a partial epoch counts as a
-    whole one). ``epsilon`` is that of the model's privacy plan
+    several ``fit`` calls, reloaded, or recompiled keeps its count (``model.noisy_steps``,
+    converted by :meth:`lipdp.metadata.DatasetMetadata.epochs_for_steps`: a partial epoch
+    counts as a whole one). ``epsilon`` is that of the model's privacy plan
     (:meth:`lipdp.model.DP_Model.privacy_plan`), the plan ``get_eps_delta`` and
     ``get_max_epochs`` read before training.
     """
@@ -95,8 +95,16 @@ class DP_Accountant(tf.keras.callbacks.Callback):
                 self.model.stop_training = True
 
 
+def noisy_steps_taken(model) -> int:
+    """Noisy steps ``model`` has taken: its ``noisy_steps`` variable (saved with the model,
+    kept across optimizers), or its optimizer's step count for other models."""
+    steps = getattr(model, "noisy_steps", None)
+    if steps is None:
+        optimizer = getattr(model, "optimizer", None)
+        steps = None if optimizer is None else optimizer.iterations
+    return 0 if steps is None else int(steps.numpy())
+
+
 def epochs_trained(model) -> int:
-    """Epochs begun by ``model`` (from its optimizer's step count; 0 before training)."""
-    optimizer = getattr(model, "optimizer", None)
-    steps = 0 if optimizer is None else int(optimizer.iterations.numpy())
-    return model.dataset_metadata.epochs_for_steps(steps)
+    """Epochs begun by ``model`` (:func:`noisy_steps_taken`, a partial epoch counts)."""
+    return model.dataset_metadata.epochs_for_steps(noisy_steps_taken(model))

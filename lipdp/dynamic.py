@@ -89,6 +89,7 @@ import tensorflow as tf
 
 from lipdp import validation
 from lipdp.accounting.mechanisms import Laplace, Release, SubsampledGaussian
+from lipdp.callbacks import epochs_trained
 from lipdp.layers import DP_ClipGradient
 
 logger = logging.getLogger(__name__)
@@ -497,8 +498,7 @@ class _DynamicClipping(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         # Rounds follow the model's epochs (its optimizer steps), as the privacy plan
         # counts them: after E epochs in any number of fit calls, E // patience rounds.
-        metadata = self.model.dataset_metadata
-        epochs_done = metadata.epochs_for_steps(int(self.model.optimizer.iterations.numpy()))
+        epochs_done = epochs_trained(self.model)
         if epochs_done % self.patience == 0:
             self._update(epoch)
         if logs is not None and self._clip_layers:

@@ -223,6 +223,10 @@ class DP_Model(tf.keras.Model):
         # data for its owner, not part of the DP release. Kept out of Keras' metric list
         # (object.__setattr__) so that evaluate() returns what it always did.
         object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
+        #: Noisy steps taken (rule S10): a model variable, so it is saved and restored with
+        #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
+        #: and survives a new optimizer; the accountant counts epochs from it.
+        self.noisy_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noisy_steps")
         if dataset_metadata is not None:
             if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
                 raise ValueError(
@@ -443,6 +447,7 @@ class DP_Model(tf.keras.Model):
         gradients = tape.gradient(loss, variables)
         gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
         self.optimizer.apply_gradients(zip(self.noisify(gradients, variables), variables))
+        self.noisy_steps.assign_add(1)
         self.project()
         logs = self.compute_metrics(x, y, y_pred, None)
         return {**logs, "non_finite_examples": self._non_finite.result()}
@@ -469,6 +474,22 @@ class DP_Model(tf.keras.Model):
         # feasible set before the first bound is trusted.
         self.project()
         return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def save(self, filepath, *args, **kwargs):
+        """Save in the ``.keras`` format only (rule S10).
+
+        Keras 2.15's SavedModel directory and HDF5 files do not restore everything a
+        privacy guarantee rests on (a SavedModel reload restores the optimizer's step count
+        as 0, and the DP configuration is not part of HDF5): a reload would under-count
+        epsilon. ``save_weights`` checkpoints keep the noisy step count (a model variable).
+        """
+        if not str(filepath).endswith(".keras"):
+            raise ValueError(
+                f"DP models are saved to .keras files (got {str(filepath)!r}): the SavedModel "
+                "and HDF5 formats do not carry the privacy state (step count, DP "
+                "configuration), so a reload would under-count epsilon."
+            )
+        return super().save(filepath, *args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
