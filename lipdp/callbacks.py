@@ -58,6 +58,7 @@ class DP_Accountant(tf.keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         metadata = self.model.dataset_metadata
+        _warn_once_about_shuffling(metadata)
         steps = (self.params or {}).get("steps")
         if steps is not None and steps != metadata.nb_steps_per_epochs:
             raise ValueError(
@@ -93,6 +94,21 @@ class DP_Accountant(tf.keras.callbacks.Callback):
                     self.epsilon_budget,
                 )
                 self.model.stop_training = True
+
+
+_SHUFFLE_WARNED = []
+
+
+def _warn_once_about_shuffling(metadata) -> None:
+    """Rule S7: shuffled fixed-size batches are accounted as Poisson samples, which is not
+    a proven guarantee; say it once per process."""
+    if metadata.sampling == "shuffle" and not _SHUFFLE_WARNED:
+        _SHUFFLE_WARNED.append(True)
+        logger.warning(
+            "training with shuffled fixed-size batches: the reported epsilon assumes Poisson "
+            "sampling and is not a proven guarantee for shuffling. Use "
+            "DatasetMetadata(sampling='poisson') with lipdp.pipeline.poisson_batches."
+        )
 
 
 def noisy_steps_taken(model) -> int:

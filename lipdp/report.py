@@ -12,10 +12,12 @@ NEIGHBOURING = "add/remove one example"
 
 _SAMPLING = {
     "shuffle": (
-        "the accountant analyses Poisson subsampling with rate q = b/N; training used "
-        "shuffled fixed-size batches (sampling without replacement), as in the original "
-        "lip-dp. For a guarantee that matches the trained mechanism exactly, use "
-        "DatasetMetadata(sampling='poisson') with lipdp.pipeline.poisson_batches."
+        "NOT A PROVEN GUARANTEE for how this model was trained: epsilon is computed for "
+        "Poisson subsampling with rate q = b/N, but training used shuffled fixed-size "
+        "batches (as the original lip-dp), and the Poisson analysis can under-state the "
+        "privacy loss of shuffling (Chua et al., ICML 2024). For a proven guarantee train "
+        "with DatasetMetadata(sampling='poisson') and lipdp.pipeline.poisson_batches (the "
+        "default of lipdp train)."
     ),
     "poisson": "Poisson subsampling with rate q = b/N, exactly as trained (variable batch sizes).",
 }

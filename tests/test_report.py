@@ -14,3 +14,19 @@ def test_privacy_report_states_its_assumptions():
     assert len(report.sensitivities) == 1
     text = str(report)
     assert "RDP accountant" in text and "q = 0.125" in text and "shuffled" in text
+
+
+def test_shuffled_training_is_flagged_as_not_proven(caplog):
+    import logging
+
+    from lipdp import callbacks
+    from lipdp.model import DP_Accountant
+    from tests.training_helpers import B, small_data
+
+    model = small_model()
+    assert "NOT A PROVEN GUARANTEE" in privacy_report(model, epochs=1).sampling_assumption
+    callbacks._SHUFFLE_WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="lipdp.callbacks"):
+        for _ in range(2):
+            model.fit(*small_data(), batch_size=B, epochs=1, verbose=0, callbacks=[DP_Accountant()])
+    assert caplog.text.count("not a proven guarantee for shuffling") == 1  # once per process
