@@ -257,3 +257,27 @@ def test_test_set_is_in_order_and_unaugmented():
     np.testing.assert_array_equal(images, raw.x_test)
     np.testing.assert_array_equal(labels.argmax(-1), raw.y_test)
     assert meta.nb_samples_test == len(raw.x_test)
+
+
+def test_poisson_image_pipeline_trains_the_accounted_mechanism():
+    """sampling="poisson": batches of random size (mean b), N // b steps, the rate stated
+    on the dataset and in the metadata; a DP model trains on it."""
+    import numpy as np
+
+    from lipdp import losses, zoo
+    from lipdp.model import DP_Accountant, DPParameters
+
+    ds_train, _, metadata = load_and_prepare_images_data(
+        "digits", batch_size=128, bound_fct=5.0, sampling="poisson", seed=0
+    )
+    assert metadata.sampling == "poisson" and not metadata.partial_last_batch
+    assert ds_train.lipdp_sampling_rate == metadata.sampling_rate == 128 / metadata.nb_samples_train
+    sizes = [len(x) for x, _ in ds_train]
+    assert len(sizes) == metadata.nb_steps_per_epochs == metadata.nb_samples_train // 128
+    assert len(set(sizes)) > 1 and abs(np.mean(sizes) - 128) < 4 * np.sqrt(128)
+    model = zoo.build_model("pooled_cnn", metadata, DPParameters("global", 2.0, 1e-5))
+    model.compile(loss=losses.DP_TauCategoricalCrossentropy(8.0), optimizer="adam")
+    history = model.fit(ds_train, epochs=1, verbose=0, callbacks=[DP_Accountant()])
+    assert history.history["epsilon"][-1] > 0
+    with pytest.raises(ValueError, match="multiplicity"):
+        load_and_prepare_images_data("digits", batch_size=128, sampling="poisson", multiplicity=2)

@@ -126,3 +126,16 @@ def test_feature_ranges():
     for bad in ((1.0, 1.0), (0.0, np.inf), (2.0, 1.0)):
         with pytest.raises(ValueError, match="high > low"):
             _feature_ranges(bad, 3)
+
+
+def test_poisson_tabular_pipeline_states_its_rate():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(400, 5)), rng.integers(0, 2, size=400)
+    ds_train, _, metadata = prepare_tabular_data(
+        x, y, batch_size=32, bound_fct=1.0, scaling="none", sampling="poisson", shuffle_seed=1
+    )
+    assert metadata.sampling == "poisson" and ds_train.lipdp_sampling_rate == 32 / 320
+    sizes = [len(batch) for batch, _ in ds_train]
+    assert len(sizes) == 320 // 32 and len(set(sizes)) > 1

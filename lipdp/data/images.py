@@ -16,6 +16,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from lipdp import validation
 from lipdp.data import sources
 from lipdp.data.input_bounds import ROUNDING_MARGIN, _parse_bound_fct
 from lipdp.data.sampling import (
@@ -23,9 +24,9 @@ from lipdp.data.sampling import (
     _one_hot,
     _ordered_batches,
     _partial_last_batch,
-    _shuffled_batches,
+    _training_batches,
 )
-from lipdp.metadata import DatasetMetadata
+from lipdp.metadata import SAMPLING_MODES, DatasetMetadata
 from lipdp.validation import count
 
 # ----------------------------------------------------------------- colour spaces
@@ -183,6 +184,7 @@ def load_and_prepare_images_data(
     data_dir=None,
     seed=None,
     standardization=None,
+    sampling="shuffle",
 ):
     """Image data set -> ``(ds_train, ds_test, metadata)``.
 
@@ -213,6 +215,11 @@ def load_and_prepare_images_data(
         seed: seed of the shuffle and of the augmentations (``None``: TF's global seed).
         standardization: ``(mean, std)`` for ``"RGB_STANDARDIZED"``, public constants;
             default :data:`IMAGENET_MEAN` / :data:`IMAGENET_STD`.
+        sampling: ``"shuffle"`` (the original package's fixed-size batches of a shuffle,
+            the default of this call form) or ``"poisson"``: each training example joins
+            each batch with probability ``b / N``, fresh every step, ``N // b`` steps per
+            epoch -- the mechanism the accountant analyses (no augmentation multiplicity,
+            no ``drop_remainder``).
 
     Returns:
         ``ds_train``: a uniform reshuffle of the whole training set every epoch,
@@ -263,8 +270,9 @@ def load_and_prepare_images_data(
         images, labels = gather_test(indices)
         return prepare(images), labels
 
-    ds_train = _shuffled_batches(n_train, batch_size, drop_remainder, seed, train_batch)
-    ds_test = _ordered_batches(n_test, batch_size, test_batch)
+    validation.choice("sampling", sampling, SAMPLING_MODES)
+    if sampling == "poisson" and multiplicity:
+        raise ValueError("multiplicity > 0 needs sampling='shuffle' (fixed-size batches).")
     metadata = DatasetMetadata(
         input_shape=colorspace_output_shape(raw_shape, space),
         nb_classes=data.nb_classes,
@@ -274,9 +282,13 @@ def load_and_prepare_images_data(
         batch_size=batch_size,
         max_norm=float(bound),
         multiplicity=multiplicity,
-        partial_last_batch=_partial_last_batch(n_train, batch_size, drop_remainder),
+        partial_last_batch=sampling == "shuffle"
+        and _partial_last_batch(n_train, batch_size, drop_remainder),
+        sampling=sampling,
     )
-    return ds_train.prefetch(tf.data.AUTOTUNE), ds_test.prefetch(tf.data.AUTOTUNE), metadata
+    ds_train = _training_batches(metadata, drop_remainder, seed, train_batch)
+    ds_test = _ordered_batches(n_test, batch_size, test_batch)
+    return ds_train, ds_test.prefetch(tf.data.AUTOTUNE), metadata
 
 
 #: The name of the original package.

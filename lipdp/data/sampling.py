@@ -48,14 +48,35 @@ def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.
         keep = tf.random.stateless_uniform([n], seed=tf.stack([step_seed, 0])) < sampling_rate
         return tf.boolean_mask(x, keep), tf.boolean_mask(y, keep)
 
+    return stating_rate(_step_seeds(seed).take(steps).map(draw), sampling_rate, steps)
+
+
+def _step_seeds(seed) -> tf.data.Dataset:
+    """One int64 seed per step, fresh every epoch; ``seed=None``: from the OS (S8)."""
     if seed is None:
         seed = secrets.randbits(62)
     # Dataset.random re-draws its seeds at every iteration (every epoch).
-    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
-    dataset = seeds.take(steps).map(draw)
-    dataset.lipdp_sampling_rate = sampling_rate
-    dataset.lipdp_steps_per_epoch = steps
+    return tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+
+
+def stating_rate(dataset, sampling_rate, steps_per_epoch):
+    """``dataset`` with the Poisson rate and steps it was drawn with, which ``fit`` checks
+    against the model's metadata (attributes: lost by ``map``/``prefetch``, so set last)."""
+    dataset.lipdp_sampling_rate = float(sampling_rate)
+    dataset.lipdp_steps_per_epoch = int(steps_per_epoch)
     return dataset
+
+
+def _poisson_index_batches(n, sampling_rate, steps, seed, make_batch) -> tf.data.Dataset:
+    """Poisson batches of ``range(n)`` (each index kept with probability ``sampling_rate``,
+    fresh every step), mapped by ``make_batch(indices, random_seed)``: the pipelines'
+    ``sampling="poisson"``."""
+
+    def draw(step_seed):
+        keep = tf.random.stateless_uniform([n], seed=tf.stack([step_seed, 0])) < sampling_rate
+        return make_batch(tf.where(keep)[:, 0], step_seed)
+
+    return _step_seeds(seed).take(steps).map(draw, num_parallel_calls=tf.data.AUTOTUNE)
 
 
 # ------------------------------------------- fixed-size batches (used by the pipelines)
@@ -88,6 +109,18 @@ def _shuffled_batches(n, batch_size, drop_remainder, seed, make_batch) -> tf.dat
     )
     batches = tf.data.Dataset.zip((indices, seeds))
     return batches.map(make_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def _training_batches(metadata, drop_remainder, seed, make_batch) -> tf.data.Dataset:
+    """The training batches of a pipeline, as ``metadata.sampling`` says: Poisson batches
+    (stating their rate) or fixed-size batches of a fresh shuffle every epoch."""
+    n, batch_size = metadata.nb_samples_train, metadata.batch_size
+    if metadata.sampling == "poisson":
+        rate, steps = metadata.sampling_rate, metadata.nb_steps_per_epochs
+        batches = _poisson_index_batches(n, rate, steps, seed, make_batch)
+        return stating_rate(batches.prefetch(tf.data.AUTOTUNE), rate, steps)
+    batches = _shuffled_batches(n, batch_size, drop_remainder, seed, make_batch)
+    return batches.prefetch(tf.data.AUTOTUNE)
 
 
 def _ordered_batches(n, batch_size, make_batch) -> tf.data.Dataset:

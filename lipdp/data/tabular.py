@@ -21,10 +21,10 @@ from lipdp.data.sampling import (
     _one_hot,
     _ordered_batches,
     _partial_last_batch,
-    _shuffled_batches,
+    _training_batches,
 )
 from lipdp.data.sources import load_adbench_data
-from lipdp.metadata import DatasetMetadata
+from lipdp.metadata import SAMPLING_MODES, DatasetMetadata
 from lipdp.validation import choice
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ def prepare_tabular_data(
     feature_ranges=None,
     one_hot=True,
     shuffle_seed=None,
+    sampling="shuffle",
 ):
     """Tabular data ``(x, y)`` -> ``(ds_train, ds_test, metadata)``.
 
@@ -83,7 +84,10 @@ def prepare_tabular_data(
 
     The set of label values (``np.unique(y)``) is treated as public. Labels are one-hot
     float32 (``one_hot=True``) or class indices as a float32 column ``(n, 1)``.
-    ``shuffle_seed`` seeds the per-epoch shuffle of the training set.
+    ``shuffle_seed`` seeds the per-epoch shuffle (or the Poisson draws) of the training set.
+    ``sampling``: ``"shuffle"`` (fixed-size batches of a shuffle, the default of this call
+    form) or ``"poisson"`` (each example joins each batch with probability ``b / N``, the
+    mechanism the accountant analyses; ``N // b`` steps per epoch).
     """
     from sklearn.model_selection import train_test_split
 
@@ -162,8 +166,7 @@ def prepare_tabular_data(
         xs, ys = tensors[split]
         return lambda indices, *_: (tf.gather(xs, indices), tf.gather(ys, indices))
 
-    ds_train = _shuffled_batches(n_train, batch_size, drop_remainder, shuffle_seed, gather("train"))
-    ds_test = _ordered_batches(len(x_test), batch_size, gather("test"))
+    choice("sampling", sampling, SAMPLING_MODES)
     metadata = DatasetMetadata(
         input_shape=(d,),
         nb_classes=nb_classes,
@@ -172,10 +175,14 @@ def prepare_tabular_data(
         class_names=[str(c) for c in classes],
         batch_size=batch_size,
         max_norm=float(bound),
-        partial_last_batch=_partial_last_batch(n_train, batch_size, drop_remainder),
+        partial_last_batch=sampling == "shuffle"
+        and _partial_last_batch(n_train, batch_size, drop_remainder),
         notes=notes,
+        sampling=sampling,
     )
-    return ds_train.prefetch(tf.data.AUTOTUNE), ds_test.prefetch(tf.data.AUTOTUNE), metadata
+    ds_train = _training_batches(metadata, drop_remainder, shuffle_seed, gather("train"))
+    ds_test = _ordered_batches(len(x_test), batch_size, gather("test"))
+    return ds_train, ds_test.prefetch(tf.data.AUTOTUNE), metadata
 
 
 __all__ = ["TABULAR_SCALINGS", "load_adbench_data", "prepare_tabular_data"]
