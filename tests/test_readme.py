@@ -27,3 +27,9 @@ def test_readme_snippets_run_in_order():
     report = namespace["privacy_report"](model)
     assert report.epsilon == pytest.approx(history["epsilon"][-1]) and report.epochs == 40
     assert "exactly as trained" in report.sampling_assumption
+
+
+def test_docs_first_model_is_the_tested_quick_start():
+    quick_start = re.search(r"## Quick start\s+```python\n(.*?)```", README.read_text(), re.S)
+    docs = (README.parent / "docs" / "index.md").read_text()
+    assert quick_start.group(1) in docs
