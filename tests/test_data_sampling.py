@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from lipdp.data import sources
 from lipdp.data.images import load_and_prepare_images_data
@@ -149,3 +150,28 @@ def test_pipeline_batch_size_errors():
         load_and_prepare_images_data("digits", batch_size=2000)
     with pytest.raises(ValueError, match="batch_size"):
         load_and_prepare_images_data("digits", batch_size=0)
+
+
+def test_poisson_indices_are_independent_bernoulli_draws():
+    """poisson_indices draws geometric gaps (O(expected size)); the result must be the
+    law of n independent Bernoulli(q) inclusions: per-index rates q, batch size
+    Binomial(n, q), pairs of neighbours included together with probability q^2."""
+    from lipdp.data.sampling import poisson_indices
+
+    n, q, draws = 200, 0.1, 2000
+    draw = tf.function(lambda seed: poisson_indices(n, q, seed))  # one trace, as in tf.data
+    included = np.zeros((draws, n), dtype=bool)
+    for seed in range(draws):
+        indices = draw(tf.constant(seed, tf.int64)).numpy()
+        assert len(np.unique(indices)) == len(indices) and indices.min(initial=0) >= 0
+        included[seed, indices] = True
+    sd = np.sqrt(q * (1 - q) / draws)
+    assert np.all(np.abs(included.mean(axis=0) - q) < 5 * sd)
+    sizes = included.sum(axis=1)
+    assert abs(sizes.mean() - n * q) < 4 * np.sqrt(n * q * (1 - q) / draws)
+    assert abs(sizes.var() / (n * q * (1 - q)) - 1) < 0.15
+    together = (included[:, :-1] & included[:, 1:]).mean()
+    assert abs(together - q * q) < 5 * np.sqrt(q * q / (draws * (n - 1)))
+    assert poisson_indices(5, 1.0, 0).numpy().tolist() == [0, 1, 2, 3, 4]
+    big = poisson_indices(1_000_000, 1e-4, 7).numpy()  # ~100 draws, not a million
+    assert 40 < len(big) < 200 and np.all(np.diff(big) > 0)

@@ -13,6 +13,7 @@ the sampling randomness is unknown to the adversary, so publish no seed you trai
 
 from __future__ import annotations
 
+import math
 import secrets
 
 import numpy as np
@@ -45,10 +46,50 @@ def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.
         raise ValueError(f"x has {n} examples but y has {int(y.shape[0])}.")
 
     def draw(step_seed):
-        keep = tf.random.stateless_uniform([n], seed=tf.stack([step_seed, 0])) < sampling_rate
-        return tf.boolean_mask(x, keep), tf.boolean_mask(y, keep)
+        indices = poisson_indices(n, sampling_rate, step_seed)
+        return tf.gather(x, indices), tf.gather(y, indices)
 
     return stating_rate(_step_seeds(seed).take(steps).map(draw), sampling_rate, steps)
+
+
+def poisson_indices(n, sampling_rate, seed) -> tf.Tensor:
+    """The indices kept when each of ``range(n)`` is kept independently with probability
+    ``sampling_rate`` (a Poisson subsample), in O(expected size) rather than O(n).
+
+    Exact, not an approximation: in a sequence of independent Bernoulli(``q``) trials the
+    gaps between consecutive successes are i.i.d. Geometric(``q``) (``P(G = g) =
+    (1 - q)^(g-1) q``, ``g >= 1``), and ``G = floor(log(V) / log(1 - q)) + 1`` with ``V``
+    uniform on ``(0, 1]`` has that law, since ``P(G > g) = P(V <= (1 - q)^g) = (1 - q)^g``.
+    Gaps are drawn in chunks of about the expected size plus six standard deviations
+    (float64), their cumulative sums are the kept indices, and a further chunk is drawn
+    only while the last index is still below ``n``. ``seed``: an int64 scalar (stateless).
+    """
+    n = int(n)
+    if sampling_rate >= 1.0:
+        return tf.range(n, dtype=tf.int64)
+    expected = sampling_rate * n
+    chunk = int(expected + 6.0 * math.sqrt(expected * (1.0 - sampling_rate)) + 16)
+    log_keep = math.log1p(-sampling_rate)
+    seed = tf.cast(seed, tf.int64)
+
+    def gaps(round_index):
+        u = tf.random.stateless_uniform(
+            [chunk], seed=tf.stack([seed, round_index]), dtype=tf.float64
+        )
+        return tf.cast(tf.floor(tf.math.log1p(-u) / log_keep), tf.int64) + 1  # 1 - u in (0, 1]
+
+    def more(round_index, positions):
+        step = tf.cumsum(gaps(round_index)) + positions[-1]
+        return round_index + 1, tf.concat([positions, step], axis=0)
+
+    first = tf.cumsum(gaps(tf.constant(1, tf.int64))) - 1  # first kept index: G_1 - 1
+    _, positions = tf.while_loop(
+        lambda _, p: p[-1] < n,
+        more,
+        (tf.constant(2, tf.int64), first),
+        shape_invariants=(tf.TensorShape([]), tf.TensorShape([None])),
+    )
+    return tf.boolean_mask(positions, positions < n)
 
 
 def _step_seeds(seed) -> tf.data.Dataset:
@@ -73,8 +114,7 @@ def _poisson_index_batches(n, sampling_rate, steps, seed, make_batch) -> tf.data
     ``sampling="poisson"``."""
 
     def draw(step_seed):
-        keep = tf.random.stateless_uniform([n], seed=tf.stack([step_seed, 0])) < sampling_rate
-        return make_batch(tf.where(keep)[:, 0], step_seed)
+        return make_batch(poisson_indices(n, sampling_rate, step_seed), step_seed)
 
     return _step_seeds(seed).take(steps).map(draw, num_parallel_calls=tf.data.AUTOTUNE)
 
@@ -129,4 +169,4 @@ def _ordered_batches(n, batch_size, make_batch) -> tf.data.Dataset:
     return indices.map(make_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
-__all__ = ["poisson_batches"]
+__all__ = ["poisson_batches", "poisson_indices"]
