@@ -250,7 +250,7 @@ ZOO_CASES = {
     "Zoo:pooled_cnn": lambda: zoo_case(zoo.pooled_cnn, (8, 8, 1), widths=(4, 8)),
     "Zoo:strided_cnn(clip)": lambda: zoo_case(zoo.strided_cnn, (8, 8, 1), widths=(4, 16), clip=0.3),
     "Zoo:tabular_mlp": lambda: zoo_case(zoo.tabular_mlp, VEC, width=8, depth=2, bias=1.0),
-    "Zoo:resnet(1-lip-add)": lambda: zoo_case(zoo.resnet, (6, 6, 1), blocks=2, width=4),
+    "Zoo:resnet(1-lip-add)": lambda: zoo_case(zoo.resnet, (4, 4, 1), blocks=2, width=2),
     "Zoo:resnet(add)": lambda: zoo_case(
         zoo.resnet, (6, 6, 1), merge_policy="add", blocks=1, width=4
     ),

@@ -121,6 +121,7 @@ def _run(script, backup, kill_at):
     )
 
 
+@pytest.mark.slow  # three training processes (~20 s): make test-slow
 def test_killed_and_resumed_run_reports_the_uninterrupted_epsilon(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(root=str(Path(__file__).parents[1])))
