@@ -32,6 +32,7 @@ PIPELINE_HOMES = {
     "bound_clip_value": lipdp.data.input_bounds,
     "bound_normalize": lipdp.data.input_bounds,
     "poisson_batches": lipdp.data.sampling,
+    "poisson_indices": lipdp.data.sampling,
     "TABULAR_SCALINGS": lipdp.data.tabular,
     "prepare_tabular_data": lipdp.data.tabular,
     "load_adbench_data": lipdp.data.sources,

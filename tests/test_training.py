@@ -51,6 +51,7 @@ def train_and_evaluate(model, digits, epochs=40, optimizer=None):
     return history, model.evaluate(x_test, y_test, verbose=0)[1]
 
 
+@pytest.mark.slow  # training to accuracy (make test-slow)
 @pytest.mark.parametrize("strategy", ["global", "per-layer"])
 def test_private_cnn_learns_digits(digits, strategy):
     _, accuracy = train_and_evaluate(digits_cnn(sigma=1.0, strategy=strategy), digits)
