@@ -28,7 +28,7 @@ def _one_run(mechanism, interval):
     return mechanism.pld(interval)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)  # PLDs are arrays: a bisection needs about a dozen
 def _composed(mechanism, count, interval):
     return _one_run(mechanism, interval).self_compose(count)
 
