@@ -46,9 +46,8 @@ class DP_Accountant(tf.keras.callbacks.Callback):
             raise TypeError("log_fn must be callable.")
         self.log_fn = log_fn
         self.epsilon_budget = epsilon_budget
-        self.accountant = (
-            get_accountant(accountant).name if isinstance(accountant, str) else accountant
-        )
+        get_accountant(accountant)  # an unknown name is refused now, not after epoch 1
+        self.accountant = accountant
 
     def _epsilon(self, epochs: int) -> tuple[float, float]:
         return get_eps_delta(self.model, epochs, accountant=self.accountant)
