@@ -122,10 +122,11 @@ def test_npz_and_cifar_pickles_are_read(tmp_path, offline_home):
 
 
 # ------------------------------------------------------------------- ADBench
-def test_shared_data_dir_is_beside_the_repository():
-    repository = Path(__file__).resolve().parents[1]
-    assert sources.SHARED_DATA_DIR == repository.parent / "shared" / "data"
-    assert sources.adbench_dirs()[-1] == sources.SHARED_DATA_DIR
+def test_adbench_is_looked_for_only_in_the_users_places_and_the_package(monkeypatch):
+    monkeypatch.setenv("LIPDP_DATA_DIR", "/data/lipdp")
+    dirs = sources.adbench_dirs("/mine")
+    assert dirs == [Path("/mine"), Path("/data/lipdp"), sources.PACKAGED_DATA_DIR]
+    assert sources.PACKAGED_DATA_DIR.is_relative_to(Path(sources.__file__).parent)
 
 
 def test_adbench_file_names(tmp_path, monkeypatch):
@@ -142,9 +143,8 @@ def test_adbench_file_names(tmp_path, monkeypatch):
 
 
 def test_shuttle_is_shipped_with_the_package(monkeypatch):
-    """No ../shared, no LIPDP_DATA_DIR: the packaged copy is found (a fresh clone, a user)."""
+    """No LIPDP_DATA_DIR, no data_dir: the packaged copy is found (any install)."""
     monkeypatch.delenv("LIPDP_DATA_DIR", raising=False)
-    monkeypatch.setattr(sources, "SHARED_DATA_DIR", Path("/nonexistent/shared/data"))
     assert (sources.PACKAGED_DATA_DIR / "adbench_shuttle.npz").is_file()
     x, y = load_adbench_data("shuttle")
     assert x.shape == (49097, 9) and x.dtype == np.float32

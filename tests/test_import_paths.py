@@ -50,7 +50,6 @@ DATASETS_NAMES = [
     "IMAGE_DATASETS",
     "MNIST_CLASSES",
     "PACKAGED_DATA_DIR",
-    "SHARED_DATA_DIR",
     "ArrayDataset",
     "adbench_dirs",
     "canonical_name",

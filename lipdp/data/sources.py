@@ -50,12 +50,8 @@ import numpy as np
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
-# parents: [0] lipdp/data, [1] lipdp, [2] the repository, [3] the directory holding it.
-#: ``<repository>/../shared/data``: where the project's shared data files live.
-SHARED_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
-
-#: Small public data sets shipped inside the package (ADBench "shuttle", 330 kB), so that
-#: users without the repository's neighbours have them (DESIGN section 6).
+#: Small public data sets shipped inside the package (ADBench "shuttle", 330 kB): every
+#: install has them, nothing is looked for outside the package and the user's directories.
 PACKAGED_DATA_DIR = Path(__file__).resolve().parent / "files"
 
 FASHION_MNIST_CLASSES = [
@@ -407,7 +403,7 @@ def _load_from_sources(name: str, data_dir=None) -> ArrayDataset:
 def adbench_dirs(data_dir=None) -> list[Path]:
     """Directories searched by :func:`load_adbench_data`, in order."""
     dirs = [Path(d).expanduser() for d in (data_dir, os.environ.get("LIPDP_DATA_DIR")) if d]
-    dirs += [PACKAGED_DATA_DIR, SHARED_DATA_DIR]
+    dirs.append(PACKAGED_DATA_DIR)
     return dirs
 
 
@@ -416,8 +412,8 @@ def load_adbench_data(name: str, data_dir=None) -> tuple[np.ndarray, np.ndarray]
 
     ``name`` is a path to an ``.npz`` file, or a data set name such as ``"shuttle"``,
     looked for as ``<name>.npz``, ``adbench_<name>.npz`` or ADBench's numbered
-    ``<k>_<name>.npz`` in ``data_dir``, ``$LIPDP_DATA_DIR``, the data shipped with lipdp
-    (:data:`PACKAGED_DATA_DIR`: ``shuttle``) and ``<repository>/../shared/data``.
+    ``<k>_<name>.npz`` in ``data_dir``, ``$LIPDP_DATA_DIR`` and the data shipped with
+    lipdp (:data:`PACKAGED_DATA_DIR`: ``shuttle``).
 
     Returns ``(x, y)``: ``x`` float32 of shape ``(n, d)``, ``y`` int64 of shape ``(n,)``.
     """
@@ -458,7 +454,6 @@ __all__ = [
     "IMAGE_DATASETS",
     "MNIST_CLASSES",
     "PACKAGED_DATA_DIR",
-    "SHARED_DATA_DIR",
     "ArrayDataset",
     "adbench_dirs",
     "canonical_name",
