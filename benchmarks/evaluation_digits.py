@@ -30,9 +30,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from lipdp import datasets, losses, zoo  # noqa: E402
+from lipdp import datasets  # noqa: E402
 from lipdp.audit import conv_operator_norm, dense_operator_norm  # noqa: E402
-from lipdp.cli import CNN_WIDTHS, INPUT_BOUNDS  # noqa: E402
+from lipdp.cli import cli_model  # noqa: E402
 from lipdp.evaluation import (  # noqa: E402
     calibration_report,
     certified_accuracy,
@@ -44,7 +44,6 @@ from lipdp.evaluation import (  # noqa: E402
 )
 from lipdp.evaluation.calibration import softmax  # noqa: E402
 from lipdp.evaluation.robustness import predict_logits  # noqa: E402
-from lipdp.metadata import DatasetMetadata  # noqa: E402
 from lipdp.model import DP_Accountant, DPParameters  # noqa: E402
 from lipdp.report import privacy_report  # noqa: E402
 from lipdp.sensitivity import get_max_epochs  # noqa: E402
@@ -55,29 +54,14 @@ PGD_RADII = [0.1, 0.25, 0.5, 1.0, 2.0]
 
 
 def lipdp_model(data, sigma, batch_size, non_private=False):
-    """The CNN of ``lipdp train`` (``lipdp.zoo.pooled_cnn``) on the whole batches of the
-    training set, with the CLI's metadata."""
-    n = len(data.x_train) - len(data.x_train) % batch_size
-    metadata = DatasetMetadata(
-        input_shape=data.x_train.shape[1:],
-        nb_classes=data.nb_classes,
-        nb_samples_train=n,
-        nb_samples_test=len(data.x_test),
-        class_names=data.class_names,
-        batch_size=batch_size,
-        max_norm=INPUT_BOUNDS["digits"],
+    """The compiled CNN of ``lipdp train`` (:func:`lipdp.cli.cli_model`) on the whole
+    batches of the training set, with the CLI's metadata."""
+    params = (
+        DPParameters("global", 0.0, 1e-5, non_private=True)
+        if non_private
+        else DPParameters("global", sigma, 1e-5)
     )
-    params = DPParameters("global", sigma, 1e-5)
-    model = zoo.build_model("pooled_cnn", metadata, params, widths=CNN_WIDTHS["digits"])
-    x, y = data.x_train[:n], np.eye(data.nb_classes, dtype="float32")[data.y_train[:n]]
-    if non_private:
-        model.dp_parameters = DPParameters("global", 0.0, 1e-5, non_private=True)
-    model.compile(
-        loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
-        optimizer=tf.keras.optimizers.Adam(0.02),
-        metrics=["accuracy"],
-    )
-    return model, x, y
+    return cli_model(data, "digits", batch_size, params)
 
 
 def baseline_model():

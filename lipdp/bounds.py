@@ -85,12 +85,6 @@ class Bounds:
     input_cotangent_bounds: list | None
     variables: list
 
-    def bound_of(self, variable) -> VariableBound:
-        for entry in self.variables:
-            if entry.variable is variable:
-                return entry
-        raise KeyError(f"no bound for variable {variable.name}")
-
     def sensitivities(self, batch_size) -> list[tuple[VariableBound, object]]:
         """``[(VariableBound, Delta_v)]``: ``Delta_v = B_v (1 + ROUNDOFF_SLACK) / b``, the
         sensitivity of the averaged gradient (module docstring)."""

@@ -180,17 +180,23 @@ def _load(name, data_dir):
     return datasets.load_fashion_mnist(data_dir)
 
 
-def _build_model(data, args, batch_size, sigma):
-    """The CLI's model (architecture: :func:`lipdp.zoo.pooled_cnn`) and training arrays."""
+def cli_model(data, dataset, batch_size, dp_parameters, sampling="shuffle", learning_rate=None):
+    """The compiled model of ``lipdp train`` / ``evaluate`` and its training arrays.
+
+    Architecture :func:`lipdp.zoo.pooled_cnn` (widths :data:`CNN_WIDTHS`), input bound
+    :data:`INPUT_BOUNDS`, loss ``DP_TauCategoricalCrossentropy(8)``, Adam (learning rate
+    the data set's default unless given). Poisson batches use every training example;
+    fixed-size batches drop the remainder (rule S5). Returns ``(model, x_train, y_train)``.
+    Benchmarks and tests that study "the CLI's model" build it here.
+    """
     import numpy as np
+    import tensorflow as tf
 
-    from lipdp import zoo
-    from lipdp.model import DPParameters
-    from lipdp.pipeline import DatasetMetadata
+    from lipdp import losses, zoo
+    from lipdp.metadata import DatasetMetadata
 
-    # Poisson batches use every example; fixed-size batches drop the remainder (rule S5).
     n_train = len(data.x_train)
-    if args.sampling == "shuffle":
+    if sampling == "shuffle":
         n_train -= n_train % batch_size
     metadata = DatasetMetadata(
         input_shape=data.x_train.shape[1:],
@@ -199,14 +205,14 @@ def _build_model(data, args, batch_size, sigma):
         nb_samples_test=len(data.x_test),
         class_names=data.class_names,
         batch_size=batch_size,
-        max_norm=INPUT_BOUNDS[args.dataset],
-        sampling=args.sampling,
+        max_norm=INPUT_BOUNDS[dataset],
+        sampling=sampling,
     )
-    model = zoo.build_model(
-        "pooled_cnn",
-        metadata,
-        DPParameters(args.strategy, sigma, args.delta),
-        widths=CNN_WIDTHS[args.dataset],
+    model = zoo.build_model("pooled_cnn", metadata, dp_parameters, widths=CNN_WIDTHS[dataset])
+    model.compile(
+        loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
+        optimizer=tf.keras.optimizers.Adam(learning_rate or _DEFAULTS[dataset][2]),
+        metrics=["accuracy"],
     )
     y_train = np.eye(data.nb_classes, dtype="float32")[data.y_train[:n_train]]
     return model, data.x_train[:n_train], y_train
@@ -217,21 +223,26 @@ def _train_private_model(args, data, verb):
 
     Returns ``(model, x_train, y_train, seconds)``.
     """
-    import tensorflow as tf
 
-    from lipdp import losses
-    from lipdp.model import DP_Accountant
+    from lipdp.model import DP_Accountant, DPParameters
     from lipdp.pipeline import poisson_batches
     from lipdp.sensitivity import get_max_epochs
 
-    default_batch, default_sigma, default_lr = _DEFAULTS[args.dataset]
+    default_batch, default_sigma, _ = _DEFAULTS[args.dataset]
     batch_size = args.batch_size or default_batch
     sigma = args.noise_multiplier or default_sigma
     if batch_size > len(data.x_train):
         raise ValueError(
             f"--batch-size {batch_size} exceeds the {len(data.x_train)} training examples."
         )
-    model, x_train, y_train = _build_model(data, args, batch_size, sigma)
+    model, x_train, y_train = cli_model(
+        data,
+        args.dataset,
+        batch_size,
+        DPParameters(args.strategy, sigma, args.delta),
+        sampling=args.sampling,
+        learning_rate=args.learning_rate,
+    )
     epochs = args.epochs
     if epochs is None:
         epochs = get_max_epochs(args.epsilon, model, accountant=args.accountant)
@@ -239,11 +250,6 @@ def _train_private_model(args, data, verb):
         f"lipdp {verb}: {args.dataset}, {len(x_train)} training examples, batch {batch_size}, "
         f"noise multiplier {sigma}, {args.strategy} noise, budget (epsilon = {args.epsilon}, "
         f"delta = {args.delta}) -> {epochs} epochs"
-    )
-    model.compile(
-        loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
-        optimizer=tf.keras.optimizers.Adam(args.learning_rate or default_lr),
-        metrics=["accuracy"],
     )
     callbacks = [DP_Accountant(epsilon_budget=args.epsilon, accountant=args.accountant)]
     if args.quiet:

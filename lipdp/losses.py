@@ -59,6 +59,7 @@ import math
 import tensorflow as tf
 
 from lipdp import validation
+from lipdp.records import finite_rows, zero_rows
 
 __all__ = [
     "DP_Loss",
@@ -125,21 +126,6 @@ def _prepare(y_true, y_pred, min_classes: int = 1):
             f"got shape {y_pred.shape}."
         )
     return y_true, y_pred
-
-
-def finite_rows(values):
-    """``(batch,)`` booleans: every entry of the example is finite (not NaN, not inf)."""
-    values = tf.convert_to_tensor(values)
-    if not values.dtype.is_floating:
-        return tf.ones(tf.shape(values)[:1], dtype=tf.bool)
-    flat = tf.reshape(values, tf.stack([tf.shape(values)[0], -1]))
-    return tf.reduce_all(tf.math.is_finite(flat), axis=1)
-
-
-def _broadcast_rows(mask, like):
-    """A ``(batch,)`` mask broadcast to the shape of ``like``."""
-    shape = tf.concat([tf.shape(mask), tf.ones([tf.rank(like) - 1], tf.int32)], axis=0)
-    return tf.broadcast_to(tf.reshape(mask, shape), tf.shape(like))
 
 
 def _per_example(values):
@@ -260,8 +246,7 @@ class DP_Loss(tf.keras.losses.Loss, metaclass=abc.ABCMeta):
         """
         y_true = tf.convert_to_tensor(y_true)
         finite = finite_rows(y_true)
-        safe = tf.where(_broadcast_rows(finite, y_true), y_true, tf.zeros_like(y_true))
-        losses = self.per_example_loss(safe, y_pred)
+        losses = self.per_example_loss(zero_rows(finite, y_true), y_pred)
         return tf.where(finite, losses, tf.zeros_like(losses))
 
     def __call__(self, y_true, y_pred, sample_weight=None):

@@ -34,9 +34,9 @@ from lipdp.accounting.plan import PrivacyPlan
 from lipdp.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
 from lipdp.dynamic import DynamicClippingSpec, dynamic_clip_layers
 from lipdp.layers import DP_BoundedInput, DP_InputLayer, DPLayer
-from lipdp.losses import finite_rows
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
+from lipdp.records import finite_rows
 
 logger = logging.getLogger(__name__)
 
@@ -412,6 +412,9 @@ class DP_Model(tf.keras.Model):
             layer.project()
 
     def train_step(self, data):
+        # Python: runs when the step is traced, so every path (fit, train_on_batch, custom
+        # loops) is checked at no per-step cost.
+        _refuse_mixed_precision(_with_wrapped_blocks(self.dp_layers))
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
@@ -468,7 +471,6 @@ class DP_Model(tf.keras.Model):
             )
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        _refuse_mixed_precision(_with_wrapped_blocks(self.dp_layers))
         self._check_fit_arguments(x, y, batch_size, kwargs)
         # Weights set by hand (load_weights, set_weights) are brought back in the
         # feasible set before the first bound is trusted.
@@ -493,7 +495,6 @@ class DP_Model(tf.keras.Model):
 
     def train_on_batch(self, *args, **kwargs):
         """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
-        _refuse_mixed_precision(_with_wrapped_blocks(self.dp_layers))
         self.project()
         return super().train_on_batch(*args, **kwargs)
 

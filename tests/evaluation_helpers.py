@@ -1,13 +1,12 @@
 """Shared by the evaluation tests: the digits CNN of ``lipdp train``, trained once per
 test process, and a small vector model."""
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
-from lipdp import datasets, losses, zoo
+from lipdp import datasets, losses
 from lipdp import layers as L
-from lipdp.cli import CNN_WIDTHS, INPUT_BOUNDS
+from lipdp.cli import cli_model
 from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Sequential, DPParameters
 
@@ -18,26 +17,9 @@ def digits():
 
 
 def digits_cnn(data, sigma=1.0, batch_size=512):
-    """The CNN of ``lipdp train`` on digits, on the whole batches of the training set."""
-    n = len(data.x_train) - len(data.x_train) % batch_size
-    metadata = DatasetMetadata(
-        input_shape=data.x_train.shape[1:],
-        nb_classes=data.nb_classes,
-        nb_samples_train=n,
-        nb_samples_test=len(data.x_test),
-        class_names=data.class_names,
-        batch_size=batch_size,
-        max_norm=INPUT_BOUNDS["digits"],
-    )
-    params = DPParameters("global", sigma, 1e-5)
-    model = zoo.build_model("pooled_cnn", metadata, params, widths=CNN_WIDTHS["digits"])
-    x, y = data.x_train[:n], np.eye(data.nb_classes, dtype="float32")[data.y_train[:n]]
-    model.compile(
-        loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
-        optimizer=tf.keras.optimizers.Adam(0.02),
-        metrics=["accuracy"],
-    )
-    return model, x, y
+    """The compiled CNN of ``lipdp train`` on digits (:func:`lipdp.cli.cli_model`), on the
+    whole batches of the training set."""
+    return cli_model(data, "digits", batch_size, DPParameters("global", sigma, 1e-5))
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lipdp"
 ALLOWED = {
     "lipdp.metadata": (),
     "lipdp.validation": (),
+    "lipdp.records": (),
     "lipdp.projections": ("lipdp.validation",),
-    "lipdp.layers": ("lipdp.layers", "lipdp.validation", "lipdp.projections"),
+    "lipdp.layers": ("lipdp.layers", "lipdp.validation", "lipdp.projections", "lipdp.records"),
     "lipdp.bounds": (),
     "lipdp.noise": ("lipdp.validation",),
     "lipdp.accounting": ("lipdp.accounting", "lipdp.validation", "lipdp.metadata"),

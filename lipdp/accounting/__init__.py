@@ -44,7 +44,6 @@ from lipdp.accounting.pld import PLD_VALUE_DISCRETIZATION_INTERVAL, PLDAccountan
 from lipdp.accounting.rdp import RDPAccountant
 from lipdp.accounting.reference import DPGD_Mechanism, autodp_epsilon
 from lipdp.accounting.registry import (
-    accountant_names,
     clear_caches,
     get_accountant,
     register_accountant,
@@ -61,7 +60,6 @@ __all__ = [
     "RDPAccountant",
     "Release",
     "SubsampledGaussian",
-    "accountant_names",
     "autodp_epsilon",
     "calibrate_noise_multiplier",
     "clear_caches",

@@ -31,10 +31,6 @@ def get_accountant(name="rdp"):
     return _REGISTRY[name]
 
 
-def accountant_names() -> tuple:
-    return tuple(_REGISTRY)
-
-
 def clear_caches(results_only=False) -> None:
     """Forget cached results (and, unless ``results_only``, the cached one-run RDP
     curves and PLDs): for benchmarks that time cold starts."""

@@ -8,18 +8,9 @@ import tensorflow as tf
 
 from lipdp import validation
 from lipdp.layers.base import NonExpansiveLayer, register
+from lipdp.records import finite_rows, zero_rows
 
 logger = logging.getLogger(__name__)
-
-
-def zero_non_finite_rows(inputs):
-    """``inputs`` with every example that holds a NaN or an infinity replaced by zeros."""
-    flat = tf.reshape(inputs, tf.stack([tf.shape(inputs)[0], -1]))
-    finite = tf.reduce_all(tf.math.is_finite(flat), axis=1)
-    mask = tf.reshape(
-        finite, tf.concat([tf.shape(finite), tf.ones([tf.rank(inputs) - 1], tf.int32)], 0)
-    )
-    return tf.where(mask, inputs, tf.zeros_like(inputs))
 
 
 @register
@@ -63,7 +54,7 @@ class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
             )
 
     def call(self, inputs):
-        inputs = zero_non_finite_rows(inputs)  # also without clipping: NaN is never <= B
+        inputs = zero_rows(finite_rows(inputs), inputs)  # also unclipped: NaN is never <= B
         if not self.enforce_clipping:
             return inputs
         axes = list(range(1, len(inputs.shape)))
