@@ -7,12 +7,17 @@ differentiable re-parametrisation sits between the variable and the loss, so the
 per-example gradient bound of a layer never has to account for the Jacobian of
 a normalisation.
 
-Three sets are used:
+Three sets are used, each of some radius ``C > 0`` (1 by default):
 
-* the **spectral ball** ``{W : ||W||_2 <= 1}`` (Lipschitz-1 dense maps);
-* the **orthogonal matrices** (gradient-norm-preserving maps), reached with
-  Björck's iteration ``W <- 1.5 W - 0.5 W W^T W``;
-* the **Frobenius ball** ``{W : ||W||_F <= 1}`` (exact, no iteration needed).
+* the **spectral ball** ``{W : ||W||_2 <= C}`` (``C``-Lipschitz dense maps);
+* ``C`` times the **orthogonal matrices** (gradient-norm-preserving maps for ``C = 1``),
+  reached with Björck's iteration ``W <- 1.5 W - 0.5 W W^T W``;
+* the **Frobenius ball** ``{W : ||W||_F <= C}`` (exact, no iteration needed).
+
+Each is the unit set scaled by ``C``, so every projection below maps ``W / C`` onto the
+unit set and multiplies back by ``C``. Lip-DP-SGD (:mod:`lipdp.layers.constrained`) reads
+the *current* norm of a projected kernel instead of its radius:
+:func:`certified_operator_norm` gives an upper bound on it from the weights alone.
 
 Safety (rule S4). Power iteration approaches the largest singular value from
 below (``sigma_est <= sigma_max``); after a noisy optimizer step a warm-started
@@ -98,15 +103,17 @@ def bjorck_step(matrix: tf.Tensor) -> tf.Tensor:
     return 1.5 * matrix - 0.5 * gram_term
 
 
-def spectral_ball_projection(matrix: tf.Tensor, *, margin: float = DEFAULT_MARGIN) -> tf.Tensor:
-    """Rescale ``matrix`` so that its spectral norm is at most one.
+def spectral_ball_projection(
+    matrix: tf.Tensor, *, margin: float = DEFAULT_MARGIN, radius: float = 1.0
+) -> tf.Tensor:
+    """Rescale ``matrix`` so that its spectral norm is at most ``radius``.
 
-    ``W <- W / max(1, sigma_max (1 + margin))`` with the exact ``sigma_max``. A
+    ``W <- W / max(1, sigma_max (1 + margin) / C)`` with the exact ``sigma_max``. A
     matrix already inside the ball is left unchanged, so the projection does not
     fight the optimizer.
     """
     sigma = largest_singular_value(matrix)
-    return matrix / tf.maximum(tf.cast(1.0, matrix.dtype), sigma * (1.0 + margin))
+    return matrix / tf.maximum(tf.cast(1.0, matrix.dtype), sigma * (1.0 + margin) / radius)
 
 
 def orthogonal_projection(
@@ -116,12 +123,14 @@ def orthogonal_projection(
     power_iterations: int = DEFAULT_POWER_ITERATIONS,
     bjorck_iterations: int = DEFAULT_BJORCK_ITERATIONS,
     margin: float = DEFAULT_MARGIN,
+    radius: float = 1.0,
 ) -> tuple[tf.Tensor, tf.Tensor]:
-    """Map ``matrix`` to (nearly) the closest matrix with orthonormal rows or columns.
+    """Map ``matrix`` to (nearly) ``radius`` times the closest matrix with orthonormal
+    rows or columns.
 
     Certified normalisation to spectral norm <= 2, then ``bjorck_iterations``
     Björck steps (see the module docstring): the result has spectral norm at most
-    one whatever the accuracy of the warm-started power iteration, which only
+    ``radius`` whatever the accuracy of the warm-started power iteration, which only
     decides how close to orthogonal the result is. Returns ``(projected, u)``.
     """
     sigma, u = power_iteration(matrix, u, power_iterations)
@@ -129,12 +138,43 @@ def orthogonal_projection(
     matrix = matrix / divisor
     for _ in range(bjorck_iterations):
         matrix = bjorck_step(matrix)
-    return matrix * _BJORCK_ROUNDOFF, u
+    return matrix * (_BJORCK_ROUNDOFF * radius), u
 
 
-def frobenius_ball_projection(matrix: tf.Tensor) -> tf.Tensor:
-    """Exact Euclidean projection onto ``{W : ||W||_F <= 1}``."""
-    return matrix / tf.maximum(tf.cast(1.0, matrix.dtype), tf.norm(matrix))
+def frobenius_ball_projection(matrix: tf.Tensor, *, radius: float = 1.0) -> tf.Tensor:
+    """Exact Euclidean projection onto ``{W : ||W||_F <= radius}``."""
+    return matrix / tf.maximum(tf.cast(1.0, matrix.dtype), tf.norm(matrix) / radius)
+
+
+#: Relative slack on a norm computed in float64 and rounded to float32 (one float32
+#: rounding is at most 2^-24 relative; the slack is generous).
+NORM_ROUNDOFF = 1e-6
+
+
+def certified_operator_norm(matrix: tf.Tensor, norm: str) -> tf.Tensor:
+    """An upper bound on the spectral norm of ``matrix``, from its entries alone.
+
+    ``norm="spectral"``: ``sigma_max`` from the eigenvalues of the smaller Gram matrix,
+    computed in float64 (the float32 entries are exact in float64, so the only error is
+    the float64 eigen-solver's, ~1e-15 relative); ``norm="frobenius"``: ``||W||_F``
+    (``>= sigma_max``), summed in float64. Both are multiplied by ``1 + NORM_ROUNDOFF``
+    to cover the final rounding to float32. Differentiable (the adversarial soundness
+    search differentiates through it).
+    """
+    wide = tf.cast(matrix, tf.float64)
+    if norm == "frobenius":
+        value = tf.sqrt(tf.reduce_sum(tf.square(wide)))
+    elif norm == "spectral":
+        m, n = matrix.shape
+        gram = (
+            tf.matmul(wide, wide, transpose_a=True)
+            if m >= n
+            else tf.matmul(wide, wide, transpose_b=True)
+        )
+        value = tf.sqrt(tf.maximum(tf.reduce_max(tf.linalg.eigvalsh(gram)), 0.0))
+    else:
+        raise ValueError(f"norm must be 'spectral' or 'frobenius', got {norm!r}.")
+    return tf.cast(value * (1.0 + NORM_ROUNDOFF), matrix.dtype)
 
 
 def l2_ball_projection(vector: tf.Tensor, radius: float) -> tf.Tensor:

@@ -235,6 +235,56 @@ COMPOSITION_CASES = {
 }
 
 
+def _ball(constraint, radius, adaptive=True):
+    return dict(constraint=constraint, weight_norm_bound=radius, adaptive_norm=adaptive)
+
+
+def _dense_ball_case(cls, constraint, adaptive=True):
+    """Two layers of ``cls`` in balls of radii above and below 1."""
+    return lambda: build(
+        [
+            cls(16, **_ball(constraint, 2.5, adaptive)),
+            L.DP_GroupSort(2),
+            cls(NB_CLASSES, **_ball(constraint, 0.6, adaptive)),
+        ],
+        VEC,
+    )
+
+
+def _conv_ball_case(cls, constraint, adaptive=True, **conv):
+    return lambda: build(
+        [
+            cls(4, 3, **conv, **_ball(constraint, 1.7, adaptive)),
+            L.DP_GroupSort(2),
+            cls(4, 3, **_ball(constraint, 0.8, adaptive)),
+            L.DP_Flatten(),
+            L.DP_QuickSpectralDense(NB_CLASSES, **_ball("spectral", 1.3, adaptive)),
+        ],
+        IMG,
+    )
+
+
+#: Lip-DP-SGD (issue 12): every constrained layer, both norms of the ball, radius != 1,
+#: bounds from the current weights; plus fixed-norm balls of radius != 1.
+NORM_BALL_CASES = {
+    "Ball:SpectralDense(spectral,adaptive)": _dense_ball_case(L.DP_SpectralDense, "spectral"),
+    "Ball:QuickFrobeniusDense(frobenius,adaptive)": _dense_ball_case(
+        L.DP_QuickFrobeniusDense, "frobenius"
+    ),
+    "Ball:QuickSpectralDense(orthogonal,adaptive)": _dense_ball_case(
+        L.DP_QuickSpectralDense, "orthogonal"
+    ),
+    "Ball:SpectralConv2D(spectral,adaptive)": _conv_ball_case(L.DP_SpectralConv2D, "spectral"),
+    "Ball:QuickSpectralConv2D(frobenius,adaptive,stride2,valid)": _conv_ball_case(
+        L.DP_QuickSpectralConv2D, "frobenius", strides=2, padding="valid"
+    ),
+    "Ball:SpectralDense(spectral,fixed)": _dense_ball_case(L.DP_SpectralDense, "spectral", False),
+    "Ball:SpectralConv2D(orthogonal,fixed)": _conv_ball_case(
+        L.DP_SpectralConv2D, "orthogonal", False
+    ),
+}
+
+
 def zoo_case(builder, input_shape, upper_bound=3.0, **options):
     """A zoo architecture at a small size. The zoo's list starts with the same
     DP_BoundedInput that ``build`` adds, so ``build`` gets the layers after it."""
@@ -259,4 +309,10 @@ ZOO_CASES = {
     ),
 }
 
-ALL_CASES = {**LAYER_CASES, **LOSS_CASES, **COMPOSITION_CASES, **ZOO_CASES}
+ALL_CASES = {
+    **LAYER_CASES,
+    **LOSS_CASES,
+    **COMPOSITION_CASES,
+    **NORM_BALL_CASES,
+    **ZOO_CASES,
+}

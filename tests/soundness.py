@@ -130,8 +130,12 @@ def measure(model, x, y) -> Ratios:
     return ratios
 
 
-def _gradient_ratio_objective(model, x, y, bounds):
-    """Sum over examples and variables of (per-example gradient norm / bound)^2."""
+def _gradient_ratio_objective(model, x, y):
+    """Sum over examples and variables of (per-example gradient norm / bound)^2.
+
+    The bounds are recomputed here, under the caller's tape: with norm-adaptive layers
+    they depend on the weights, and the ascent must see that dependence too."""
+    bounds = {e.variable.ref(): e.bound for e in model.bounds().variables}
     total = 0.0
     b = model.loss_normalizer  # DP_ClipGradient clips at C / b
     for i in range(x.shape[0]):
@@ -150,14 +154,13 @@ def adversarial_search(model, x, y, steps=15, step_size=0.3, attack_weights=True
     projected back onto their constraint sets after every ascent step, so they
     stay in the set the bounds are proven for. Returns the worst ratios seen.
     """
-    bounds = {e.variable.ref(): float(e.bound) for e in model.bounds().variables}
     x = tf.Variable(tf.convert_to_tensor(x))
     y = tf.convert_to_tensor(y)
     worst = measure(model, x, y)
     for _ in range(steps):
         targets = [x] + (list(model.trainable_variables) if attack_weights else [])
         with tf.GradientTape() as tape:
-            objective = _gradient_ratio_objective(model, x, y, bounds)
+            objective = _gradient_ratio_objective(model, x, y)
         grads = tape.gradient(objective, targets)
         for target, g in zip(targets, grads):
             if g is None:

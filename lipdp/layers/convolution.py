@@ -13,12 +13,19 @@ positions ``p`` with ``p * sh <= r + pad < p * sh + kh`` number at most
 only zeros). The layer uses the effective kernel ``K_eff = K / sqrt(n)`` and keeps
 ``||M||_2 <= 1`` by projection (RKO: reshaped kernel orthogonalisation), so
 
-* output bound: ``||y||^2 = sum_p ||M_eff^T P_p(x)||^2 <= (1/n) sum_p ||P_p(x)||^2
-  <= ||x||^2`` — the convolution is 1-Lipschitz (it is linear): ``X -> X``;
-* cotangent bound: the adjoint has the same norm, ``G -> G``;
+* output bound: ``||y||^2 = sum_p ||M_eff^T P_p(x)||^2 <= ||M_eff||_2^2 sum_p
+  ||P_p(x)||^2 <= n ||M_eff||_2^2 ||x||^2 = ||M||_2^2 ||x||^2`` — the convolution (linear)
+  has operator norm at most ``||M||_2 <= c`` (``c = 1`` by default; the radius ``C`` or the
+  current certified norm, :mod:`lipdp.layers.constrained`): ``X -> c X``;
+* cotangent bound: the adjoint has the same norm, ``G -> c G``;
 * parameter bound: ``dL/dM_eff = sum_p P_p(x) g_p^T`` has Frobenius norm at most
   ``sum_p ||P_p(x)|| ||g_p|| <= sqrt(n) ||x|| ||g||``; the chain rule through the
   constant factor ``1/sqrt(n)`` gives ``||dL/dM|| <= X * G`` for the stored kernel.
+
+For stride 1, ``n = kh * kw``: the factor ``sqrt(n)`` is the ``sqrt(h' w')`` of Lip-DP-SGD
+(Barczewski & Ramon, Appendix B.1: ``||conv_theta|| <= sqrt(h' w') ||theta||_F``), written
+here into the effective kernel so that the stored kernel's norm bounds the operator norm
+directly; with a Frobenius ball ``||M||_F <= C`` the operator norm is at most ``C``.
 
 The factor ``1/sqrt(n)`` is a worst case, valid for every input size. deel-lip's
 stride-1 factor (``_compute_conv_lip_factor``) averages the border effect over
@@ -63,6 +70,8 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
         margin=projections.DEFAULT_MARGIN,
         dilation_rate=(1, 1),
         data_format=None,
+        weight_norm_bound=1.0,
+        adaptive_norm=False,
         **kwargs,
     ):
         name = type(self).__name__
@@ -88,6 +97,8 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
             power_iterations,
             bjorck_iterations or self._default_bjorck_iterations,
             margin,
+            weight_norm_bound,
+            adaptive_norm,
         )
         #: The constant factor between the stored and the effective kernel.
         self.correction = 1.0 / math.sqrt(patch_overlap(self.kernel_size, self.strides))
@@ -122,12 +133,6 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
                 _ceil_div(w - self.kernel_size[1] + 1, self.strides[1]),
             ]
         return tf.TensorShape([input_shape[0], *out, self.filters])
-
-    def propagate_inputs(self, input_bound):
-        return input_bound
-
-    def backpropagate_inputs(self, input_bound, gradient_bound):
-        return gradient_bound
 
     def backpropagate_params(self, input_bound, gradient_bound):
         # correction * sqrt(n) == 1 (module docstring).

@@ -1,10 +1,11 @@
-"""Dense layers with a kernel of spectral norm at most one.
+"""Dense layers with a kernel of bounded spectral norm.
 
 For one example ``x`` (any rank; the kernel acts on the last axis, token by token)
-the layer computes ``y_t = W^T x_t``. With ``||W||_2 <= 1``:
+the layer computes ``y_t = W^T x_t``. With ``||W||_2 <= c`` (``c = 1`` by default; the
+radius ``C`` or the current norm, :mod:`lipdp.layers.constrained`):
 
-* output bound: ``||y||^2 = sum_t ||W^T x_t||^2 <= sum_t ||x_t||^2``, so ``X -> X``;
-* cotangent bound: ``dL/dx_t = W g_t``, so ``||dL/dx|| <= G``;
+* output bound: ``||y||^2 = sum_t ||W^T x_t||^2 <= c^2 sum_t ||x_t||^2``, so ``X -> c X``;
+* cotangent bound: ``dL/dx_t = W g_t``, so ``||dL/dx|| <= c G``;
 * parameter bound: ``dL/dW = sum_t x_t g_t^T``, whose Frobenius norm is at most
   ``sum_t ||x_t|| ||g_t|| <= ||x|| ||g||`` (Cauchy-Schwarz), so ``X * G``.
 
@@ -35,6 +36,8 @@ class _ConstrainedDense(tf.keras.layers.Layer, ConstrainedKernelLayer):
         power_iterations=projections.DEFAULT_POWER_ITERATIONS,
         bjorck_iterations=None,
         margin=projections.DEFAULT_MARGIN,
+        weight_norm_bound=1.0,
+        adaptive_norm=False,
         **kwargs,
     ):
         refuse_bias(type(self).__name__, use_bias)
@@ -47,6 +50,8 @@ class _ConstrainedDense(tf.keras.layers.Layer, ConstrainedKernelLayer):
             power_iterations,
             bjorck_iterations or self._default_bjorck_iterations,
             margin,
+            weight_norm_bound,
+            adaptive_norm,
         )
 
     def build(self, input_shape):
@@ -64,12 +69,6 @@ class _ConstrainedDense(tf.keras.layers.Layer, ConstrainedKernelLayer):
 
     def compute_output_shape(self, input_shape):
         return tf.TensorShape(input_shape)[:-1].concatenate([self.units])
-
-    def propagate_inputs(self, input_bound):
-        return input_bound
-
-    def backpropagate_inputs(self, input_bound, gradient_bound):
-        return gradient_bound
 
     def backpropagate_params(self, input_bound, gradient_bound):
         return input_bound * gradient_bound
