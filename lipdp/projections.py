@@ -50,6 +50,9 @@ DEFAULT_MARGIN = 1e-3
 _BJORCK_ROUNDOFF = 1.0 - 2.0**-20
 DEFAULT_POWER_ITERATIONS = 8
 DEFAULT_BJORCK_ITERATIONS = 15
+#: Relative slack on a norm rounded to float32 (one float32 rounding is at most 2^-24
+#: relative; the slack is generous).
+NORM_ROUNDOFF = 1e-6
 
 
 def power_iteration(
@@ -142,13 +145,11 @@ def orthogonal_projection(
 
 
 def frobenius_ball_projection(matrix: tf.Tensor, *, radius: float = 1.0) -> tf.Tensor:
-    """Exact Euclidean projection onto ``{W : ||W||_F <= radius}``."""
-    return matrix / tf.maximum(tf.cast(1.0, matrix.dtype), tf.norm(matrix) / radius)
-
-
-#: Relative slack on a norm computed in float64 and rounded to float32 (one float32
-#: rounding is at most 2^-24 relative; the slack is generous).
-NORM_ROUNDOFF = 1e-6
+    """Euclidean projection onto ``{W : ||W||_F <= radius}``: ``W / max(1, ||W|| / C)``,
+    with ``||W||`` rounded up by ``NORM_ROUNDOFF`` so that float32 round-off of the
+    division cannot leave the result a hair outside the ball."""
+    norm = tf.norm(matrix) * (1.0 + NORM_ROUNDOFF)
+    return matrix / tf.maximum(tf.cast(1.0, matrix.dtype), norm / radius)
 
 
 def certified_operator_norm(matrix: tf.Tensor, norm: str) -> tf.Tensor:

@@ -278,6 +278,25 @@ NORM_BALL_CASES = {
     "Ball:QuickSpectralConv2D(frobenius,adaptive,stride2,valid)": _conv_ball_case(
         L.DP_QuickSpectralConv2D, "frobenius", strides=2, padding="valid"
     ),
+    "Ball:GroupNormalization(dense,adaptive)": lambda: build(
+        [
+            L.DP_SpectralDense(16, **_ball("spectral", 2.0)),
+            L.DP_GroupNormalization(groups=4, alpha=0.3),
+            L.DP_GroupSort(2),
+            L.DP_QuickFrobeniusDense(NB_CLASSES, **_ball("frobenius", 0.7)),
+        ],
+        VEC,
+    ),
+    "Ball:GroupNormalization(conv,fixed)": lambda: build(
+        [
+            L.DP_QuickSpectralConv2D(4, 3),
+            L.DP_GroupNormalization(groups=2, alpha=2.0),
+            L.DP_GroupSort(2),
+            L.DP_Flatten(),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+        ],
+        IMG,
+    ),
     "Ball:SpectralDense(spectral,fixed)": _dense_ball_case(L.DP_SpectralDense, "spectral", False),
     "Ball:SpectralConv2D(orthogonal,fixed)": _conv_ball_case(
         L.DP_SpectralConv2D, "orthogonal", False

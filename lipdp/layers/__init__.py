@@ -8,7 +8,7 @@ from lipdp.layers.convolution import DP_QuickSpectralConv2D, DP_SpectralConv2D
 from lipdp.layers.dense import DP_QuickFrobeniusDense, DP_QuickSpectralDense, DP_SpectralDense
 from lipdp.layers.inputs import DP_BoundedInput, DP_InputLayer
 from lipdp.layers.lambda_layer import DP_Lambda
-from lipdp.layers.normalization import DP_LayerCentering
+from lipdp.layers.normalization import DP_GroupNormalization, DP_LayerCentering
 from lipdp.layers.pooling import (
     DP_MaxPool2D,
     DP_ScaledGlobalL2NormPooling2D,
@@ -41,6 +41,7 @@ __all__ = [
     "DP_Reshape",
     "DP_Permute",
     "DP_LayerCentering",
+    "DP_GroupNormalization",
     "DP_AddBias",
     "DP_ClipGradient",
     "DP_Lambda",
