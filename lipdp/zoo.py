@@ -378,6 +378,134 @@ def mlp_mixer(
     return stack + [layers.DP_Flatten(), layers.DP_QuickSpectralDense(classes)]
 
 
+def _ball(constraint, weight_norm_bound, adaptive_norm) -> dict:
+    """Constraint options of a constrained layer (:mod:`lipdp.layers.constrained`)."""
+    return dict(
+        constraint=constraint, weight_norm_bound=weight_norm_bound, adaptive_norm=adaptive_norm
+    )
+
+
+def _activation(name, index):
+    if name == "relu":
+        return layers.DP_ReLU(name=f"relu_{index}")
+    if name == "groupsort":
+        return layers.DP_GroupSort(2, name=f"groupsort_{index}")
+    raise ValueError(f"activation must be 'relu' or 'groupsort', got {name!r}.")
+
+
+def _group_norm(groups, alpha, index) -> list:
+    if groups is None:
+        return []
+    return [layers.DP_GroupNormalization(groups, alpha, name=f"groupnorm_{index}")]
+
+
+def lip_mlp(
+    metadata=None,
+    *,
+    input_shape=None,
+    upper_bound=None,
+    nb_classes=None,
+    width=32,
+    depth=1,
+    weight_norm_bound=1.0,
+    adaptive_norm=True,
+    constraint="spectral",
+    group_norm=None,
+    alpha=1.0,
+    bias=None,
+    activation="relu",
+) -> list:
+    """Lip-DP-SGD's tabular MLP (Barczewski & Ramon, Table 4: 2 layers, cross-entropy).
+
+    Layers: ``DP_BoundedInput(B)``, then ``depth`` blocks ``DP_QuickSpectralDense(width)``
+    -> [``DP_AddBias(bias)``] -> [``DP_GroupNormalization(group_norm, alpha)``] ->
+    activation; then ``DP_QuickSpectralDense(nb_classes, name="logits")``. Every kernel
+    lives in a ball of radius ``C = weight_norm_bound`` (``constraint``: ``"spectral"``
+    or ``"frobenius"``; ``"orthogonal"`` pins the norm at ``C``) and, with
+    ``adaptive_norm=True`` (Lip-DP-SGD), the bounds use each kernel's current norm
+    ``c_k = min(C, ||W_k||)``; ``adaptive_norm=False`` is Fix-Lip-DP-SGD (norms taken
+    at ``C``).
+
+    Why it is Lipschitz: the clipped input has norm at most ``B``; a kernel of norm at
+    most ``c_k`` maps ``X -> c_k X`` and ``G -> c_k G`` (kernel gradient ``X G``); a bias
+    ball adds ``bias`` to the output bound; group normalisation is ``1/alpha``-Lipschitz
+    with output norm at most ``sqrt(width)``; ReLU and GroupSort are 1-Lipschitz and map
+    0 to 0. The network is ``prod_k c_k`` (times ``1/alpha`` per group normalisation)
+    Lipschitz.
+
+    Args:
+        metadata: gives ``input_shape``, ``max_norm`` (the bound ``B``) and ``nb_classes``.
+        input_shape, upper_bound, nb_classes: override the metadata's.
+        width: units of every hidden layer.
+        depth: number of hidden blocks (the paper's MLP has one: two dense layers).
+        weight_norm_bound: ``C``, the radius of every kernel's ball.
+        adaptive_norm: bounds from the current norms (Lip-DP-SGD) or from ``C``.
+        constraint: the ball's norm, ``"spectral"`` or ``"frobenius"`` (or ``"orthogonal"``).
+        group_norm: number of groups of a group normalisation after each hidden dense
+            layer; ``None``: none.
+        alpha: the floor of the group normalisation's divisor.
+        bias: radius of a bias ball after each hidden dense layer; ``None``: no bias.
+        activation: ``"relu"`` (the paper's) or ``"groupsort"``.
+    """
+    shape, bound, classes = _inputs(metadata, input_shape, upper_bound, nb_classes)
+    ball = _ball(constraint, weight_norm_bound, adaptive_norm)
+    stack = [_bounded_input(shape, bound)]
+    for i in range(1, depth + 1):
+        stack.append(layers.DP_QuickSpectralDense(width, name=f"dense_{i}", **ball))
+        if bias is not None:
+            stack.append(layers.DP_AddBias(norm_max=bias, name=f"bias_{i}"))
+        stack += _group_norm(group_norm, alpha, i)
+        stack.append(_activation(activation, i))
+    return stack + [layers.DP_QuickSpectralDense(classes, name="logits", **ball)]
+
+
+def lip_convnet(
+    metadata=None,
+    *,
+    input_shape=None,
+    upper_bound=None,
+    nb_classes=None,
+    widths=(32, 64),
+    dense=128,
+    weight_norm_bound=1.0,
+    adaptive_norm=True,
+    constraint="spectral",
+    group_norm=None,
+    alpha=1.0,
+    activation="groupsort",
+) -> list:
+    """Lip-DP-SGD's image ConvNet (Table 4: 4 layers, cross-entropy), as norm-ball layers.
+
+    Layers: ``DP_BoundedInput(B)``; for each width ``w``: ``DP_QuickSpectralConv2D(w, 3)``
+    -> [``DP_GroupNormalization(group_norm, alpha)``] -> activation ->
+    ``DP_ScaledL2NormPooling2D(2)``; then ``DP_Flatten`` ->
+    ``DP_QuickSpectralDense(dense)`` -> activation -> ``DP_QuickSpectralDense(nb_classes)``
+    (``dense=None`` leaves the hidden dense layer out). Kernels in balls of radius
+    ``weight_norm_bound`` as in :func:`lip_mlp`; the convolutions carry the
+    ``1/sqrt(kh kw)`` factor that makes ``||M||_2`` bound their operator norm
+    (:mod:`lipdp.layers.convolution`). Pooling the 2x2 windows by their L2 norm is
+    1-Lipschitz (the paper's network uses max-pooling, also 1-Lipschitz; L2 pooling
+    keeps more of the gradient).
+
+    Args: as :func:`lip_mlp`, with ``widths`` the channels of the convolution blocks and
+    ``dense`` the units of the hidden dense layer.
+    """
+    shape, bound, classes = _inputs(metadata, input_shape, upper_bound, nb_classes)
+    ball = _ball(constraint, weight_norm_bound, adaptive_norm)
+    stack = [_bounded_input(_image(shape, "lip_convnet"), bound)]
+    for i, width in enumerate(widths, 1):
+        stack.append(layers.DP_QuickSpectralConv2D(width, 3, name=f"conv_{i}", **ball))
+        stack += _group_norm(group_norm, alpha, i)
+        stack += [_activation(activation, i), layers.DP_ScaledL2NormPooling2D(2)]
+    stack.append(layers.DP_Flatten())
+    if dense is not None:
+        stack += [
+            layers.DP_QuickSpectralDense(dense, name="dense", **ball),
+            _activation(activation, len(widths) + 1),
+        ]
+    return stack + [layers.DP_QuickSpectralDense(classes, name="logits", **ball)]
+
+
 #: The builders by name, for the command line, the benchmarks and :func:`build_model`.
 ZOO = {
     "pooled_cnn": pooled_cnn,
@@ -385,6 +513,8 @@ ZOO = {
     "tabular_mlp": tabular_mlp,
     "resnet": resnet,
     "mlp_mixer": mlp_mixer,
+    "lip_mlp": lip_mlp,
+    "lip_convnet": lip_convnet,
 }
 
 

@@ -323,6 +323,19 @@ ZOO_CASES = {
     "Zoo:resnet(add)": lambda: zoo_case(
         zoo.resnet, (6, 6, 1), merge_policy="add", blocks=1, width=4
     ),
+    "Zoo:lip_mlp(groupnorm,bias)": lambda: zoo_case(
+        zoo.lip_mlp, VEC, width=8, weight_norm_bound=2.0, group_norm=2, alpha=0.5, bias=0.5
+    ),
+    "Zoo:lip_convnet(frobenius)": lambda: zoo_case(
+        zoo.lip_convnet,
+        (8, 8, 1),
+        widths=(4, 4),
+        dense=8,
+        constraint="frobenius",
+        weight_norm_bound=1.5,
+        group_norm=2,
+        alpha=0.4,
+    ),
     "Zoo:mlp_mixer": lambda: zoo_case(
         zoo.mlp_mixer, (4, 4, 2), patch_size=2, channels=4, token_hidden=8, channel_hidden=8
     ),

@@ -27,6 +27,8 @@ SMALL = {
     "tabular_mlp": ((9,), 3.0, 2, {"width": 8}),
     "resnet": ((8, 8, 1), 5.0, 10, {"blocks": 1, "width": 4}),
     "mlp_mixer": ((8, 8, 1), 5.0, 10, {"channels": 8}),
+    "lip_mlp": ((9,), 3.0, 2, {"width": 8}),
+    "lip_convnet": ((8, 8, 1), 5.0, 10, {"widths": (4, 8), "dense": 8}),
 }
 
 
@@ -82,6 +84,8 @@ def test_registry_holds_every_builder():
         "tabular_mlp": zoo.tabular_mlp,
         "resnet": zoo.resnet,
         "mlp_mixer": zoo.mlp_mixer,
+        "lip_mlp": zoo.lip_mlp,
+        "lip_convnet": zoo.lip_convnet,
     }
 
 
@@ -100,10 +104,14 @@ def test_every_registry_entry_builds_a_1_lipschitz_classifier(name):
     assert model(x).shape == (3, classes)
     # What every builder's docstring claims: logits 1-Lipschitz in the input, so the
     # output norm is at most the input bound (a bias adds its radius: tabular_mlp).
-    assert lipschitz_constant(model) == pytest.approx(1.0)
+    # (lip_*: norm-adaptive, orthogonal initial kernels projected into the spectral ball
+    # of radius 1 with its 1e-3 margin: each kernel's norm is 1 / 1.001.)
+    tolerance = 5e-3 if name.startswith("lip_") else 1e-6
+    assert lipschitz_constant(model) == pytest.approx(1.0, rel=tolerance)
+    assert lipschitz_constant(model) <= 1.0 + 1e-6
     output_bound = model.input_bounds()[1]
     extra = 2 * 1.0 if name == "tabular_mlp" else 0.0  # two bias balls of radius 1
-    assert output_bound == pytest.approx(bound + extra)
+    assert float(output_bound) == pytest.approx(bound + extra, rel=tolerance)
 
 
 def test_build_model_refuses_an_unknown_name():
@@ -408,3 +416,22 @@ def test_mlp_mixer_options():
     assert _unwrapped(zoo.mlp_mixer(metadata, token_hidden=6))[8].units == 6
     with pytest.raises(ValueError, match="patch_size 3 must divide"):
         zoo.mlp_mixer(metadata, patch_size=3)
+
+
+def test_lip_builders_pass_the_ball_to_every_kernel():
+    metadata = _metadata((9,), 3.0, 2)
+    stack = zoo.lip_mlp(metadata, width=8, weight_norm_bound=2.5, constraint="frobenius",
+                        group_norm=2, alpha=0.5, bias=0.3, adaptive_norm=False)
+    kernels = [layer for layer in stack if hasattr(layer, "weight_norm_bound")]
+    assert [k.weight_norm_bound for k in kernels] == [2.5, 2.5]
+    assert {k.constraint for k in kernels} == {"frobenius"}
+    assert not any(k.adaptive_norm for k in kernels)
+    assert [type(layer).__name__ for layer in stack[1:]] == [
+        "DP_QuickSpectralDense", "DP_AddBias", "DP_GroupNormalization", "DP_ReLU",
+        "DP_QuickSpectralDense",
+    ]
+    with pytest.raises(ValueError, match="activation"):
+        zoo.lip_mlp(metadata, activation="tanh")
+    model = _compiled(stack, metadata)
+    # Fixed norms at C = 2.5 and a 1/alpha = 2 normalisation: Lipschitz 2.5 * 2 * 2.5.
+    assert lipschitz_constant(model) == pytest.approx(12.5)
