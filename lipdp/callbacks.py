@@ -1,4 +1,4 @@
-"""Keras callbacks: the privacy budget while training."""
+"""Keras callbacks: the privacy budget while training, and parameter averaging."""
 
 from __future__ import annotations
 
@@ -123,3 +123,62 @@ def noisy_steps_taken(model) -> int:
 def epochs_trained(model) -> int:
     """Epochs begun by ``model`` (:func:`noisy_steps_taken`, a partial epoch counts)."""
     return model.dataset_metadata.epochs_for_steps(noisy_steps_taken(model))
+
+
+class ParameterAveraging(tf.keras.callbacks.Callback):
+    r"""Exponential moving average of the weights, swapped in when training ends.
+
+    After every training step (once the weights are projected) each trainable variable's
+    average is updated, ``a <- d a + (1 - d) w`` (``d = decay``; the first step sets
+    ``a = w``), and at the end of ``fit`` the averages replace the weights. Evaluating
+    the average of the iterates is one of the regularisations Lip-DP-SGD borrows from
+    De et al. (2022).
+
+    **Privacy**: free. The averages are a function of the released (noisy, projected)
+    iterates only: post-processing. **Bounds**: every constraint set of lipdp is convex
+    or inside a convex ball its bounds are proven for (spectral and Frobenius balls,
+    bias balls; orthogonal matrices times ``C`` lie in the spectral ball of radius
+    ``C``), so an average of feasible iterates keeps the bounds -- the averaged model's
+    certified radii and any further training stay sound. The averaged weights are not
+    re-projected (that would undo the averaging of orthogonal kernels).
+
+    Keras's own ``optimizer(use_ema=True)`` is not used: it averages inside
+    ``apply_gradients``, before lipdp projects the weights, so its averages could leave
+    the constraint sets.
+
+    Args:
+        decay: ``d`` in ``[0, 1)``; ``0.999`` averages over about the last 1000 steps.
+        swap_on_end: replace the weights by the averages when ``fit`` ends (default);
+            ``False`` keeps them in :attr:`averages` (see :meth:`assign_averages`).
+    """
+
+    def __init__(self, decay=0.999, swap_on_end=True):
+        super().__init__()
+        self.decay = validation.real("decay", decay, low=0.0, high=1.0, low_open=False)
+        self.swap_on_end = bool(swap_on_end)
+        self.averages = None
+
+    def on_train_begin(self, logs=None):
+        if self.averages is None:
+            self.averages = [
+                tf.Variable(v, trainable=False, name="average")
+                for v in self.model.trainable_variables
+            ]
+            self._fresh = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        decay = 0.0 if self._fresh else self.decay
+        self._fresh = False
+        for average, variable in zip(self.averages, self.model.trainable_variables):
+            average.assign(decay * average + (1.0 - decay) * variable)
+
+    def on_train_end(self, logs=None):
+        if self.swap_on_end:
+            self.assign_averages()
+
+    def assign_averages(self) -> None:
+        """Write the averages into the model's trainable variables."""
+        if self.averages is None:
+            raise ValueError("ParameterAveraging has no averages yet: train with it first.")
+        for average, variable in zip(self.averages, self.model.trainable_variables):
+            variable.assign(average)

@@ -348,3 +348,30 @@ def test_image_case_builds_with_group_normalization():
     bounds = model.bounds()
     # The cap sqrt(N) of the group normalisation sets the input bound of what follows.
     assert float(bounds.input_bounds[3]) <= math.sqrt(6 * 6 * 4) * (1 + 1e-6)
+
+
+# ------------------------------------------------------- parameter averaging
+def test_parameter_averaging_is_the_ema_of_the_projected_iterates():
+    from lipdp.callbacks import ParameterAveraging
+
+    model, x, y = _three_layer_model(True, "orthogonal")
+    seen = []
+    recorder = tf.keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda *_: seen.append([v.numpy() for v in model.trainable_variables])
+    )
+    averaging = ParameterAveraging(decay=0.6)
+    xs, ys = np.concatenate([x, -x]), np.concatenate([y, y[::-1]])  # two batches of 4
+    model.fit(xs, ys, batch_size=4, epochs=3, verbose=0, callbacks=[recorder, averaging])
+    assert len(seen) == 6
+    expected = [w.astype("float64") for w in seen[0]]
+    for weights in seen[1:]:
+        expected = [0.6 * e + 0.4 * w for e, w in zip(expected, weights)]
+    for variable, value in zip(model.trainable_variables, expected):
+        np.testing.assert_allclose(variable.numpy(), value, rtol=1e-5, atol=1e-6)
+    # The average of C-scaled orthogonal kernels stays in the spectral ball of radius C:
+    # the fixed bounds of the layers remain upper bounds.
+    for layer, cap in zip([model.dp_layers[i] for i in (1, 3)], (2.0, 1.5)):
+        assert _sigma_max(_kernel_matrix(layer)) <= cap
+    assert not np.allclose(model.trainable_variables[0].numpy(), seen[-1][0])
+    with pytest.raises(ValueError, match="decay"):
+        ParameterAveraging(decay=1.0)
