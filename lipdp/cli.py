@@ -16,16 +16,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
 
 #: Public input-norm bounds per data set. They are constants, never computed from the
-#: private data (a data-dependent bound would itself leak, rule S6).
-INPUT_BOUNDS = {"digits": 5.0, "fashion_mnist": 10.0}
+#: private data (a data-dependent bound would itself leak, rule S6). Breast cancer: 30
+#: features mapped to [-1, 1] by public ranges (:func:`lipdp.datasets.load_breast_cancer`).
+INPUT_BOUNDS = {"digits": 5.0, "fashion_mnist": 10.0, "breast_cancer": math.sqrt(30.0)}
 
 #: Channels of the convolution blocks of the CLI's CNN (:func:`lipdp.zoo.pooled_cnn`).
 CNN_WIDTHS = {"digits": (16,), "fashion_mnist": (32, 64)}
+
+#: Training methods of ``--method``: ``lipdp`` keeps every kernel at norm C (orthogonal
+#: kernels times C; the original method, "Fix-Lip-DP-SGD" for C != 1); ``lip-dp-sgd``
+#: keeps kernels in spectral balls of radius C and computes the bounds from their
+#: current norms (Barczewski & Ramon; :mod:`lipdp.layers.constrained`).
+METHODS = ("lipdp", "lip-dp-sgd")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +61,7 @@ _seed = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
 _probability = _number(float, lambda v: 0 < v < 1, "a number in (0, 1)")
 _radius = _number(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+_decay = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
 def _directory(text):
@@ -78,7 +87,7 @@ def _keras_path(text):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lipdp", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a Lipschitz CNN under a privacy budget")
+    train = commands.add_parser("train", help="train a Lipschitz network under a privacy budget")
     _add_run_arguments(train)
     train.set_defaults(handler=train_command)
     _add_evaluate_parser(commands)
@@ -120,6 +129,39 @@ def _add_run_arguments(parser) -> None:
         help="poisson (default): batches are Poisson samples of rate b/N, the mechanism the "
         "accountant analyses; shuffle: fixed-size batches of a shuffle, as the original "
         "package (the Poisson analysis is then an assumption)",
+    )
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="lipdp",
+        help="lipdp (default): kernels kept at norm C, bounds from C; lip-dp-sgd: kernels in "
+        "balls of radius C, bounds from their current norms (less noise when they shrink)",
+    )
+    parser.add_argument(
+        "--weight-norm-bound",
+        type=_positive_float,
+        default=1.0,
+        help="C, the radius of every kernel's norm ball (default 1)",
+    )
+    parser.add_argument(
+        "--group-norm",
+        type=_positive_int,
+        default=None,
+        help="number of groups of a group normalisation (x - mean) / max(alpha, std) after "
+        "each hidden layer (default: none)",
+    )
+    parser.add_argument(
+        "--group-norm-alpha",
+        type=_positive_float,
+        default=1.0,
+        help="alpha of the group normalisation (the layer is 1/alpha-Lipschitz; default 1)",
+    )
+    parser.add_argument(
+        "--averaging",
+        type=_decay,
+        default=None,
+        help="evaluate the exponential moving average of the weights with this decay "
+        "(e.g. 0.99; post-processing, no privacy cost)",
     )
     parser.add_argument("--strategy", choices=["global", "per-layer"], default="global")
     parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp")
@@ -169,6 +211,7 @@ _DEFAULTS = {
     # dataset: batch size, noise multiplier, learning rate
     "digits": (512, 6.0, 0.02),
     "fashion_mnist": (2048, 2.0, 0.01),
+    "breast_cancer": (64, 2.0, 0.01),
 }
 
 
@@ -177,17 +220,53 @@ def _load(name, data_dir):
 
     if name == "digits":
         return datasets.load_digits()
+    if name == "breast_cancer":
+        return datasets.load_breast_cancer()
     return datasets.load_fashion_mnist(data_dir)
 
 
-def cli_model(data, dataset, batch_size, dp_parameters, sampling="shuffle", learning_rate=None):
+def _architecture(dataset, method, weight_norm_bound, group_norm, alpha):
+    """``(zoo name, builder options)`` of the CLI's network for these options."""
+    adaptive = method == "lip-dp-sgd"
+    ball = dict(
+        weight_norm_bound=weight_norm_bound,
+        adaptive_norm=adaptive,
+        constraint="spectral" if adaptive else "orthogonal",
+        group_norm=group_norm,
+        alpha=alpha,
+    )
+    if dataset == "breast_cancer":
+        return "lip_mlp", dict(width=32, **ball)
+    if not adaptive and weight_norm_bound == 1.0 and group_norm is None:
+        return "pooled_cnn", dict(widths=CNN_WIDTHS[dataset])
+    # The same network as pooled_cnn, with norm balls (and group normalisation).
+    return "lip_convnet", dict(
+        widths=CNN_WIDTHS[dataset], dense=None, activation="groupsort", **ball
+    )
+
+
+def cli_model(
+    data,
+    dataset,
+    batch_size,
+    dp_parameters,
+    sampling="shuffle",
+    learning_rate=None,
+    method="lipdp",
+    weight_norm_bound=1.0,
+    group_norm=None,
+    alpha=1.0,
+):
     """The compiled model of ``lipdp train`` / ``evaluate`` and its training arrays.
 
-    Architecture :func:`lipdp.zoo.pooled_cnn` (widths :data:`CNN_WIDTHS`), input bound
-    :data:`INPUT_BOUNDS`, loss ``DP_TauCategoricalCrossentropy(8)``, Adam (learning rate
-    the data set's default unless given). Poisson batches use every training example;
-    fixed-size batches drop the remainder (rule S5). Returns ``(model, x_train, y_train)``.
-    Benchmarks and tests that study "the CLI's model" build it here.
+    Architecture: on images :func:`lipdp.zoo.pooled_cnn` (widths :data:`CNN_WIDTHS`), or
+    the same network with norm balls (:func:`lipdp.zoo.lip_convnet`) when ``method``,
+    ``weight_norm_bound`` or ``group_norm`` ask for them; on breast cancer
+    :func:`lipdp.zoo.lip_mlp` (32 hidden units). Input bound :data:`INPUT_BOUNDS`, loss
+    ``DP_TauCategoricalCrossentropy(8)``, Adam (learning rate the data set's default
+    unless given). Poisson batches use every training example; fixed-size batches drop
+    the remainder (rule S5). Returns ``(model, x_train, y_train)``. Benchmarks and tests
+    that study "the CLI's model" build it here.
     """
     import numpy as np
     import tensorflow as tf
@@ -208,7 +287,8 @@ def cli_model(data, dataset, batch_size, dp_parameters, sampling="shuffle", lear
         max_norm=INPUT_BOUNDS[dataset],
         sampling=sampling,
     )
-    model = zoo.build_model("pooled_cnn", metadata, dp_parameters, widths=CNN_WIDTHS[dataset])
+    architecture, options = _architecture(dataset, method, weight_norm_bound, group_norm, alpha)
+    model = zoo.build_model(architecture, metadata, dp_parameters, **options)
     model.compile(
         loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
         optimizer=tf.keras.optimizers.Adam(learning_rate or _DEFAULTS[dataset][2]),
@@ -224,6 +304,7 @@ def _train_private_model(args, data, verb):
     Returns ``(model, x_train, y_train, seconds)``.
     """
 
+    from lipdp.callbacks import ParameterAveraging
     from lipdp.model import DP_Accountant, DPParameters
     from lipdp.pipeline import poisson_batches
     from lipdp.sensitivity import get_max_epochs
@@ -242,16 +323,23 @@ def _train_private_model(args, data, verb):
         DPParameters(args.strategy, sigma, args.delta),
         sampling=args.sampling,
         learning_rate=args.learning_rate,
+        method=args.method,
+        weight_norm_bound=args.weight_norm_bound,
+        group_norm=args.group_norm,
+        alpha=args.group_norm_alpha,
     )
     epochs = args.epochs
     if epochs is None:
         epochs = get_max_epochs(args.epsilon, model, accountant=args.accountant)
     print(
         f"lipdp {verb}: {args.dataset}, {len(x_train)} training examples, batch {batch_size}, "
+        f"method {args.method} (weight norm bound {args.weight_norm_bound:g}), "
         f"noise multiplier {sigma}, {args.strategy} noise, budget (epsilon = {args.epsilon}, "
         f"delta = {args.delta}) -> {epochs} epochs"
     )
     callbacks = [DP_Accountant(epsilon_budget=args.epsilon, accountant=args.accountant)]
+    if args.averaging is not None:
+        callbacks.append(ParameterAveraging(decay=args.averaging))
     if args.quiet:
         callbacks.append(_epoch_lines(epochs))
     metadata = model.dataset_metadata
@@ -314,7 +402,9 @@ def train_command(args) -> int:
     _, accuracy = model.evaluate(data.x_test, y_test, verbose=0)
     print()
     print(privacy_report(model, accountant=args.accountant))
-    print(f"test accuracy: {accuracy:.4f} ({len(data.x_test)} images, {seconds:.1f} s training)")
+    print(
+        f"test accuracy: {accuracy:.4f} ({len(data.x_test)} examples, {seconds:.1f} s training)"
+    )
     return 0
 
 
@@ -378,7 +468,7 @@ def evaluate_command(args) -> int:
     calibration = evaluation.calibration_report(probs, y_test, args.bins)
     mia = evaluation.membership_inference(model, x_train, y_train, x_test, y_test, seed=args.seed)
     summary = mia.summary()
-    print(f"test accuracy: {calibration.accuracy:.4f} ({len(x_test)} images)")
+    print(f"test accuracy: {calibration.accuracy:.4f} ({len(x_test)} examples)")
     print(f"Lipschitz constant (from the layers): {lipschitz:.6g}")
     print("certified accuracy (l2 radius: accuracy):")
     for radius, value in zip(args.radii, certified):

@@ -28,6 +28,17 @@ MISUSES = [
     (["evaluate", "--save", "model.h5"], "argument --save: must end with .keras"),
     (["evaluate", "--bins", "0"], "argument --bins: must be an integer >= 1"),
     (["evaluate", "--radii", "-0.1"], "argument --radii: must be a finite number >= 0"),
+    (["train", "--method", "clipping"], "argument --method: invalid choice: 'clipping'"),
+    (
+        ["train", "--weight-norm-bound", "0"],
+        "argument --weight-norm-bound: must be a finite number > 0",
+    ),
+    (["train", "--group-norm", "0"], "argument --group-norm: must be an integer >= 1"),
+    (
+        ["train", "--group-norm-alpha", "-1"],
+        "argument --group-norm-alpha: must be a finite number > 0",
+    ),
+    (["train", "--averaging", "1"], "argument --averaging: must be a number in [0, 1)"),
 ]
 
 
@@ -55,6 +66,43 @@ def test_runtime_errors_are_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"lipdp {argv[0]}: error: {message}")
     assert "Traceback" not in err
+
+
+def test_cli_trains_lip_dp_sgd_on_breast_cancer(capsys):
+    argv = [
+        "train", "--method", "lip-dp-sgd", "--dataset", "breast_cancer", "--quiet",
+        "--weight-norm-bound", "2", "--group-norm", "4", "--group-norm-alpha", "0.5",
+        "--averaging", "0.9", "--epochs", "2", "--delta", "0.002",
+    ]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "breast_cancer, 455 training examples" in out
+    assert "method lip-dp-sgd (weight norm bound 2)" in out
+    assert "(114 examples" in out
+
+
+def test_cli_model_follows_the_method_flags():
+    from lipdp import datasets
+    from lipdp import layers as L
+    from lipdp.model import DPParameters
+
+    data = datasets.load_breast_cancer()
+    params = DPParameters("global", 2.0, 1e-3)
+    model, x, _ = cli.cli_model(
+        data, "breast_cancer", 64, params, "poisson", method="lip-dp-sgd",
+        weight_norm_bound=3.0, group_norm=4, alpha=0.2,
+    )
+    kernels = [layer for layer in model.dp_layers if hasattr(layer, "adaptive_norm")]
+    assert len(kernels) == 2 and len(x) == 455
+    assert all(k.adaptive_norm and k.weight_norm_bound == 3.0 for k in kernels)
+    assert all(k.constraint == "spectral" for k in kernels)
+    assert any(isinstance(layer, L.DP_GroupNormalization) for layer in model.dp_layers)
+    fixed, _, _ = cli.cli_model(
+        datasets.load_digits(), "digits", 512, params, method="lipdp", weight_norm_bound=2.0
+    )
+    kernels = [layer for layer in fixed.dp_layers if hasattr(layer, "adaptive_norm")]
+    assert all(not k.adaptive_norm and k.constraint == "orthogonal" for k in kernels)
+    assert all(k.weight_norm_bound == 2.0 for k in kernels)
 
 
 def test_cli_train_runs_and_reports(capsys):
