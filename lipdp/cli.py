@@ -402,9 +402,7 @@ def train_command(args) -> int:
     _, accuracy = model.evaluate(data.x_test, y_test, verbose=0)
     print()
     print(privacy_report(model, accountant=args.accountant))
-    print(
-        f"test accuracy: {accuracy:.4f} ({len(data.x_test)} examples, {seconds:.1f} s training)"
-    )
+    print(f"test accuracy: {accuracy:.4f} ({len(data.x_test)} examples, {seconds:.1f} s training)")
     return 0
 
 

@@ -70,9 +70,24 @@ def test_runtime_errors_are_one_line(argv, message, capsys):
 
 def test_cli_trains_lip_dp_sgd_on_breast_cancer(capsys):
     argv = [
-        "train", "--method", "lip-dp-sgd", "--dataset", "breast_cancer", "--quiet",
-        "--weight-norm-bound", "2", "--group-norm", "4", "--group-norm-alpha", "0.5",
-        "--averaging", "0.9", "--epochs", "2", "--delta", "0.002",
+        "train",
+        "--method",
+        "lip-dp-sgd",
+        "--dataset",
+        "breast_cancer",
+        "--quiet",
+        "--weight-norm-bound",
+        "2",
+        "--group-norm",
+        "4",
+        "--group-norm-alpha",
+        "0.5",
+        "--averaging",
+        "0.9",
+        "--epochs",
+        "2",
+        "--delta",
+        "0.002",
     ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -89,8 +104,15 @@ def test_cli_model_follows_the_method_flags():
     data = datasets.load_breast_cancer()
     params = DPParameters("global", 2.0, 1e-3)
     model, x, _ = cli.cli_model(
-        data, "breast_cancer", 64, params, "poisson", method="lip-dp-sgd",
-        weight_norm_bound=3.0, group_norm=4, alpha=0.2,
+        data,
+        "breast_cancer",
+        64,
+        params,
+        "poisson",
+        method="lip-dp-sgd",
+        weight_norm_bound=3.0,
+        group_norm=4,
+        alpha=0.2,
     )
     kernels = [layer for layer in model.dp_layers if hasattr(layer, "adaptive_norm")]
     assert len(kernels) == 2 and len(x) == 455

@@ -100,14 +100,29 @@ def test_conv_operator_norm_is_below_the_adaptive_bound(constraint, strides, pad
 def _three_layer_model(adaptive=True, constraint="spectral", radii=(2.0, 1.5, 0.8)):
     model, x, y = build(
         [
-            L.DP_SpectralDense(16, constraint=constraint, weight_norm_bound=radii[0],
-                               adaptive_norm=adaptive, name="d1"),
+            L.DP_SpectralDense(
+                16,
+                constraint=constraint,
+                weight_norm_bound=radii[0],
+                adaptive_norm=adaptive,
+                name="d1",
+            ),
             L.DP_GroupSort(2),
-            L.DP_SpectralDense(16, constraint=constraint, weight_norm_bound=radii[1],
-                               adaptive_norm=adaptive, name="d2"),
+            L.DP_SpectralDense(
+                16,
+                constraint=constraint,
+                weight_norm_bound=radii[1],
+                adaptive_norm=adaptive,
+                name="d2",
+            ),
             L.DP_GroupSort(2),
-            L.DP_QuickFrobeniusDense(5, constraint="frobenius", weight_norm_bound=radii[2],
-                                     adaptive_norm=adaptive, name="d3"),
+            L.DP_QuickFrobeniusDense(
+                5,
+                constraint="frobenius",
+                weight_norm_bound=radii[2],
+                adaptive_norm=adaptive,
+                name="d3",
+            ),
         ],
         VEC,
     )
@@ -242,8 +257,12 @@ def _group_norm_reference(x, groups, alpha):
 @pytest.mark.parametrize("shape,groups", [((12,), 4), ((5, 5, 6), 3), ((4, 4, 4), 1)])
 def test_group_normalization_matches_the_formula(shape, groups, rng):
     layer = L.DP_GroupNormalization(groups=groups, alpha=0.7)
-    x = rng.normal(size=(6, *shape)).astype("float32") * rng.choice([0.01, 1, 30], (6,) + (1,) * len(shape))
-    np.testing.assert_allclose(layer(x), _group_norm_reference(x, groups, 0.7), rtol=1e-4, atol=1e-6)
+    x = rng.normal(size=(6, *shape)).astype("float32") * rng.choice(
+        [0.01, 1, 30], (6,) + (1,) * len(shape)
+    )
+    np.testing.assert_allclose(
+        layer(x), _group_norm_reference(x, groups, 0.7), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_group_normalization_lipschitz_and_output_bound_under_attack(rng):
@@ -294,7 +313,9 @@ def test_group_normalization_refuses_groups_not_dividing_channels():
 def _summed_gradient(model, x, y):
     with tf.GradientTape() as tape:
         total = tf.reduce_sum(model.loss.call(tf.constant(y), model(tf.constant(x))))
-    return tf.concat([tf.reshape(g, [-1]) for g in tape.gradient(total, model.trainable_variables)], 0)
+    return tf.concat(
+        [tf.reshape(g, [-1]) for g in tape.gradient(total, model.trainable_variables)], 0
+    )
 
 
 def test_the_batch_maximum_input_norm_of_the_paper_leaks_and_the_public_bound_does_not(rng):

@@ -420,14 +420,25 @@ def test_mlp_mixer_options():
 
 def test_lip_builders_pass_the_ball_to_every_kernel():
     metadata = _metadata((9,), 3.0, 2)
-    stack = zoo.lip_mlp(metadata, width=8, weight_norm_bound=2.5, constraint="frobenius",
-                        group_norm=2, alpha=0.5, bias=0.3, adaptive_norm=False)
+    stack = zoo.lip_mlp(
+        metadata,
+        width=8,
+        weight_norm_bound=2.5,
+        constraint="frobenius",
+        group_norm=2,
+        alpha=0.5,
+        bias=0.3,
+        adaptive_norm=False,
+    )
     kernels = [layer for layer in stack if hasattr(layer, "weight_norm_bound")]
     assert [k.weight_norm_bound for k in kernels] == [2.5, 2.5]
     assert {k.constraint for k in kernels} == {"frobenius"}
     assert not any(k.adaptive_norm for k in kernels)
     assert [type(layer).__name__ for layer in stack[1:]] == [
-        "DP_QuickSpectralDense", "DP_AddBias", "DP_GroupNormalization", "DP_ReLU",
+        "DP_QuickSpectralDense",
+        "DP_AddBias",
+        "DP_GroupNormalization",
+        "DP_ReLU",
         "DP_QuickSpectralDense",
     ]
     with pytest.raises(ValueError, match="activation"):
