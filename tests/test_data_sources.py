@@ -159,3 +159,23 @@ def test_adbench_missing(tmp_path, monkeypatch):
     monkeypatch.delenv("LIPDP_DATA_DIR", raising=False)
     with pytest.raises(FileNotFoundError, match="Nothing is downloaded"):
         load_adbench_data("no_such_set", data_dir=tmp_path)
+
+
+def test_breast_cancer_uses_public_ranges_that_contain_every_row():
+    """The ranges clip nothing on this set (each raw value lies inside them), every row
+    lands in [-1, 1]^30 (norm <= sqrt(30), the CLI's bound), the split is stratified."""
+    from sklearn.datasets import load_breast_cancer as sklearn_breast_cancer
+
+    from lipdp.datasets import BREAST_CANCER_RANGES, load_breast_cancer
+
+    raw = sklearn_breast_cancer().data
+    low, high = np.array([r for block in BREAST_CANCER_RANGES for r in block]).T
+    assert low.shape == (30,) and np.all(raw >= low) and np.all(raw <= high)
+    data = load_breast_cancer(seed=3)
+    assert data.x_train.shape == (455, 30) and data.x_test.shape == (114, 30)
+    assert np.abs(np.concatenate([data.x_train, data.x_test])).max() <= 1.0
+    expected = (2.0 * (raw - low) / (high - low) - 1.0).astype("float32")
+    rows = {tuple(np.round(r, 5)) for r in expected}
+    assert all(tuple(np.round(r, 5)) in rows for r in data.x_test)
+    assert abs(data.y_train.mean() - data.y_test.mean()) < 0.01  # 357 / 569 benign
+    assert data.class_names == ["malignant", "benign"]

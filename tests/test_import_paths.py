@@ -41,8 +41,11 @@ PIPELINE_HOMES = {
     "default_delta_value": lipdp.metadata,
 }
 
-#: The public names ``lipdp.datasets`` defined before it became a re-export.
+#: The public names ``lipdp.datasets`` defined before it became a re-export, and the
+#: breast-cancer loader added since (issue 12).
 DATASETS_NAMES = [
+    "BREAST_CANCER_RANGES",
+    "load_breast_cancer",
     "CIFAR10_CLASSES",
     "DEBIAN_FASHION_MNIST",
     "FASHION_MNIST_CLASSES",
