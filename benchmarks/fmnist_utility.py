@@ -1,7 +1,7 @@
 """Fashion-MNIST utility at epsilon in {1, 3, 8} (delta = 1e-5): lipdp vs tensorflow-privacy.
 
     .venv/bin/python benchmarks/fmnist_utility.py [--epsilons 1 3 8] [--trials 3]
-        [--contenders lipdp tfp] [--seed 0] [--quick]
+        [--contenders lipdp lip-dp-sgd tfp] [--seed 0] [--quick]
 
 Data: Fashion-MNIST from the Debian package ``dataset-fashion-mnist`` (or any place
 ``lipdp.datasets`` looks), 60 000 training / 10 000 test images, pixels in [0, 1].
@@ -21,6 +21,9 @@ keeps epsilon <= target after its epochs, ``lipdp.accounting.calibrate_noise_mul
   DP_Flatten -> DP_QuickSpectralDense(10) -> DP_ClipGradient(0.3), no bias,
   DP_TauCategoricalCrossentropy(tau), Adam, global noise. Searched: batch, epochs,
   learning rate, tau. Epsilon is recomputed with ``lipdp.accounting.get_eps_delta``.
+* ``lip-dp-sgd``: the same CNN with norm-adaptive bounds (issue 12): kernels in
+  spectral balls of radius ``LIP_DP_SGD_RADIUS`` (2), sensitivities from their current
+  norms (``strided_cnn(..., adaptive_norm=True, constraint="spectral")``); lipdp's trials.
 * ``tfp``: DP-SGD with per-example clipping (tensorflow-privacy 0.9.0) on the
   tempered-sigmoid CNN of Papernot et al. (AAAI 2021), as used by Tramer & Boneh (ICLR
   2021) for Fashion-MNIST: Conv2D(16, 8, strides 2, same, tanh) -> MaxPool2D(2, 1) ->
@@ -111,7 +114,12 @@ def accuracy(model, x_test, y_test):
     return float(np.mean(model.predict(x_test, batch_size=2000, verbose=0).argmax(1) == y_test))
 
 
-def lipdp_model(batch, sigma, n, widths=(16, 64)):
+#: Lip-DP-SGD contender (issue 12): the same CNN, kernels in spectral balls of this radius,
+#: sensitivities from their current norms; same trials as lipdp (the radius not searched).
+LIP_DP_SGD_RADIUS = 2.0
+
+
+def lipdp_model(batch, sigma, n, widths=(16, 64), adaptive=False):
     """The CNN of notebook 01 (1 -> 16 -> 64 channels, 28 -> 14 -> 7 pixels): the 2x2
     stride-2 convolutions and GroupSort are norm-preserving, so every kernel sees the
     full input bound; ``DP_ClipGradient(0.3)`` after the logits scales every
@@ -121,10 +129,19 @@ def lipdp_model(batch, sigma, n, widths=(16, 64)):
         input_shape=(28, 28, 1), nb_classes=10, nb_samples_train=n, batch_size=batch, max_norm=1.0
     )
     params = DPParameters("global", sigma, DELTA, non_private=sigma == 0)
-    return zoo.build_model("strided_cnn", meta, params, widths=widths, clip=0.3)
+    ball = (
+        dict(weight_norm_bound=LIP_DP_SGD_RADIUS, adaptive_norm=True, constraint="spectral")
+        if adaptive
+        else {}
+    )
+    return zoo.build_model("strided_cnn", meta, params, widths=widths, clip=0.3, **ball)
 
 
-def run_lipdp(trial, epsilon, data, seed):
+def run_lip_dp_sgd(trial, epsilon, data, seed):
+    return run_lipdp(trial, epsilon, data, seed, adaptive=True)
+
+
+def run_lipdp(trial, epsilon, data, seed, adaptive=False):
     batch, epochs, lr, tau = trial
     x_train, y_train, x_test, y_test = data
     normalize, _ = bound_normalize()
@@ -132,7 +149,7 @@ def run_lipdp(trial, epsilon, data, seed):
     n = len(x_train)
     sigma = calibrate_noise_multiplier(epsilon, epochs, batch, n, DELTA)
     tf.keras.utils.set_random_seed(seed)
-    model = lipdp_model(batch, sigma, n)
+    model = lipdp_model(batch, sigma, n, adaptive=adaptive)
     model.compile(
         loss=losses.DP_TauCategoricalCrossentropy(tau=tau),
         optimizer=tf.keras.optimizers.Adam(lr),
@@ -188,6 +205,7 @@ def run_tfp(trial, epsilon, data, seed):
 
 CONTENDERS = {
     "lipdp": (run_lipdp, LIPDP_TRIALS, "tau"),
+    "lip-dp-sgd": (run_lip_dp_sgd, LIPDP_TRIALS, "tau"),
     "tfp": (run_tfp, TFP_TRIALS, "clip"),
 }
 

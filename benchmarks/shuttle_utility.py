@@ -1,6 +1,6 @@
 """Utility on ADBench "shuttle" at (epsilon, delta) = (1, 1e-5): lipdp vs tensorflow-privacy.
 
-    .venv/bin/python benchmarks/shuttle_utility.py [--trials 12] [--contenders lipdp tfp]
+    .venv/bin/python benchmarks/shuttle_utility.py [--trials 12] [--contenders lipdp lip-dp-sgd tfp]
         [--scaling standardize|asinh] [--seed 0] [--confirm-seeds 3]
 
 Data: ``/work/shared/data/adbench_shuttle.npz`` (49 097 x 9, 7.15 % anomalies), 80/20
@@ -31,6 +31,10 @@ private, as in the paper; the best configuration is then re-trained with
   is the smallest that gives epsilon <= 1 after the epochs
   (``lipdp.accounting.calibrate_noise_multiplier``); epsilon is then recomputed with
   ``lipdp.accounting.get_eps_delta``.
+* ``lip-dp-sgd``: the same network with norm-adaptive bounds (issue 12,
+  ``lipdp.zoo.lip_mlp(width=64, depth=2, bias=1.0, activation="groupsort")``): kernels in
+  spectral balls of radius ``C = LIP_DP_SGD_RADIUS`` (2), sensitivities from their
+  current norms. Same 12 trials as ``lipdp`` (C is not searched).
 * ``tfp``: DP-SGD with per-example clipping, ``tensorflow_privacy.DPSequential``
   (fast clipping for Dense layers) on Dense(64, relu) -> Dense(64, relu) -> Dense(2)
   with biases, cross-entropy, Adam. Searched: batch size, epochs, learning rate, clipping
@@ -64,6 +68,7 @@ from lipdp.pipeline import prepare_tabular_data  # noqa: E402
 
 EPSILON, DELTA = 1.0, 1e-5
 INPUT_BOUND = 3.0
+LIP_DP_SGD_RADIUS = 2.0
 
 #: lipdp search space, in the order trials are taken: (batch, epochs, learning rate, tau).
 LIPDP_TRIALS = [
@@ -133,7 +138,11 @@ def auroc(model, x_val, y_val):
     return roc_auc_score(y_val.argmax(axis=1), logits[:, 1] - logits[:, 0])
 
 
-def run_lipdp(trial, scaling, seed):
+def run_lip_dp_sgd(trial, scaling, seed):
+    return run_lipdp(trial, scaling, seed, adaptive=True)
+
+
+def run_lipdp(trial, scaling, seed, adaptive=False):
     batch, epochs, lr, tau = trial
     ds_train, ds_val, meta = load(scaling, batch, seed)
     sigma = calibrate_noise_multiplier(
@@ -142,7 +151,19 @@ def run_lipdp(trial, scaling, seed):
     tf.keras.utils.set_random_seed(seed)
     # The network of notebook 03: 2 x (dense 64, bias in a ball of radius 1, GroupSort).
     params = DPParameters("global", sigma, DELTA)
-    model = zoo.build_model("tabular_mlp", meta, params, width=64, depth=2, bias=1.0)
+    if adaptive:
+        model = zoo.build_model(
+            "lip_mlp",
+            meta,
+            params,
+            width=64,
+            depth=2,
+            bias=1.0,
+            activation="groupsort",
+            weight_norm_bound=LIP_DP_SGD_RADIUS,
+        )
+    else:
+        model = zoo.build_model("tabular_mlp", meta, params, width=64, depth=2, bias=1.0)
     model.compile(
         loss=losses.DP_TauCategoricalCrossentropy(tau=tau),
         optimizer=tf.keras.optimizers.Adam(lr),
@@ -196,10 +217,15 @@ def run_tfp(trial, scaling, seed):
     }
 
 
+RUNS = {"lipdp": run_lipdp, "lip-dp-sgd": run_lip_dp_sgd, "tfp": run_tfp}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=12)
-    parser.add_argument("--contenders", nargs="+", default=["lipdp", "tfp"])
+    parser.add_argument(
+        "--contenders", nargs="+", choices=sorted(RUNS), default=["lipdp", "lip-dp-sgd", "tfp"]
+    )
     parser.add_argument("--scaling", choices=["standardize", "asinh"], default="standardize")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -216,9 +242,9 @@ def main():
     )
     summary = []
     for name in args.contenders:
-        trials = (LIPDP_TRIALS if name == "lipdp" else TFP_TRIALS)[: args.trials]
-        run = run_lipdp if name == "lipdp" else run_tfp
-        knob = "tau" if name == "lipdp" else "clip"
+        trials = (TFP_TRIALS if name == "tfp" else LIPDP_TRIALS)[: args.trials]
+        run = RUNS[name]
+        knob = "clip" if name == "tfp" else "tau"
         print(f"#### {name}: {len(trials)} trials\n")
         print(
             f"| batch | epochs | lr | {knob} | noise multiplier | steps | epsilon | "
@@ -250,7 +276,7 @@ def main():
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, (r, trial), count, total in summary:
-        run = run_lipdp if name == "lipdp" else run_tfp
+        run = RUNS[name]
         again = [
             run(trial, args.scaling, args.seed + k)["auroc"]
             for k in range(1, args.confirm_seeds + 1)

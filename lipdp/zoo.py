@@ -133,6 +133,9 @@ def strided_cnn(
     nb_classes=None,
     widths=(16, 64),
     clip=None,
+    weight_norm_bound=1.0,
+    adaptive_norm=False,
+    constraint="orthogonal",
 ) -> list:
     """The CNN of notebook 01: non-overlapping strided convolutions and GroupSort.
 
@@ -163,15 +166,19 @@ def strided_cnn(
         clip: ``C`` of a ``DP_ClipGradient(C)`` after the logits; ``None``: no clipping.
             (Append ``DP_ClipGradient(C, mode="dynamic")`` yourself for a threshold
             that :mod:`lipdp.dynamic` updates.)
+        weight_norm_bound, adaptive_norm, constraint: every kernel's norm ball, as in
+            :func:`lip_mlp` (defaults: orthogonal kernels of norm 1, the network above;
+            ``adaptive_norm=True, constraint="spectral"``: Lip-DP-SGD).
     """
     shape, bound, classes = _inputs(metadata, input_shape, upper_bound, nb_classes)
+    ball = _ball(constraint, weight_norm_bound, adaptive_norm)
     stack = [_bounded_input(_image(shape, "strided_cnn"), bound)]
     for i, width in enumerate(widths, 1):
         stack += [
-            layers.DP_QuickSpectralConv2D(width, 2, strides=2, name=f"conv_{i}"),
+            layers.DP_QuickSpectralConv2D(width, 2, strides=2, name=f"conv_{i}", **ball),
             layers.DP_GroupSort(2),
         ]
-    stack += [layers.DP_Flatten(), layers.DP_QuickSpectralDense(classes, name="logits")]
+    stack += [layers.DP_Flatten(), layers.DP_QuickSpectralDense(classes, name="logits", **ball)]
     if clip is not None:
         stack.append(layers.DP_ClipGradient(clip))
     return stack
