@@ -88,6 +88,12 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
         )
     if model.dp_parameters.non_private:
         notes.append("non-private reference run: no noise, no guarantee.")
+    if any(getattr(layer, "adaptive_norm", False) for layer in model.submodules):
+        notes.append(
+            "norm-adaptive bounds (Lip-DP-SGD): the sensitivities above are those of the "
+            "current weights; every step's noise followed the weights of that step, a "
+            "function of earlier released iterates (post-processing, no privacy cost)."
+        )
     seed = reproducible_noise_seed()
     if seed is not None:
         notes.append(

@@ -222,6 +222,15 @@ def test_a_training_step_uses_and_keeps_the_ball(rng):
         assert norm <= cap
 
 
+def test_privacy_report_says_the_bounds_follow_the_weights():
+    from lipdp.report import privacy_report
+
+    adaptive, x, y = _three_layer_model()
+    fixed, _, _ = _three_layer_model(False)
+    assert "norm-adaptive bounds" in str(privacy_report(adaptive, epochs=1))
+    assert "norm-adaptive bounds" not in str(privacy_report(fixed, epochs=1))
+
+
 def test_config_round_trip_and_bad_arguments():
     layer = L.DP_QuickSpectralConv2D(4, 3, weight_norm_bound=2.5, adaptive_norm=True)
     config = layer.get_config()
