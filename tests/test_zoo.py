@@ -183,7 +183,12 @@ def _cli_cnn_before_the_zoo(shape, bound, dataset):
 
 def test_cli_widths_and_bounds_are_those_of_before():
     assert cli.CNN_WIDTHS == {"digits": (16,), "fashion_mnist": (32, 64)}
-    assert cli.INPUT_BOUNDS == {"digits": 5.0, "fashion_mnist": 10.0}
+    # breast cancer (issue 12): 30 features in [-1, 1], hence sqrt(30).
+    assert cli.INPUT_BOUNDS == {
+        "digits": 5.0,
+        "fashion_mnist": 10.0,
+        "breast_cancer": math.sqrt(30.0),
+    }
 
 
 @pytest.mark.parametrize("dataset, shape", [("digits", (8, 8, 1)), ("fashion_mnist", (28, 28, 1))])
