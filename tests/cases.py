@@ -304,6 +304,25 @@ NORM_BALL_CASES = {
 }
 
 
+#: Every constrained layer with both norms of the ball (adaptive bounds): measured on
+#: random inputs in the default suite, searched adversarially by ``make test-slow``.
+NORM_BALL_MATRIX = {
+    f"Matrix:{cls.__name__}({constraint})": (
+        _conv_ball_case(cls, constraint)
+        if "Conv" in cls.__name__
+        else _dense_ball_case(cls, constraint)
+    )
+    for cls in (
+        L.DP_SpectralDense,
+        L.DP_QuickSpectralDense,
+        L.DP_QuickFrobeniusDense,
+        L.DP_SpectralConv2D,
+        L.DP_QuickSpectralConv2D,
+    )
+    for constraint in ("spectral", "frobenius")
+}
+
+
 def zoo_case(builder, input_shape, upper_bound=3.0, **options):
     """A zoo architecture at a small size. The zoo's list starts with the same
     DP_BoundedInput that ``build`` adds, so ``build`` gets the layers after it."""

@@ -222,6 +222,20 @@ def test_a_training_step_uses_and_keeps_the_ball(rng):
         assert norm <= cap
 
 
+def test_the_audit_reads_the_radius_and_the_current_norms():
+    """lipdp.audit compares exact operator norms with what the bounds use: C (fixed) or
+    the current certified norm (adaptive); a kernel set outside the ball is caught."""
+    from lipdp.audit import audit_model
+
+    adaptive, _, _ = _three_layer_model()
+    records = audit_model(adaptive)
+    assert len(records) == 3 and all(r.ok for r in records)
+    fixed, _, _ = _three_layer_model(False)
+    d1 = fixed.dp_layers[1]
+    d1.kernel.assign(3.0 * d1.kernel / float(_sigma_max(_kernel_matrix(d1))))  # norm 3 > C = 2
+    assert not audit_model(fixed)[0].ok
+
+
 def test_privacy_report_says_the_bounds_follow_the_weights():
     from lipdp.report import privacy_report
 

@@ -11,7 +11,7 @@ a check which measures nothing would not pass.
 import pytest
 import tensorflow as tf
 
-from tests.cases import ALL_CASES
+from tests.cases import ALL_CASES, NORM_BALL_MATRIX
 from tests.soundness import TOLERANCE, adversarial_search, measure
 
 
@@ -48,12 +48,23 @@ def test_bounds_hold_on_random_and_adversarial_inputs(case):
     assert worst.worst_gradient <= 1 + TOLERANCE
 
 
+@pytest.mark.parametrize("case", sorted(NORM_BALL_MATRIX))
+def test_every_constrained_layer_and_ball_norm_on_random_inputs(case):
+    """Lip-DP-SGD: every constrained layer x {spectral, Frobenius} ball, radii 2.5 / 0.6
+    (dense) or 1.7 / 0.8 / 1.3 (conv), bounds from the current weights."""
+    model, x, y = NORM_BALL_MATRIX[case]()
+    ratios = measure(model, x, y)
+    ratios.assert_sound()
+    measure(model, _with_ties(x), y).assert_sound()
+    assert ratios.worst_gradient > 0.01
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(ALL_CASES))
+@pytest.mark.parametrize("case", sorted({**ALL_CASES, **NORM_BALL_MATRIX}))
 @pytest.mark.parametrize("seed", [1, 2])
 def test_bounds_hold_under_long_adversarial_search(case, seed):
     tf.keras.utils.set_random_seed(seed)  # other initial weights than the fast test
-    model, x, y = ALL_CASES[case]()
+    model, x, y = {**ALL_CASES, **NORM_BALL_MATRIX}[case]()
     worst = adversarial_search(model, x, y, steps=25, step_size=0.2)
     print(f"\nS1 long search {case} seed {seed}: {worst.worst_gradient:.4f}")
     worst.assert_sound()
