@@ -421,3 +421,24 @@ def test_parameter_averaging_is_the_ema_of_the_projected_iterates():
     assert not np.allclose(model.trainable_variables[0].numpy(), seen[-1][0])
     with pytest.raises(ValueError, match="decay"):
         ParameterAveraging(decay=1.0)
+
+
+def test_group_normalization_saves_and_loads(tmp_path, rng):
+    model, x, _ = build(
+        [
+            L.DP_SpectralDense(16, constraint="spectral", adaptive_norm=True),
+            L.DP_GroupNormalization(groups=4, alpha=0.3, name="gn"),
+            L.DP_GroupSort(2),
+            L.DP_QuickSpectralDense(5),
+        ],
+        VEC,
+    )
+    path = str(tmp_path / "gn.keras")
+    model.save(path)
+    loaded = tf.keras.models.load_model(path)
+    np.testing.assert_allclose(loaded(x), model(x), rtol=1e-6)
+    layer = loaded.get_layer("gn")
+    assert (layer.groups, layer.alpha) == (4, 0.3)
+    assert float(loaded.bounds().output_bound) == pytest.approx(
+        float(model.bounds().output_bound), rel=1e-6
+    )
