@@ -150,6 +150,8 @@ class ConstrainedKernelLayer(DPLayer):
         return tf.minimum(tf.cast(self.weight_norm_bound, current.dtype), current)
 
     def propagate_inputs(self, input_bound):
+        if input_bound is None:  # before DP_BoundedInput: nothing is bounded yet
+            return None
         return self.operator_norm_bound() * input_bound
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
