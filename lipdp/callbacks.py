@@ -146,6 +146,9 @@ class ParameterAveraging(tf.keras.callbacks.Callback):
     ``apply_gradients``, before lipdp projects the weights, so its averages could leave
     the constraint sets.
 
+    With ``compile(steps_per_execution=k)`` Keras calls the callback once per ``k`` steps,
+    so the average is over every ``k``-th iterate.
+
     Args:
         decay: ``d`` in ``[0, 1)``; ``0.999`` averages over about the last 1000 steps.
         swap_on_end: replace the weights by the averages when ``fit`` ends (default);
