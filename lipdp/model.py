@@ -205,10 +205,13 @@ class DP_Model(tf.keras.Model):
     """
 
     _layers_key = "dp_layers"
+    #: What the layers are checked with (the clipped family, :mod:`lipdp.dpsgd`, accepts
+    #: ordinary Keras layers).
+    _check_layers = staticmethod(check_dp_layers)
 
     def __init__(self, dp_layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
         super().__init__(**kwargs)
-        check_dp_layers(dp_layers)
+        self._check_layers(dp_layers)
         if not isinstance(dp_parameters, DPParameters):
             raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
         if dataset_metadata is not None and not isinstance(dataset_metadata, DatasetMetadata):
@@ -253,7 +256,7 @@ class DP_Model(tf.keras.Model):
         h = inputs
         normalizer = {"loss_normalizer": self.loss_normalizer}
         for index, layer in enumerate(self.dp_layers):
-            kwargs = normalizer if layer.uses_loss_normalizer else {}
+            kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
             h = layer(h, training=training, **kwargs)
             if observe is not None:
                 h = observe(index, h)
@@ -419,19 +422,7 @@ class DP_Model(tf.keras.Model):
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
         batch_rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        if not self.poisson_sampling:
-            # With augmentation multiplicity m a batch holds b originals x m copies; the
-            # loss is their mean, so one original moves it by at most G / b still.
-            rows = self.dataset_metadata.rows_per_batch
-            tf.debugging.assert_equal(
-                batch_rows,
-                rows,
-                message=(
-                    f"DP training needs every batch to have exactly {rows} rows (batch_size="
-                    f"{self.batch_size} x multiplicity; the sensitivity is computed for it); "
-                    "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
-                ),
-            )
+        self._check_batch_rows(batch_rows)
         # Rule S9: DP_BoundedInput zeroes such inputs and the losses give such labels a
         # zero loss; here they are only counted.
         finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
@@ -454,6 +445,23 @@ class DP_Model(tf.keras.Model):
         self.project()
         logs = self.compute_metrics(x, y, y_pred, None)
         return {**logs, "non_finite_examples": self._non_finite.result()}
+
+    def _check_batch_rows(self, batch_rows) -> None:
+        """Fixed-size batches must have the rows the sensitivity is computed for (S5)."""
+        if self.poisson_sampling:
+            return
+        # With augmentation multiplicity m a batch holds b originals x m copies; the
+        # loss is their mean, so one original moves it by at most G / b still.
+        rows = self.dataset_metadata.rows_per_batch
+        tf.debugging.assert_equal(
+            batch_rows,
+            rows,
+            message=(
+                f"DP training needs every batch to have exactly {rows} rows (batch_size="
+                f"{self.batch_size} x multiplicity; the sensitivity is computed for it); "
+                "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
+            ),
+        )
 
     def reset_metrics(self):
         super().reset_metrics()

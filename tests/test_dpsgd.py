@@ -1,0 +1,230 @@
+"""lipdp.dpsgd (issue 13, first part): clipped DP-SGD with flat clipping, against
+tensorflow-privacy, a naive per-example loop, adversarial inputs and measured noise."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lipdp import noise
+from lipdp.accounting import get_eps_delta
+from lipdp.bounds import ROUNDOFF_SLACK
+from lipdp.dpsgd import Clipping, DPSGD_Sequential
+from lipdp.metadata import DatasetMetadata
+from lipdp.model import DPParameters
+from lipdp.pipeline import poisson_batches
+from lipdp.report import privacy_report
+
+BATCH, FEATURES, CLASSES = 8, 6, 3
+
+
+def _layers():
+    return [
+        tf.keras.layers.Dense(16, activation="tanh", input_shape=(FEATURES,)),
+        tf.keras.layers.Dense(CLASSES),
+    ]
+
+
+def _model(sigma=1.0, clip=0.5, n=64, sampling="shuffle", lr=0.5):
+    meta = DatasetMetadata(
+        input_shape=(FEATURES,),
+        nb_classes=CLASSES,
+        nb_samples_train=n,
+        batch_size=BATCH,
+        sampling=sampling,
+    )
+    params = DPParameters("global", sigma, 1e-5, non_private=sigma == 0)
+    model = DPSGD_Sequential(
+        _layers(), dp_parameters=params, clipping=Clipping("flat", clip), dataset_metadata=meta
+    )
+    model.compile(
+        loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+        optimizer=tf.keras.optimizers.SGD(lr),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _batch(rng, n=BATCH, scale=3.0):
+    x = (scale * rng.normal(size=(n, FEATURES))).astype("float32")
+    y = np.eye(CLASSES, dtype="float32")[rng.integers(0, CLASSES, n)]
+    return x, y
+
+
+def _naive_clipped_sum(model, x, y, clip):
+    """Reference: one GradientTape per example, clipped to ``clip``, summed (rows with a
+    NaN skipped)."""
+    total = [np.zeros(v.shape, "float64") for v in model.trainable_variables]
+    loss_fn = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+    for xi, yi in zip(x, y):
+        if not (np.all(np.isfinite(xi)) and np.all(np.isfinite(yi))):
+            continue
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yi[None], model(xi[None]))
+        grads = [
+            g.numpy().astype("float64") for g in tape.gradient(loss, model.trainable_variables)
+        ]
+        norm = np.sqrt(sum(np.sum(g**2) for g in grads))
+        factor = min(1.0, clip / norm) if norm > 0 else 1.0
+        total = [t + factor * g for t, g in zip(total, grads)]
+    return total
+
+
+def _per_example_norms(model, x, y):
+    loss_fn = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+    norms = []
+    for xi, yi in zip(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yi[None], model(xi[None]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        norms.append(float(tf.sqrt(tf.add_n([tf.reduce_sum(g**2) for g in grads]))))
+    return np.array(norms)
+
+
+def test_noiseless_step_equals_tensorflow_privacy(rng):
+    """Flat clipping, noise off: the update of DPKerasSGDOptimizer (one microbatch per
+    example) on the same weights and batch."""
+    from tensorflow_privacy import DPKerasSGDOptimizer
+
+    model = _model(sigma=0.0, clip=2.0)
+    x, y = _batch(rng)
+    reference = tf.keras.Sequential(_layers())
+    reference.build((None, FEATURES))
+    reference.set_weights([v.numpy() for v in model.trainable_variables])
+    reference.compile(
+        optimizer=DPKerasSGDOptimizer(
+            l2_norm_clip=2.0, noise_multiplier=0.0, num_microbatches=BATCH, learning_rate=0.5
+        ),
+        loss=tf.keras.losses.CategoricalCrossentropy(
+            from_logits=True, reduction=tf.keras.losses.Reduction.NONE
+        ),
+    )
+    norms = _per_example_norms(model, x, y)
+    assert np.sum(norms > 2.0) >= 2 and np.sum(norms < 2.0) >= 1  # clipped and unclipped rows
+    start = [v.numpy() for v in model.trainable_variables]
+    reference.train_on_batch(x, y)
+    model.train_on_batch(x, y)
+    assert not np.allclose(start[0], model.trainable_variables[0].numpy())
+    for ours, theirs in zip(model.trainable_variables, reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_clipped_sum_equals_a_naive_loop_and_skips_non_finite_rows(rng):
+    model = _model(clip=0.3)
+    x, y = _batch(rng)
+    x[2, 1] = np.nan  # rule S9: this row contributes nothing
+    y[5] = np.inf
+    summed, _, finite = model.clipped_gradient_sum(tf.constant(x), tf.constant(y))
+    assert list(np.asarray(finite)) == [True, True, False, True, True, False, True, True]
+    for ours, reference in zip(summed, _naive_clipped_sum(model, x, y, 0.3)):
+        np.testing.assert_allclose(ours, reference, rtol=2e-5, atol=1e-6)
+
+
+def test_one_row_moves_the_sum_by_at_most_the_clip_norm_under_attack(rng):
+    """Gradient ascent on one row's input to maximise its gradient norm: its clipped
+    contribution (sum with it minus sum without it) never exceeds R."""
+    model = _model(clip=0.2)
+    x, y = _batch(rng, scale=1.0)
+    others = tf.constant(x[1:]), tf.constant(y[1:])
+    row = tf.Variable(x[:1])
+    loss_fn = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+    worst = 0.0
+    for _ in range(15):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = loss_fn(y[:1], model(row))
+            grads = inner.gradient(loss, model.trainable_variables)
+            raw = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]))
+        with_row, _, _ = model.clipped_gradient_sum(
+            tf.concat([row, others[0]], 0), tf.concat([y[:1], others[1]], 0)
+        )
+        without, _, _ = model.clipped_gradient_sum(*others)
+        change = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(with_row, without)))
+        worst = max(worst, change)
+        assert change <= 0.2 * (1 + ROUNDOFF_SLACK)
+        step = outer.gradient(raw, row)
+        row.assign_add(5.0 * step / (tf.norm(step) + 1e-12))
+    assert worst > 0.19  # the attack reaches the clip norm: the check is not vacuous
+
+
+def test_noise_standard_deviation_measured_end_to_end(rng):
+    """One step with noise minus the same step without, divided by the learning rate:
+    its standard deviation is sigma * R / b."""
+    noise.use_reproducible_noise(7)
+    try:
+        sigma, clip = 3.0, 0.5
+        noisy = _model(sigma=sigma, clip=clip, lr=1.0)
+        quiet = _model(sigma=0.0, clip=clip, lr=1.0)
+        quiet.set_weights(noisy.get_weights())
+        x, y = _batch(rng)
+        start = noisy.get_weights()
+        noisy.train_on_batch(x, y)
+        quiet.train_on_batch(x, y)
+        difference = np.concatenate(
+            [(a - b).ravel() for a, b in zip(noisy.get_weights(), quiet.get_weights())]
+        )
+        expected = sigma * clip * (1 + ROUNDOFF_SLACK) / BATCH
+        assert difference.size == sum(w.size for w in start)
+        assert np.std(difference) == pytest.approx(expected, rel=0.08)
+        assert abs(np.mean(difference)) < 4 * expected / np.sqrt(difference.size)
+    finally:
+        noise.use_reproducible_noise(None)
+
+
+def test_privacy_plan_and_report_are_the_clipless_ones():
+    """Same sigma, q and steps: the same epsilon as a clipless model (one subsampled
+    Gaussian per step); the report states the clip-norm sensitivity."""
+    from lipdp import layers as L
+    from lipdp.model import DP_Sequential
+
+    model = _model(sigma=1.2, n=400)
+    clipless = DP_Sequential(
+        [L.DP_BoundedInput(input_shape=(FEATURES,), upper_bound=1.0), L.DP_SpectralDense(3)],
+        dp_parameters=DPParameters("global", 1.2, 1e-5),
+        dataset_metadata=model.dataset_metadata,
+    )
+    assert model.noise_multipliers() == clipless.noise_multipliers() == [1.2]
+    for epochs in (1, 3, 20):
+        assert get_eps_delta(model, epochs) == get_eps_delta(clipless, epochs)
+    assert model.privacy_plan().steps(3) == 3 * model.dataset_metadata.nb_steps_per_epochs
+    report = str(privacy_report(model, epochs=3))
+    assert "all variables (flat clipping): 0.0625" in report  # R / b = 0.5 / 8
+
+
+def test_trains_on_poisson_batches_and_saves_its_privacy_state(tmp_path, rng):
+    model = _model(sampling="poisson", n=64)
+    x, y = _batch(rng, n=64)
+    meta = model.dataset_metadata
+    model.fit(
+        poisson_batches(x, y, meta.sampling_rate, meta.nb_steps_per_epochs), epochs=2, verbose=0
+    )
+    assert int(model.noisy_steps) == 2 * meta.nb_steps_per_epochs
+    path = str(tmp_path / "dpsgd.keras")
+    model.save(path)
+    loaded = tf.keras.models.load_model(path)
+    assert isinstance(loaded, DPSGD_Sequential)
+    assert loaded.clipping == Clipping("flat", 0.5)
+    assert int(loaded.noisy_steps) == int(model.noisy_steps)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_misuse_is_refused_with_the_fix():
+    params = DPParameters("global", 1.0, 1e-5)
+    with pytest.raises(ValueError, match="batch statistics"):
+        DPSGD_Sequential(
+            [tf.keras.layers.Dense(4, input_shape=(3,)), tf.keras.layers.BatchNormalization()],
+            dp_parameters=params,
+        )
+    with pytest.raises(ValueError, match="noisify_strategy='global'"):
+        DPSGD_Sequential(_layers(), dp_parameters=DPParameters("per-layer", 1.0, 1e-5))
+    with pytest.raises(ValueError, match="clip_norm"):
+        Clipping("flat", 0.0)
+    with pytest.raises(ValueError, match="clipping mode"):
+        Clipping("automatic", 1.0)
+    model = DPSGD_Sequential(_layers(), dp_parameters=params)
+    with pytest.raises(ValueError, match="reduction"):
+        model.compile(
+            loss=tf.keras.losses.CategoricalCrossentropy(reduction=tf.keras.losses.Reduction.SUM),
+            optimizer="sgd",
+        )
+    with pytest.raises(ValueError, match="no layer-wise bounds"):
+        model.bounds()
