@@ -1,8 +1,8 @@
 r"""Clipped DP-SGD in the same API: ordinary Keras layers, per-example gradient clipping.
 
-The second family of lipdp (issue 13; this module holds its first part: flat clipping
-with per-example gradients from autodiff). Everything around the step is shared with
-the clipless family: :class:`~lipdp.model.DPParameters`,
+The second family of lipdp (issue 13; this module holds its first part: flat, automatic
+and global clipping with per-example gradients from autodiff). Everything around the step
+is shared with the clipless family: :class:`~lipdp.model.DPParameters`,
 :class:`~lipdp.metadata.DatasetMetadata`, Poisson sampling, the privacy plan (the same
 subsampled Gaussian per step), :class:`~lipdp.callbacks.DP_Accountant`,
 :func:`~lipdp.report.privacy_report`, ``.keras`` saving with the step count (rule S10)
@@ -13,9 +13,9 @@ and the noise generator of :mod:`lipdp.noise`.
 1. per-example gradients ``g_i`` of the per-example loss (the Jacobian of the vector of
    per-example losses; the model must not couple examples: batch normalisation is
    refused, rule S2);
-2. clipping factor ``C_i = min(1, R / ||g_i||)`` (``||g_i||`` over all variables: "flat"
-   clipping); rows with a NaN or an infinity, in the data or in their gradient, get
-   ``C_i = 0`` (rule S9);
+2. clipping factor ``C_i`` from ``||g_i||`` (over all variables), e.g.
+   ``min(1, R / ||g_i||)`` (:class:`Clipping` and its modes); rows with a NaN or an
+   infinity, in the data or in their gradient, get ``C_i = 0`` (rule S9);
 3. ``g = sum_i C_i g_i / b`` with ``b`` the loss normaliser of the metadata (the batch
    size, or its expectation under Poisson sampling);
 4. Gaussian noise of standard deviation ``sigma * Delta`` on every coordinate, the
@@ -40,9 +40,8 @@ from lipdp.bounds import ROUNDOFF_SLACK
 from lipdp.model import DP_Model, DPParameters, _refuse_mixed_precision
 from lipdp.records import finite_rows, zero_rows
 
-#: Clipping modes available (flat clipping; per-layer, automatic and global clipping and
-#: BAM are the rest of issue 13).
-CLIPPING_MODES = ("flat",)
+#: Clipping modes available (per-layer clipping and BAM are the rest of issue 13).
+CLIPPING_MODES = ("flat", "automatic", "global")
 
 #: Layers that couple the examples of a batch (rule S2), with the fix.
 _COUPLING_LAYERS = {
@@ -53,19 +52,43 @@ _COUPLING_LAYERS = {
 
 @dataclass(frozen=True)
 class Clipping:
-    """How per-example gradients are clipped.
+    r"""How per-example gradients ``g_i`` are scaled, ``C_i g_i``, and why every scaled
+    gradient has norm at most ``R`` (the sensitivity of the sum):
+
+    * ``"flat"`` (Abadi et al. 2016): ``C_i = min(1, R / ||g_i||)``;
+      ``||C_i g_i|| = min(||g_i||, R) <= R``.
+    * ``"automatic"`` (Bu et al. 2022, normalisation): ``C_i = R / (||g_i|| + gamma)``;
+      ``||C_i g_i|| = R ||g_i|| / (||g_i|| + gamma) < R``.
+    * ``"global"`` (Bu et al. 2021, *On the convergence and calibration of deep learning
+      with differential privacy*, Appendix C.8): ``C_i = R / Z`` if ``||g_i|| <= Z``,
+      else ``0``; ``||C_i g_i|| <= (R / Z) Z = R``. Every kept gradient is scaled by the
+      same factor, which keeps the per-sample gradients' relative sizes (their
+      calibration argument); examples with gradients above ``Z`` are dropped from the step.
 
     Attributes:
-        mode: ``"flat"``: ``C_i = min(1, R / ||g_i||)`` on the whole gradient.
-        clip_norm: ``R > 0``, the bound on every clipped per-example gradient.
+        mode: one of :data:`CLIPPING_MODES`.
+        clip_norm: ``R > 0``.
+        gamma: ``gamma > 0`` of ``"automatic"`` (0.01, as the paper).
+        threshold: ``Z > 0`` of ``"global"`` (required there, refused elsewhere).
     """
 
     mode: str = "flat"
     clip_norm: float = 1.0
+    gamma: float = 0.01
+    threshold: float | None = None
 
     def __post_init__(self):
         validation.choice("clipping mode", self.mode, CLIPPING_MODES)
-        object.__setattr__(self, "clip_norm", validation.positive("clip_norm", self.clip_norm))
+        set_field = object.__setattr__  # normalisation of a frozen dataclass
+        set_field(self, "clip_norm", validation.positive("clip_norm", self.clip_norm))
+        set_field(self, "gamma", validation.positive("gamma", self.gamma))
+        if (self.mode == "global") != (self.threshold is not None):
+            raise ValueError(
+                "threshold=Z is required with mode='global' (examples whose gradient norm "
+                "exceeds Z are dropped) and only then."
+            )
+        if self.threshold is not None:
+            set_field(self, "threshold", validation.positive("threshold", self.threshold))
 
     @classmethod
     def coerce(cls, value) -> Clipping:
@@ -76,16 +99,26 @@ class Clipping:
         raise TypeError(f"clipping must be a Clipping or its config dict, got {value!r}.")
 
     def per_example_bound(self) -> float:
-        """Norm bound on one row's clipped gradient: ``R``."""
+        """Norm bound on one row's scaled gradient: ``R`` in every mode (class docstring)."""
         return self.clip_norm
 
     def factors(self, norms):
-        """``C_i = min(1, R / ||g_i||)`` (1 for a zero gradient)."""
-        safe = tf.maximum(norms, tf.cast(self.clip_norm, norms.dtype))
-        return tf.cast(self.clip_norm, norms.dtype) / safe
+        """``C_i`` from the per-example gradient norms (class docstring)."""
+        r = tf.cast(self.clip_norm, norms.dtype)
+        if self.mode == "flat":
+            return r / tf.maximum(norms, r)  # 1 for a zero gradient
+        if self.mode == "automatic":
+            return r / (norms + tf.cast(self.gamma, norms.dtype))
+        z = tf.cast(self.threshold, norms.dtype)
+        return tf.where(norms <= z, r / z, tf.zeros_like(norms))
 
     def to_config(self) -> dict:
-        return {"mode": self.mode, "clip_norm": self.clip_norm}
+        return {
+            "mode": self.mode,
+            "clip_norm": self.clip_norm,
+            "gamma": self.gamma,
+            "threshold": self.threshold,
+        }
 
 
 @dataclass(frozen=True)
