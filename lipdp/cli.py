@@ -32,8 +32,9 @@ CNN_WIDTHS = {"digits": (16,), "fashion_mnist": (32, 64)}
 #: Training methods of ``--method``: ``lipdp`` keeps every kernel at norm C (orthogonal
 #: kernels times C; the original method, "Fix-Lip-DP-SGD" for C != 1); ``lip-dp-sgd``
 #: keeps kernels in spectral balls of radius C and computes the bounds from their
-#: current norms (Barczewski & Ramon; :mod:`lipdp.layers.constrained`).
-METHODS = ("lipdp", "lip-dp-sgd")
+#: current norms (Barczewski & Ramon; :mod:`lipdp.layers.constrained`); ``dp-sgd`` clips
+#: per-example gradients of an ordinary Keras network (:mod:`lipdp.dpsgd`).
+METHODS = ("lipdp", "lip-dp-sgd", "dp-sgd")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,6 +137,22 @@ def _add_run_arguments(parser) -> None:
         default="lipdp",
         help="lipdp (default): kernels kept at norm C, bounds from C; lip-dp-sgd: kernels in "
         "balls of radius C, bounds from their current norms (less noise when they shrink)",
+    )
+    parser.add_argument(
+        "--clipping",
+        choices=["flat", "automatic", "global"],
+        default="flat",
+        help="dp-sgd only: per-example clipping, flat min(1, R/|g|), automatic R/(|g|+0.01) "
+        "or global R/Z below Z, 0 above (default flat)",
+    )
+    parser.add_argument(
+        "--clip-norm", type=_positive_float, default=1.0, help="dp-sgd only: R (default 1)"
+    )
+    parser.add_argument(
+        "--clip-threshold",
+        type=_positive_float,
+        default=None,
+        help="dp-sgd --clipping global only: Z, examples with larger gradients are dropped",
     )
     parser.add_argument(
         "--weight-norm-bound",
@@ -245,6 +262,26 @@ def _architecture(dataset, method, weight_norm_bound, group_norm, alpha):
     )
 
 
+def _keras_layers(dataset, input_shape, nb_classes):
+    """The network of ``--method dp-sgd``: ordinary Keras layers of the same size as the
+    Lipschitz networks (tanh, as the tempered-sigmoid CNNs of DP-SGD; no batch norm)."""
+    import tensorflow as tf
+
+    if dataset == "breast_cancer":
+        return [
+            tf.keras.layers.Dense(32, activation="relu", input_shape=input_shape),
+            tf.keras.layers.Dense(nb_classes),
+        ]
+    stack = []
+    for width in CNN_WIDTHS[dataset]:
+        extra = {} if stack else {"input_shape": input_shape}
+        stack += [
+            tf.keras.layers.Conv2D(width, 3, padding="same", activation="tanh", **extra),
+            tf.keras.layers.MaxPool2D(2),
+        ]
+    return stack + [tf.keras.layers.Flatten(), tf.keras.layers.Dense(nb_classes)]
+
+
 def cli_model(
     data,
     dataset,
@@ -256,6 +293,7 @@ def cli_model(
     weight_norm_bound=1.0,
     group_norm=None,
     alpha=1.0,
+    clipping=None,
 ):
     """The compiled model of ``lipdp train`` / ``evaluate`` and its training arrays.
 
@@ -287,10 +325,22 @@ def cli_model(
         max_norm=INPUT_BOUNDS[dataset],
         sampling=sampling,
     )
-    architecture, options = _architecture(dataset, method, weight_norm_bound, group_norm, alpha)
-    model = zoo.build_model(architecture, metadata, dp_parameters, **options)
+    if method == "dp-sgd":
+        from lipdp.dpsgd import Clipping, DPSGD_Sequential
+
+        model = DPSGD_Sequential(
+            _keras_layers(dataset, metadata.input_shape, data.nb_classes),
+            dp_parameters=dp_parameters,
+            clipping=clipping or Clipping(),
+            dataset_metadata=metadata,
+        )
+        loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+    else:
+        architecture, options = _architecture(dataset, method, weight_norm_bound, group_norm, alpha)
+        model = zoo.build_model(architecture, metadata, dp_parameters, **options)
+        loss = losses.DP_TauCategoricalCrossentropy(tau=8.0)
     model.compile(
-        loss=losses.DP_TauCategoricalCrossentropy(tau=8.0),
+        loss=loss,
         optimizer=tf.keras.optimizers.Adam(learning_rate or _DEFAULTS[dataset][2]),
         metrics=["accuracy"],
     )
@@ -327,13 +377,14 @@ def _train_private_model(args, data, verb):
         weight_norm_bound=args.weight_norm_bound,
         group_norm=args.group_norm,
         alpha=args.group_norm_alpha,
+        clipping=_clipping(args) if args.method == "dp-sgd" else None,
     )
     epochs = args.epochs
     if epochs is None:
         epochs = get_max_epochs(args.epsilon, model, accountant=args.accountant)
     print(
         f"lipdp {verb}: {args.dataset}, {len(x_train)} training examples, batch {batch_size}, "
-        f"method {args.method} (weight norm bound {args.weight_norm_bound:g}), "
+        f"method {args.method} ({_method_detail(args)}), "
         f"noise multiplier {sigma}, {args.strategy} noise, budget (epsilon = {args.epsilon}, "
         f"delta = {args.delta}) -> {epochs} epochs"
     )
@@ -359,6 +410,25 @@ def _train_private_model(args, data, verb):
             callbacks=callbacks,
         )
     return model, x_train, y_train, time.perf_counter() - start
+
+
+def _clipping(args):
+    from lipdp.dpsgd import Clipping
+
+    if args.clipping == "global" and args.clip_threshold is None:
+        raise ValueError(
+            "--clipping global needs --clip-threshold Z (the norm above which an "
+            "example's gradient is dropped)."
+        )
+    threshold = args.clip_threshold if args.clipping == "global" else None
+    return Clipping(args.clipping, args.clip_norm, threshold=threshold)
+
+
+def _method_detail(args) -> str:
+    if args.method == "dp-sgd":
+        detail = f"{args.clipping} clipping, R = {args.clip_norm:g}"
+        return detail + (f", Z = {args.clip_threshold:g}" if args.clipping == "global" else "")
+    return f"weight norm bound {args.weight_norm_bound:g}"
 
 
 def _epoch_lines(epochs):
@@ -434,6 +504,7 @@ def evaluate_command(args) -> int:
     import lipdp.losses  # noqa: F401
     import lipdp.model  # noqa: F401
     from lipdp import evaluation
+    from lipdp.dpsgd import DPSGD_Model
     from lipdp.report import privacy_report
 
     tf.keras.utils.set_random_seed(args.seed)
@@ -460,17 +531,22 @@ def evaluate_command(args) -> int:
         print("privacy report: unavailable (the model has no optimizer state or metadata)")
     print()
     x_test, y_test = data.x_test, data.y_test
-    lipschitz = evaluation.lipschitz_constant(model)
-    certified = evaluation.certified_accuracy(model, x_test, y_test, args.radii, lipschitz)
+    lipschitz_model = not isinstance(model, DPSGD_Model)  # clipped DP-SGD: no certificate
+    if lipschitz_model:
+        lipschitz = evaluation.lipschitz_constant(model)
+        certified = evaluation.certified_accuracy(model, x_test, y_test, args.radii, lipschitz)
     probs = evaluation.predict_probabilities(model, x_test)
     calibration = evaluation.calibration_report(probs, y_test, args.bins)
     mia = evaluation.membership_inference(model, x_train, y_train, x_test, y_test, seed=args.seed)
     summary = mia.summary()
     print(f"test accuracy: {calibration.accuracy:.4f} ({len(x_test)} examples)")
-    print(f"Lipschitz constant (from the layers): {lipschitz:.6g}")
-    print("certified accuracy (l2 radius: accuracy):")
-    for radius, value in zip(args.radii, certified):
-        print(f"  {radius:g}: {value:.4f}")
+    if lipschitz_model:
+        print(f"Lipschitz constant (from the layers): {lipschitz:.6g}")
+        print("certified accuracy (l2 radius: accuracy):")
+        for radius, value in zip(args.radii, certified):
+            print(f"  {radius:g}: {value:.4f}")
+    else:
+        print("certified accuracy: none (a clipped DP-SGD network has no Lipschitz bound)")
     print(
         f"calibration ({args.bins} bins): ECE {calibration.ece:.4f}, MCE {calibration.mce:.4f}, "
         f"NLL {calibration.nll:.4f}"

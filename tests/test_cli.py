@@ -39,6 +39,8 @@ MISUSES = [
         "argument --group-norm-alpha: must be a finite number > 0",
     ),
     (["train", "--averaging", "1"], "argument --averaging: must be a number in [0, 1)"),
+    (["train", "--clipping", "median"], "argument --clipping: invalid choice: 'median'"),
+    (["train", "--clip-norm", "0"], "argument --clip-norm: must be a finite number > 0"),
 ]
 
 
@@ -59,6 +61,10 @@ def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
         (["train", "--batch-size", "100000"], "--batch-size 100000 exceeds the 1536"),
         (["train", "--epsilon", "1e-6"], "One epoch already costs epsilon="),
         (["evaluate", "--model", "README.md"], "--model: cannot load a model from 'README.md'"),
+        (
+            ["train", "--method", "dp-sgd", "--clipping", "global"],
+            "--clipping global needs --clip-threshold Z",
+        ),
     ],
 )
 def test_runtime_errors_are_one_line(argv, message, capsys):
@@ -94,6 +100,18 @@ def test_cli_trains_lip_dp_sgd_on_breast_cancer(capsys):
     assert "breast_cancer, 455 training examples" in out
     assert "method lip-dp-sgd (weight norm bound 2)" in out
     assert "(114 examples" in out
+
+
+def test_cli_trains_clipped_dp_sgd(capsys):
+    argv = [
+        "train", "--method", "dp-sgd", "--dataset", "breast_cancer", "--quiet",
+        "--clipping", "automatic", "--clip-norm", "0.5", "--epochs", "2", "--delta", "0.002",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "method dp-sgd (automatic clipping, R = 0.5)" in out
+    # R / b = 0.5 / 64, times the round-off slack
+    assert "all variables (automatic clipping): 0.007813" in out
 
 
 def test_cli_model_follows_the_method_flags():
