@@ -33,6 +33,10 @@ COVERED_BY_OTHER_BALLS = {
     "Ball:SpectralDense(spectral,adaptive)",
     "Ball:QuickFrobeniusDense(frobenius,adaptive)",
     "Ball:SpectralDense(spectral,fixed)",
+    # lip_mlp = the GN dense case + tabular_mlp's bias; lip_convnet = the GN conv case +
+    # the Frobenius conv case + pooled_cnn's pooling.
+    "Zoo:lip_mlp(groupnorm,bias)",
+    "Zoo:lip_convnet(frobenius)",
 }
 
 
