@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from lipdp import noise, validation
 from lipdp.bounds import ROUNDOFF_SLACK
-from lipdp.model import DP_Model, DPParameters, _refuse_mixed_precision
+from lipdp.model import DP_Model, DPParameters, _refuse_mixed_precision, check_reduction
 from lipdp.records import finite_rows, zero_rows
 
 #: Clipping modes available (per-layer clipping and BAM are the rest of issue 13).
@@ -236,7 +236,7 @@ class DPSGD_Model(DP_Model):
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
         if loss is None:
             raise ValueError("compile(loss=...) is required.")
-        _check_reduction(loss)
+        check_reduction(loss)
         _refuse_mixed_precision(self.dp_layers)
         if kwargs.get("loss_weights") is not None:
             raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
@@ -304,16 +304,6 @@ class DPSGD_Sequential(DPSGD_Model):
     dataset_metadata=...)``: a stack of Keras layers trained with clipped DP-SGD."""
 
     _layers_key = "layers"
-
-
-def _check_reduction(loss) -> None:
-    reduction = getattr(loss, "reduction", tf.keras.losses.Reduction.AUTO)
-    allowed = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
-    if reduction not in allowed:
-        raise ValueError(
-            f"Loss reduction {reduction!r} is not supported: the step clips per-example "
-            "losses and divides by the batch size. Use the default reduction."
-        )
 
 
 tf.keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Model)

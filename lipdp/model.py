@@ -181,7 +181,12 @@ def check_loss(loss) -> None:
             f"The loss {loss!r} has no get_L(): its Lipschitz constant w.r.t. the logits is "
             "unknown. Use a loss of lipdp.losses, e.g. DP_TauCategoricalCrossentropy(tau=...)."
         )
-    reduction = getattr(loss, "reduction", None)
+    check_reduction(loss)
+
+
+def check_reduction(loss) -> None:
+    """The loss must be the mean over the batch (what the sensitivities divide by)."""
+    reduction = getattr(loss, "reduction", tf.keras.losses.Reduction.AUTO)
     allowed = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
     if reduction not in allowed:
         raise ValueError(
