@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from lipdp import validation
 from lipdp.accounting.planning import get_eps_delta
-from lipdp.accounting.registry import get_accountant
+from lipdp.accounting.registry import get_accountant, is_approximate
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,12 @@ class DP_Accountant(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         metadata = self.model.dataset_metadata
         _warn_once_about_shuffling(metadata)
+        if is_approximate(self.accountant):
+            logger.warning(
+                "accountant %r is a central-limit approximation: the epsilon in the logs "
+                "(and any budget enforced with it) is not a proven upper bound.",
+                self.accountant,
+            )
         steps = (self.params or {}).get("steps")
         if steps is not None and steps != metadata.nb_steps_per_epochs:
             raise ValueError(

@@ -181,7 +181,13 @@ def _add_run_arguments(parser) -> None:
         "(e.g. 0.99; post-processing, no privacy cost)",
     )
     parser.add_argument("--strategy", choices=["global", "per-layer"], default="global")
-    parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp")
+    parser.add_argument(
+        "--accountant",
+        choices=["rdp", "pld", "gdp"],
+        default="rdp",
+        help="rdp (default) or pld: upper bounds; gdp: the central-limit approximation of "
+        "Bu et al. (not a proven bound, flagged in the report)",
+    )
     parser.add_argument("--learning-rate", type=_positive_float, default=None)
     parser.add_argument(
         "--seed",

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from lipdp import validation
 from lipdp.accounting.plan import GRADIENT_STEPS
+from lipdp.accounting.registry import is_approximate
 from lipdp.noise import reproducible_noise_seed
 
 NEIGHBOURING = "add/remove one example"
@@ -93,6 +94,12 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
             "norm-adaptive bounds (Lip-DP-SGD): the sensitivities above are those of the "
             "current weights; every step's noise followed the weights of that step, a "
             "function of earlier released iterates (post-processing, no privacy cost)."
+        )
+    if is_approximate(accountant):
+        notes.append(
+            f"APPROXIMATE EPSILON: the {accountant!r} accountant is a central-limit "
+            "approximation (Gaussian DP), not an upper bound; it can under-state the privacy "
+            "loss. Use accountant='rdp' or 'pld' for a guarantee."
         )
     seed = reproducible_noise_seed()
     if seed is not None:

@@ -167,7 +167,7 @@ def test_get_eps_delta_rejects_bad_input():
     with pytest.raises(ValueError, match="epochs"):
         get_eps_delta(model, 2.5)
     with pytest.raises(ValueError, match="accountant"):
-        get_eps_delta(model, 3, accountant="gdp")
+        get_eps_delta(model, 3, accountant="moments")
     with pytest.raises(TypeError, match="privacy_plan"):
         get_eps_delta(object(), 3)
     # What a plan reads cannot be changed after the model is built.

@@ -3,16 +3,25 @@
 An accountant is any object with ``name`` and ``epsilon(terms, delta) -> float``, where
 ``terms`` is a sequence of ``(mechanism, count)`` pairs (:mod:`lipdp.accounting.mechanisms`)
 and ``epsilon`` is an upper bound on the privacy loss of their composition (add/remove
-one example). Every entry point that takes ``accountant="..."`` resolves it here.
+one example) -- except for accountants with ``approximate = True`` (``"gdp"``, the
+central-limit approximation of :mod:`lipdp.accounting.gdp`), whose epsilon the privacy
+report and the accountant callback flag as not a proven guarantee. Every entry point that
+takes ``accountant="..."`` resolves it here.
 """
 
 from __future__ import annotations
 
 from lipdp.accounting import pld, rdp
+from lipdp.accounting.gdp import GDPAccountant
 from lipdp.accounting.pld import PLDAccountant
 from lipdp.accounting.rdp import RDPAccountant
 
-_REGISTRY = {"rdp": RDPAccountant(), "pld": PLDAccountant()}
+_REGISTRY = {"rdp": RDPAccountant(), "pld": PLDAccountant(), "gdp": GDPAccountant()}
+
+
+def is_approximate(accountant) -> bool:
+    """Whether ``accountant``'s epsilon is an approximation rather than an upper bound."""
+    return bool(getattr(get_accountant(accountant), "approximate", False))
 
 
 def register_accountant(name: str, accountant) -> None:
