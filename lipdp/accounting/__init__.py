@@ -15,7 +15,8 @@ Modules, one concept each:
   before it starts (rule S11);
 * :mod:`~lipdp.accounting.rdp`, :mod:`~lipdp.accounting.pld` -- the accountants (fast RDP
   with autodp's numbers; PLD with ``dp_accounting``), by name in
-  :mod:`~lipdp.accounting.registry`;
+  :mod:`~lipdp.accounting.registry`; :mod:`~lipdp.accounting.gdp`, the central-limit
+  Gaussian-DP approximation of Bu et al. (flagged: not an upper bound);
 * :mod:`~lipdp.accounting.reference` -- :class:`DPGD_Mechanism`, the original package's
   autodp mechanism, kept as the independent reference;
 * :mod:`~lipdp.accounting.planning` -- :func:`get_eps_delta`, :func:`get_max_epochs`,
