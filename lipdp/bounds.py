@@ -119,6 +119,25 @@ def bound_pass(layers, loss_lipschitz=None) -> Bounds:
             Lipschitz constant only.
     """
     layers = list(layers)
+    _call_hooks(layers, "begin_bound_pass")
+    try:
+        return _walk(layers, loss_lipschitz)
+    finally:
+        _call_hooks(layers, "end_bound_pass")
+
+
+def _call_hooks(layers, hook) -> None:
+    """Tell every layer (and the block a residual wrapper holds) that a pass begins or
+    ends: a layer may then compute a costly quantity once per pass instead of once per
+    question (the current norm of a norm-adaptive kernel, asked three times)."""
+    for layer in layers:
+        for member in (layer, getattr(layer, "block", None)):
+            method = getattr(member, hook, None)
+            if method is not None:
+                method()
+
+
+def _walk(layers, loss_lipschitz) -> Bounds:
     input_bounds = []
     bound, lipschitz = None, 1.0
     for layer in layers:

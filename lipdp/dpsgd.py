@@ -130,6 +130,14 @@ class ClippedGradientBound:
     nm_coef: float = 1.0
 
 
+def _neutralised(x, y):
+    """``(x, y, finite)`` with the rows holding a NaN or an infinity zeroed (rule S9)."""
+    finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
+    x = tf.nest.map_structure(lambda t: zero_rows(finite, t), x)
+    y = zero_rows(finite, y) if y.dtype.is_floating else y
+    return x, y, finite
+
+
 def check_keras_layers(layers) -> None:
     """Refuse what per-example clipping cannot handle, with the fix in the message."""
     layers = list(layers)
@@ -223,12 +231,6 @@ class DPSGD_Model(DP_Model):
         (std,) = noise.noise_stddevs("global", sigma, [d for _, d in entries], [1.0])
         return {v.ref(): std for v in self.trainable_variables}
 
-    def noisify(self, gradients, variables):
-        stddevs = self.noise_stddevs()
-        if self.dp_parameters.non_private:
-            return list(gradients)
-        return noise.add_noise(gradients, [stddevs[v.ref()] for v in variables])
-
     def project(self):
         return None  # no constraint sets
 
@@ -256,9 +258,12 @@ class DPSGD_Model(DP_Model):
     def clipped_gradient_sum(self, x, y):
         """``(sum_i C_i g_i, y_pred, finite)``: the clipped per-example gradients summed
         (aligned with ``trainable_variables``), the predictions and the finite rows."""
-        finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
-        x = tf.nest.map_structure(lambda t: zero_rows(finite, t), x)
-        y = zero_rows(finite, y) if y.dtype.is_floating else y
+        x, y, finite = _neutralised(x, y)
+        summed, y_pred = self._clipped_sum(x, y, finite)
+        return summed, y_pred, finite
+
+    def _clipped_sum(self, x, y, finite):
+        """:meth:`clipped_gradient_sum` of rows already neutralised (S9)."""
         variables = self.trainable_variables
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
@@ -275,7 +280,7 @@ class DPSGD_Model(DP_Model):
         keep = finite & tf.math.is_finite(norms)
         factors = tf.where(keep, self.clipping.factors(norms), tf.zeros_like(norms))
         summed = [tf.tensordot(factors, zero_rows(keep, j), axes=[[0], [0]]) for j in jacobians]
-        return summed, y_pred, finite
+        return summed, y_pred
 
     def train_step(self, data):
         _refuse_mixed_precision(self.dp_layers)
@@ -283,7 +288,8 @@ class DPSGD_Model(DP_Model):
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
         self._check_batch_rows(tf.shape(tf.nest.flatten(x)[0])[0])
-        summed, y_pred, finite = self.clipped_gradient_sum(x, y)
+        x, y, finite = _neutralised(x, y)
+        summed, y_pred = self._clipped_sum(x, y, finite)
         self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
         normalizer = float(self.dataset_metadata.loss_normalizer)
         gradients = [s / normalizer for s in summed]

@@ -402,14 +402,10 @@ class DP_Model(tf.keras.Model):
         entries = self.sensitivities()
         stddevs = self.noise_stddevs(entries)
         if self.debug:
-            deltas = {entry.variable.ref(): delta for entry, delta in entries}
+            for entry, delta in entries:
+                logger.info("%s: sensitivity %.6g", entry.key, float(delta))
             for v in variables:
-                logger.info(
-                    "variable %s: sensitivity %.6g, noise std %.6g",
-                    v.name,
-                    float(deltas[v.ref()]),
-                    float(stddevs[v.ref()]),
-                )
+                logger.info("variable %s: noise std %.6g", v.name, float(stddevs[v.ref()]))
         if self.dp_parameters.non_private:
             return list(gradients)
         return noise.add_noise(gradients, [stddevs[v.ref()] for v in variables])

@@ -102,6 +102,16 @@ def test_cli_trains_lip_dp_sgd_on_breast_cancer(capsys):
     assert "(114 examples" in out
 
 
+def test_cli_choices_are_the_library_s():
+    from lipdp.accounting.registry import _REGISTRY
+    from lipdp.dpsgd import CLIPPING_MODES
+
+    actions = {a.dest: a for a in cli._parser()._subparsers._group_actions[0].choices[
+        "train"]._actions}  # fmt: skip
+    assert tuple(actions["clipping"].choices) == CLIPPING_MODES
+    assert set(actions["accountant"].choices) == set(_REGISTRY)
+
+
 def test_cli_trains_clipped_dp_sgd(capsys):
     argv = [
         "train", "--method", "dp-sgd", "--dataset", "breast_cancer", "--quiet",

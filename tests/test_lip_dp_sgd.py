@@ -100,35 +100,22 @@ def test_conv_operator_norm_is_below_the_adaptive_bound(constraint, strides, pad
 
 # ------------------------------------------------------------ adaptive bounds
 def _three_layer_model(adaptive=True, constraint="spectral", radii=(2.0, 1.5, 0.8)):
-    model, x, y = build(
+    """d1, d2: DP_SpectralDense(16) with ``constraint``; d3: a Frobenius ball (5 logits)."""
+
+    def ball(cls, units, norm, radius, name):
+        return cls(units, constraint=norm, weight_norm_bound=radius, adaptive_norm=adaptive,
+                   name=name)  # fmt: skip
+
+    return build(
         [
-            L.DP_SpectralDense(
-                16,
-                constraint=constraint,
-                weight_norm_bound=radii[0],
-                adaptive_norm=adaptive,
-                name="d1",
-            ),
+            ball(L.DP_SpectralDense, 16, constraint, radii[0], "d1"),
             L.DP_GroupSort(2),
-            L.DP_SpectralDense(
-                16,
-                constraint=constraint,
-                weight_norm_bound=radii[1],
-                adaptive_norm=adaptive,
-                name="d2",
-            ),
+            ball(L.DP_SpectralDense, 16, constraint, radii[1], "d2"),
             L.DP_GroupSort(2),
-            L.DP_QuickFrobeniusDense(
-                5,
-                constraint="frobenius",
-                weight_norm_bound=radii[2],
-                adaptive_norm=adaptive,
-                name="d3",
-            ),
+            ball(L.DP_QuickFrobeniusDense, 5, "frobenius", radii[2], "d3"),
         ],
         VEC,
     )
-    return model, x, y
 
 
 def test_sensitivities_are_the_hand_product_of_the_current_norms(rng):
@@ -442,3 +429,23 @@ def test_group_normalization_saves_and_loads(tmp_path, rng):
     assert float(loaded.bounds().output_bound) == pytest.approx(
         float(model.bounds().output_bound), rel=1e-6
     )
+
+
+def test_one_certified_norm_per_kernel_per_training_step():
+    """The bound pass asks each layer for its Lipschitz factor three times (forward
+    bound, Lipschitz constant, backward bound); the eigen-solve runs once per kernel."""
+    model, x, y = _three_layer_model()  # two spectral kernels (eigen-solve), one Frobenius
+
+    @tf.function
+    def stddevs():  # one bound pass
+        per_variable = model.noise_stddevs()
+        return [per_variable[v.ref()] for v in model.trainable_variables]
+
+    graph = stddevs.get_concrete_function().graph
+    eigen = [op for op in graph.get_operations() if op.type.startswith("SelfAdjointEig")]
+    assert len(eigen) == 2
+    # Outside a pass nothing is memoised: the norm follows an assignment at once.
+    d1 = model.dp_layers[1]
+    before = float(d1.operator_norm_bound())
+    d1.kernel.assign(0.5 * d1.kernel)
+    assert float(d1.operator_norm_bound()) == pytest.approx(0.5 * before, rel=1e-5)

@@ -68,6 +68,15 @@ class DPLayer:
         """Bound on the Lipschitz constant up to the output (module docstring)."""
         return lipschitz * self.backpropagate_inputs(input_bound, 1.0)
 
+    def begin_bound_pass(self) -> None:
+        """Called by :func:`lipdp.bounds.bound_pass` before its walk (no-op by default);
+        the weights do not change until :meth:`end_bound_pass`."""
+        return None
+
+    def end_bound_pass(self) -> None:
+        """Called by :func:`lipdp.bounds.bound_pass` after its walk (no-op by default)."""
+        return None
+
     def project(self) -> None:
         """Map the weights back onto their constraint set (no-op by default)."""
         return None  # a docstring-only body breaks AutoGraph (jit_compile=True steps)

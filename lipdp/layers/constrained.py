@@ -142,12 +142,27 @@ class ConstrainedKernelLayer(DPLayer):
     def operator_norm_bound(self):
         """``c``, the bound on the layer's Lipschitz constant the bounds use (module
         docstring): the float ``C``, or (``adaptive_norm``) the tensor
-        ``min(C, certified ||M||)`` of the current kernel."""
+        ``min(C, certified ||M||)`` of the current kernel -- computed once per bound pass
+        (the pass asks for it three times; the kernel does not change during a pass)."""
         if not self.adaptive_norm:
             return self.weight_norm_bound
+        memo = getattr(self, "_pass_memo", None)
+        if memo:
+            return memo[0]
         norm = "frobenius" if self.constraint == "frobenius" else "spectral"
         current = projections.certified_operator_norm(self.kernel_matrix(), norm)
-        return tf.minimum(tf.cast(self.weight_norm_bound, current.dtype), current)
+        value = tf.minimum(tf.cast(self.weight_norm_bound, current.dtype), current)
+        if memo is not None:
+            memo.append(value)
+        return value
+
+    # The memo is a plain list set with object.__setattr__: Keras does not track it, and it
+    # exists only between the two hooks, so no tensor outlives the pass (or its graph).
+    def begin_bound_pass(self) -> None:
+        object.__setattr__(self, "_pass_memo", [])
+
+    def end_bound_pass(self) -> None:
+        object.__setattr__(self, "_pass_memo", None)
 
     def propagate_inputs(self, input_bound):
         if input_bound is None:  # before DP_BoundedInput: nothing is bounded yet
