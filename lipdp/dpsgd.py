@@ -1,7 +1,6 @@
 r"""Clipped DP-SGD in the same API: ordinary Keras layers, per-example gradient clipping.
 
-The second family of lipdp (issue 13; this module holds its first part: flat, automatic
-and global clipping with per-example gradients from autodiff). Everything around the step
+The second family of lipdp (issue 13). Everything around the step
 is shared with the clipless family: :class:`~lipdp.model.DPParameters`,
 :class:`~lipdp.metadata.DatasetMetadata`, Poisson sampling, the privacy plan (the same
 subsampled Gaussian per step), :class:`~lipdp.callbacks.DP_Accountant`,
@@ -10,19 +9,21 @@ and the noise generator of :mod:`lipdp.noise`.
 
 **One step** (Abadi et al., CCS 2016), for a batch of rows ``i``:
 
-1. per-example gradients ``g_i`` of the per-example loss (the Jacobian of the vector of
-   per-example losses; the model must not couple examples: batch normalisation is
-   refused, rule S2);
+1. per-example gradient norms ``||g_i||`` of the per-example loss, per weighted layer
+   (:mod:`lipdp.per_example`: ghost norms for Dense, Conv2D and Embedding, a vectorised
+   per-example fallback for other layers, or the full Jacobian; the model must not couple
+   examples: batch normalisation is refused, rule S2);
 2. clipping factor ``C_i`` from ``||g_i||`` (over all variables), e.g.
-   ``min(1, R / ||g_i||)`` (:class:`Clipping` and its modes); rows with a NaN or an
-   infinity, in the data or in their gradient, get ``C_i = 0`` (rule S9);
+   ``min(1, R / ||g_i||)``, or one per layer (:class:`Clipping` and its modes); rows with
+   a NaN or an infinity, in the data or in their gradient, get ``C_i = 0`` (rule S9);
 3. ``g = sum_i C_i g_i / b`` with ``b`` the loss normaliser of the metadata (the batch
    size, or its expectation under Poisson sampling);
 4. Gaussian noise of standard deviation ``sigma * Delta`` on every coordinate, the
    ``"global"`` rule of :mod:`lipdp.noise` with one sensitivity
    ``Delta = R (1 + ROUNDOFF_SLACK) / b``: adding or removing one row changes the sum
    by ``C_i g_i``, of norm at most ``R`` (the slack covers float32 round-off of the
-   clipped norm);
+   clipped norm); or, with per-layer clipping and ``noisify_strategy="per-layer"``, one
+   Gaussian per layer of standard deviation ``sigma R_l (1 + ROUNDOFF_SLACK) / b``;
 5. the optimizer step.
 
 The accountant sees one subsampled Gaussian mechanism of multiplier ``sigma`` per step,
@@ -31,6 +32,7 @@ exactly as for the clipless family.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import tensorflow as tf
@@ -38,10 +40,11 @@ import tensorflow as tf
 from lipdp import noise, validation
 from lipdp.bounds import ROUNDOFF_SLACK
 from lipdp.model import DP_Model, DPParameters, _refuse_mixed_precision, check_reduction
+from lipdp.per_example import GRADIENT_METHODS, per_example_gradients, weighted_layers
 from lipdp.records import finite_rows, zero_rows
 
-#: Clipping modes available (per-layer clipping and BAM are the rest of issue 13).
-CLIPPING_MODES = ("flat", "automatic", "global")
+#: Clipping modes (per-example factor rules, :class:`Clipping`).
+CLIPPING_MODES = ("flat", "per-layer", "automatic", "global")
 
 #: Layers that couple the examples of a batch (rule S2), with the fix.
 _COUPLING_LAYERS = {
@@ -57,6 +60,13 @@ class Clipping:
 
     * ``"flat"`` (Abadi et al. 2016): ``C_i = min(1, R / ||g_i||)``;
       ``||C_i g_i|| = min(||g_i||, R) <= R``.
+    * ``"per-layer"`` (McMahan et al. 2018): each layer ``l`` with variables is clipped
+      to its own radius, ``C_il = min(1, R_l / ||g_il||)`` with ``R_l = R s_l /
+      ||s||`` for the ``layer_shares`` ``s`` (equal by default, ``R / sqrt(K)`` for ``K``
+      layers). The row's whole clipped gradient has norm
+      ``sqrt(sum_l min(||g_il||, R_l)^2) <= sqrt(sum_l R_l^2) = R``; with
+      ``noisify_strategy="per-layer"`` each layer is its own Gaussian mechanism of
+      sensitivity ``R_l``.
     * ``"automatic"`` (Bu et al. 2022, normalisation): ``C_i = R / (||g_i|| + gamma)``;
       ``||C_i g_i|| = R ||g_i|| / (||g_i|| + gamma) < R``.
     * ``"global"`` (Bu et al. 2021, *On the convergence and calibration of deep learning
@@ -70,12 +80,15 @@ class Clipping:
         clip_norm: ``R > 0``.
         gamma: ``gamma > 0`` of ``"automatic"`` (0.01, as the paper).
         threshold: ``Z > 0`` of ``"global"`` (required there, refused elsewhere).
+        layer_shares: positive relative radii of the weighted layers, forward order, for
+            ``"per-layer"`` (default: equal).
     """
 
     mode: str = "flat"
     clip_norm: float = 1.0
     gamma: float = 0.01
     threshold: float | None = None
+    layer_shares: tuple | None = None
 
     def __post_init__(self):
         validation.choice("clipping mode", self.mode, CLIPPING_MODES)
@@ -89,24 +102,54 @@ class Clipping:
             )
         if self.threshold is not None:
             set_field(self, "threshold", validation.positive("threshold", self.threshold))
+        if self.layer_shares is not None:
+            if self.mode != "per-layer":
+                raise ValueError("layer_shares applies to mode='per-layer' only.")
+            shares = tuple(validation.positive("layer share", s) for s in self.layer_shares)
+            set_field(self, "layer_shares", shares)
 
     @classmethod
     def coerce(cls, value) -> Clipping:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            return cls(**value)
+            config = dict(value)
+            if config.get("layer_shares") is not None:
+                config["layer_shares"] = tuple(config["layer_shares"])
+            return cls(**config)
         raise TypeError(f"clipping must be a Clipping or its config dict, got {value!r}.")
 
     def per_example_bound(self) -> float:
         """Norm bound on one row's scaled gradient: ``R`` in every mode (class docstring)."""
         return self.clip_norm
 
+    def layer_radii(self, layers: int) -> list[float]:
+        """``R_l`` of ``"per-layer"`` clipping for ``layers`` weighted layers."""
+        shares = self.layer_shares or (1.0,) * layers
+        if len(shares) != layers:
+            raise ValueError(
+                f"layer_shares has {len(shares)} entries but the model has {layers} layers "
+                "with trainable variables: give one share per such layer."
+            )
+        scale = self.clip_norm / math.sqrt(sum(s * s for s in shares))
+        return [s * scale for s in shares]
+
+    def layer_factors(self, sq_norms) -> list:
+        """``C_il`` for every weighted layer ``l`` from the rows' squared gradient norms
+        per layer: one factor from the total norm, or one per layer (``"per-layer"``)."""
+        if self.mode == "per-layer":
+            radii = self.layer_radii(len(sq_norms))
+            return [_capped(tf.sqrt(sq), r) for sq, r in zip(sq_norms, radii)]
+        return [self.factors(tf.sqrt(tf.add_n(list(sq_norms))))] * len(sq_norms)
+
     def factors(self, norms):
-        """``C_i`` from the per-example gradient norms (class docstring)."""
+        """``C_i`` from the per-example gradient norms (class docstring; for
+        ``"per-layer"``, see :meth:`layer_factors`)."""
+        if self.mode == "per-layer":
+            raise ValueError("per-layer clipping has one factor per layer: layer_factors().")
         r = tf.cast(self.clip_norm, norms.dtype)
         if self.mode == "flat":
-            return r / tf.maximum(norms, r)  # 1 for a zero gradient
+            return _capped(norms, self.clip_norm)
         if self.mode == "automatic":
             return r / (norms + tf.cast(self.gamma, norms.dtype))
         z = tf.cast(self.threshold, norms.dtype)
@@ -118,7 +161,14 @@ class Clipping:
             "clip_norm": self.clip_norm,
             "gamma": self.gamma,
             "threshold": self.threshold,
+            "layer_shares": None if self.layer_shares is None else list(self.layer_shares),
         }
+
+
+def _capped(norms, radius):
+    """``min(1, r / ||g||)``, 1 for a zero gradient."""
+    r = tf.cast(radius, norms.dtype)
+    return r / tf.maximum(norms, r)
 
 
 @dataclass(frozen=True)
@@ -169,10 +219,13 @@ class DPSGD_Model(DP_Model):
     Args:
         layers: ordinary Keras layers, applied in order (give the first one an
             ``input_shape``).
-        dp_parameters: :class:`~lipdp.model.DPParameters` (``noisify_strategy="global"``:
-            flat clipping bounds the whole gradient, not each layer).
+        dp_parameters: :class:`~lipdp.model.DPParameters`. ``noisify_strategy="global"``:
+            one Gaussian mechanism on the whole clipped gradient; ``"per-layer"`` (with
+            per-layer clipping only): one per weighted layer, of sensitivity ``R_l``.
         clipping: a :class:`Clipping` (or its config dict).
         dataset_metadata: :class:`~lipdp.metadata.DatasetMetadata`, required for training.
+        gradient_method: ``"ghost"`` (default) or ``"jacobian"``, how per-example gradient
+            norms are computed (:mod:`lipdp.per_example`; the same numbers).
         debug: run eagerly and log every step's noise level.
     """
 
@@ -183,14 +236,18 @@ class DPSGD_Model(DP_Model):
         dp_parameters,
         clipping=Clipping(),
         dataset_metadata=None,
+        gradient_method="ghost",
         debug=False,
         **kwargs,
     ):
         self.clipping = Clipping.coerce(clipping)
+        self.gradient_method = validation.choice(
+            "gradient_method", gradient_method, GRADIENT_METHODS
+        )
         if isinstance(dp_parameters, DPParameters):
-            if dp_parameters.noisify_strategy != "global":
+            if dp_parameters.noisify_strategy != "global" and self.clipping.mode != "per-layer":
                 raise ValueError(
-                    "DP-SGD with flat clipping bounds the whole gradient: use "
+                    f"{self.clipping.mode!r} clipping bounds the whole gradient: use "
                     "noisify_strategy='global' (per-layer noise needs per-layer clipping)."
                 )
             if dp_parameters.dynamic_clipping is not None:
@@ -212,24 +269,55 @@ class DPSGD_Model(DP_Model):
             "norm (sensitivities())."
         )
 
+    def weighted_layers(self) -> list:
+        """The layers with trainable variables, forward order (one clip radius each under
+        per-layer clipping)."""
+        if not self.built:
+            raise ValueError("Build the model (call it on data) before asking for its layers.")
+        return weighted_layers(self.dp_layers)
+
+    def _per_layer_noise(self) -> bool:
+        return self.dp_parameters.noisify_strategy == "per-layer"
+
     def sensitivities(self):
-        """``[(ClippedGradientBound, Delta)]`` with ``Delta = R (1 + ROUNDOFF_SLACK) / b``."""
+        """``[(ClippedGradientBound, Delta)]`` with ``Delta = bound (1 + ROUNDOFF_SLACK) /
+        b``: one entry of bound ``R`` for the whole gradient, or one per weighted layer of
+        bound ``R_l`` under per-layer noise."""
+        slack = (1.0 + ROUNDOFF_SLACK) / float(self.batch_size)
+        if self._per_layer_noise():
+            layers = self.weighted_layers()
+            radii = self.clipping.layer_radii(len(layers))
+            return [
+                (ClippedGradientBound(f"{layer.name} (per-layer clipping)", r), r * slack)
+                for layer, r in zip(layers, radii)
+            ]
         bound = self.clipping.per_example_bound()
         entry = ClippedGradientBound(f"all variables ({self.clipping.mode} clipping)", bound)
-        return [(entry, bound * (1.0 + ROUNDOFF_SLACK) / float(self.batch_size))]
+        return [(entry, bound * slack)]
 
     def noise_multipliers(self) -> list[float]:
         params = self.dp_parameters
-        return noise.noise_multipliers("global", params.noise_multiplier, [1.0])
+        mechanisms = len(self.weighted_layers()) if self._per_layer_noise() else 1
+        return noise.noise_multipliers(
+            params.noisify_strategy, params.noise_multiplier, [1.0] * mechanisms
+        )
 
     def noise_stddevs(self, sensitivities=None):
-        """``{variable ref: sigma * Delta}``, the same for every variable (0 if
+        """``{variable ref: standard deviation}`` by the noise rule of :mod:`lipdp.noise`:
+        ``sigma R / b`` on every variable, or ``sigma R_l / b`` on layer ``l``'s (0 if
         non-private)."""
         entries = self.sensitivities() if sensitivities is None else sensitivities
         params = self.dp_parameters
         sigma = 0.0 if params.non_private else params.noise_multiplier
-        (std,) = noise.noise_stddevs("global", sigma, [d for _, d in entries], [1.0])
-        return {v.ref(): std for v in self.trainable_variables}
+        deltas = [d for _, d in entries]
+        stddevs = noise.noise_stddevs(params.noisify_strategy, sigma, deltas, [1.0] * len(deltas))
+        if not self._per_layer_noise():
+            return {v.ref(): stddevs[0] for v in self.trainable_variables}
+        return {
+            v.ref(): std
+            for layer, std in zip(self.weighted_layers(), stddevs)
+            for v in layer.trainable_variables
+        }
 
     def project(self):
         return None  # no constraint sets
@@ -264,23 +352,16 @@ class DPSGD_Model(DP_Model):
 
     def _clipped_sum(self, x, y, finite):
         """:meth:`clipped_gradient_sum` of rows already neutralised (S9)."""
-        variables = self.trainable_variables
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            losses = self.per_example_losses(y, y_pred)
-        jacobians = tape.jacobian(losses, variables, experimental_use_pfor=True)
-        jacobians = [
-            tf.zeros([tf.shape(losses)[0], *v.shape], v.dtype) if j is None else j
-            for j, v in zip(jacobians, variables)
-        ]
-        squares = tf.add_n(
-            [tf.reduce_sum(tf.reshape(tf.square(j), [tf.shape(j)[0], -1]), 1) for j in jacobians]
+        facts = per_example_gradients(
+            self, x, lambda y_pred: self.per_example_losses(y, y_pred), self.gradient_method
         )
-        norms = tf.sqrt(squares)
-        keep = finite & tf.math.is_finite(norms)
-        factors = tf.where(keep, self.clipping.factors(norms), tf.zeros_like(norms))
-        summed = [tf.tensordot(factors, zero_rows(keep, j), axes=[[0], [0]]) for j in jacobians]
-        return summed, y_pred
+        factors = self.clipping.layer_factors(facts.sq_norms)
+        keep = finite & tf.math.is_finite(tf.add_n(facts.sq_norms))
+        sums = facts.clipped_sums(factors, keep)
+        summed = [
+            sums[v.ref()] if v.ref() in sums else tf.zeros_like(v) for v in self.trainable_variables
+        ]
+        return summed, facts.y_pred
 
     def train_step(self, data):
         _refuse_mixed_precision(self.dp_layers)
@@ -302,7 +383,11 @@ class DPSGD_Model(DP_Model):
 
     # ------------------------------------------------------------- serialisation
     def get_config(self):
-        return {**super().get_config(), "clipping": self.clipping.to_config()}
+        return {
+            **super().get_config(),
+            "clipping": self.clipping.to_config(),
+            "gradient_method": self.gradient_method,
+        }
 
 
 class DPSGD_Sequential(DPSGD_Model):

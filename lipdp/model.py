@@ -249,20 +249,25 @@ class DP_Model(tf.keras.Model):
     def call(self, inputs, training=None):
         return self.forward(inputs, training=training)
 
-    def forward(self, inputs, training=None, observe=None):
+    def forward(self, inputs, training=None, observe=None, apply=None):
         """The one forward loop over ``dp_layers``.
 
         Layers that clip cotangents receive the loss normaliser of the model's metadata
         (:attr:`loss_normalizer`). ``observe(index, output)``, if given, is called after
         every layer and returns the tensor to continue with (e.g. after ``tape.watch``):
         how diagnostics and dynamic clipping look inside the network without a second
-        copy of this loop.
+        copy of this loop. ``apply(layer, h, kwargs)``, if given, replaces the call
+        ``layer(h, training=training, **kwargs)`` (how :mod:`lipdp.per_example` records
+        each layer's pre-activation output).
         """
         h = inputs
         normalizer = {"loss_normalizer": self.loss_normalizer}
         for index, layer in enumerate(self.dp_layers):
             kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
-            h = layer(h, training=training, **kwargs)
+            if apply is None:
+                h = layer(h, training=training, **kwargs)
+            else:
+                h = apply(layer, h, kwargs)
             if observe is not None:
                 h = observe(index, h)
         return h

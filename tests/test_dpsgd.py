@@ -24,7 +24,9 @@ def _layers():
     ]
 
 
-def _model(sigma=1.0, clip=0.5, n=64, sampling="shuffle", lr=0.5):
+def _model(
+    sigma=1.0, clip=0.5, n=64, sampling="shuffle", lr=0.5, strategy="global", method="ghost"
+):
     """``clip``: a norm (flat clipping) or a Clipping."""
     clipping = clip if isinstance(clip, Clipping) else Clipping("flat", clip)
     meta = DatasetMetadata(
@@ -34,9 +36,13 @@ def _model(sigma=1.0, clip=0.5, n=64, sampling="shuffle", lr=0.5):
         batch_size=BATCH,
         sampling=sampling,
     )
-    params = DPParameters("global", sigma, 1e-5, non_private=sigma == 0)
+    params = DPParameters(strategy, sigma, 1e-5, non_private=sigma == 0)
     model = DPSGD_Sequential(
-        _layers(), dp_parameters=params, clipping=clipping, dataset_metadata=meta
+        _layers(),
+        dp_parameters=params,
+        clipping=clipping,
+        dataset_metadata=meta,
+        gradient_method=method,
     )
     model.compile(
         loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
@@ -64,9 +70,13 @@ def _naive_factor(clipping, norm):
 
 def _naive_clipped_sum(model, x, y, clip):
     """Reference: one GradientTape per example, clipped to ``clip`` (a norm: flat
-    clipping, or a Clipping), summed (rows with a NaN skipped)."""
+    clipping, or a Clipping), summed (rows with a NaN skipped). Per-layer clipping: each
+    Dense layer (kernel and bias, two variables) to its radius."""
     clipping = clip if isinstance(clip, Clipping) else Clipping("flat", clip)
     total = [np.zeros(v.shape, "float64") for v in model.trainable_variables]
+    if clipping.mode == "per-layer":
+        shares = np.array(clipping.layer_shares or (1.0, 1.0))
+        radii = clipping.clip_norm * shares / np.linalg.norm(shares)
     loss_fn = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
     for xi, yi in zip(x, y):
         if not (np.all(np.isfinite(xi)) and np.all(np.isfinite(yi))):
@@ -76,9 +86,15 @@ def _naive_clipped_sum(model, x, y, clip):
         grads = [
             g.numpy().astype("float64") for g in tape.gradient(loss, model.trainable_variables)
         ]
-        norm = np.sqrt(sum(np.sum(g**2) for g in grads))
-        factor = _naive_factor(clipping, norm)
-        total = [t + factor * g for t, g in zip(total, grads)]
+        if clipping.mode == "per-layer":
+            factors = []
+            for layer, r in enumerate(radii):
+                pair = grads[2 * layer : 2 * layer + 2]
+                norm = np.sqrt(sum(np.sum(g**2) for g in pair))
+                factors += [min(1.0, r / norm)] * 2
+        else:
+            factors = [_naive_factor(clipping, np.sqrt(sum(np.sum(g**2) for g in grads)))] * 4
+        total = [t + f * g for t, f, g in zip(total, factors, grads)]
     return total
 
 
@@ -93,12 +109,13 @@ def _per_example_norms(model, x, y):
     return np.array(norms)
 
 
-def test_noiseless_step_equals_tensorflow_privacy(rng):
+@pytest.mark.parametrize("method", ["ghost", "jacobian"])
+def test_noiseless_step_equals_tensorflow_privacy(method, rng):
     """Flat clipping, noise off: the update of DPKerasSGDOptimizer (one microbatch per
     example) on the same weights and batch."""
     from tensorflow_privacy import DPKerasSGDOptimizer
 
-    model = _model(sigma=0.0, clip=2.0)
+    model = _model(sigma=0.0, clip=2.0, method=method)
     x, y = _batch(rng)
     reference = tf.keras.Sequential(_layers())
     reference.build((None, FEATURES))
@@ -123,6 +140,7 @@ def test_noiseless_step_equals_tensorflow_privacy(rng):
 
 MODES = [
     Clipping("flat", 0.3),
+    Clipping("per-layer", 0.3, layer_shares=(1.0, 3.0)),
     Clipping("automatic", 0.3, gamma=0.05),
     Clipping("global", 0.3, threshold=4.0),
 ]
@@ -142,14 +160,22 @@ def test_clipped_sum_equals_a_naive_loop_and_skips_non_finite_rows(clipping, rng
 
 @pytest.mark.parametrize(
     "clipping",
-    [Clipping("flat", 0.2), Clipping("automatic", 0.2), Clipping("global", 0.2, threshold=3.0)],
+    [
+        Clipping("flat", 0.2),
+        Clipping("per-layer", 0.2, layer_shares=(2.0, 1.0)),
+        Clipping("automatic", 0.2),
+        Clipping("global", 0.2, threshold=3.0),
+    ],
     ids=lambda c: c.mode,
 )
 def test_one_row_moves_the_sum_by_at_most_the_clip_norm_under_attack(clipping, rng):
     """Gradient ascent on one row's input to maximise its gradient norm (towards the
     global threshold Z, where the contribution peaks, for global clipping): its clipped
-    contribution (sum with it minus sum without it) never exceeds R."""
-    model = _model(clip=clipping)
+    contribution (sum with it minus sum without it) never exceeds R, nor R_l on the
+    variables of layer l under per-layer clipping."""
+    strategy = "per-layer" if clipping.mode == "per-layer" else "global"
+    model = _model(clip=clipping, strategy=strategy)
+    layer_bounds = [d * BATCH for _, d in model.sensitivities()]  # R_l (1 + slack)
     clipped_sum = tf.function(model.clipped_gradient_sum)  # traced once per batch size
     x, y = _batch(rng, scale=1.0)
     others = tf.constant(x[1:]), tf.constant(y[1:])
@@ -168,15 +194,19 @@ def test_one_row_moves_the_sum_by_at_most_the_clip_norm_under_attack(clipping, r
             tf.concat([row, others[0]], 0), tf.concat([y[:1], others[1]], 0)
         )
         without, _, _ = clipped_sum(*others)
-        change = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(with_row, without)))
+        squares = [np.sum((a - b) ** 2) for a, b in zip(with_row, without)]
+        change = np.sqrt(sum(squares))
         worst = max(worst, change)
         assert change <= 0.2 * (1 + ROUNDOFF_SLACK)
+        if strategy == "per-layer":  # kernel and bias of each Dense layer
+            for layer, bound in enumerate(layer_bounds):
+                assert np.sqrt(sum(squares[2 * layer : 2 * layer + 2])) <= bound
         step = outer.gradient(raw, row)
         row.assign_add(_STEP[clipping.mode] * step / (tf.norm(step) + 1e-12))
     assert worst > 0.17  # the attack comes near the clip norm: the check is not vacuous
 
 
-_STEP = {"flat": 5.0, "automatic": 5.0, "global": 0.3}
+_STEP = {"flat": 5.0, "per-layer": 5.0, "automatic": 5.0, "global": 0.3}
 
 
 def test_noise_standard_deviation_measured_end_to_end(rng):
@@ -201,6 +231,32 @@ def test_noise_standard_deviation_measured_end_to_end(rng):
         assert abs(np.mean(difference)) < 4 * expected / np.sqrt(difference.size)
     finally:
         noise.use_reproducible_noise(None)
+
+
+def test_per_layer_noise_is_one_mechanism_per_layer(rng):
+    """Per-layer clipping with noisify_strategy='per-layer': layer l's noise has standard
+    deviation sigma R_l / b (measured), the accountant sees one multiplier sigma per layer
+    (as many mechanisms as layers), and the report lists each layer's sensitivity."""
+    noise.use_reproducible_noise(11)
+    try:
+        sigma, clipping = 2.0, Clipping("per-layer", 0.5, layer_shares=(3.0, 1.0))
+        noisy = _model(sigma=sigma, clip=clipping, lr=1.0, strategy="per-layer")
+        quiet = _model(sigma=0.0, clip=clipping, lr=1.0, strategy="per-layer")
+        quiet.set_weights(noisy.get_weights())
+        x, y = _batch(rng)
+        noisy.train_on_batch(x, y)
+        quiet.train_on_batch(x, y)
+        radii = 0.5 * np.array([3.0, 1.0]) / np.sqrt(10.0)
+        for layer, r in enumerate(radii):
+            pairs = list(zip(noisy.get_weights(), quiet.get_weights()))[2 * layer : 2 * layer + 2]
+            difference = np.concatenate([(a - b).ravel() for a, b in pairs])
+            expected = sigma * r * (1 + ROUNDOFF_SLACK) / BATCH
+            assert np.std(difference) == pytest.approx(expected, rel=0.2 if layer else 0.1)
+    finally:
+        noise.use_reproducible_noise(None)
+    assert noisy.noise_multipliers() == [sigma, sigma]
+    report = str(privacy_report(noisy, epochs=1))
+    assert "(per-layer clipping)" in report
 
 
 def test_privacy_plan_and_report_are_the_clipless_ones():
@@ -236,8 +292,12 @@ def test_trains_on_poisson_batches_and_saves_its_privacy_state(tmp_path, rng):
     loaded = tf.keras.models.load_model(path)
     assert isinstance(loaded, DPSGD_Sequential)
     assert loaded.clipping == Clipping("flat", 0.5)
-    global_clipping = Clipping("global", 0.5, threshold=3.0)
-    assert Clipping.coerce(global_clipping.to_config()) == global_clipping
+    for clipping in (
+        Clipping("global", 0.5, threshold=3.0),
+        Clipping("per-layer", 1, layer_shares=(1, 2)),
+    ):
+        assert Clipping.coerce(clipping.to_config()) == clipping
+    assert loaded.gradient_method == "ghost"
     assert int(loaded.noisy_steps) == int(model.noisy_steps)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
@@ -259,6 +319,14 @@ def test_misuse_is_refused_with_the_fix():
         Clipping("global", 1.0)
     with pytest.raises(ValueError, match="threshold=Z is required"):
         Clipping("flat", 1.0, threshold=2.0)
+    with pytest.raises(ValueError, match="layer_shares applies"):
+        Clipping("flat", 1.0, layer_shares=(1.0, 2.0))
+    with pytest.raises(ValueError, match="one share per such layer"):
+        _model(
+            clip=Clipping("per-layer", 1.0, layer_shares=(1.0, 2.0, 3.0)), strategy="per-layer"
+        ).sensitivities()
+    with pytest.raises(ValueError, match="gradient_method"):
+        DPSGD_Sequential(_layers(), dp_parameters=params, gradient_method="loop")
     model = DPSGD_Sequential(_layers(), dp_parameters=params)
     with pytest.raises(ValueError, match="reduction"):
         model.compile(

@@ -1,0 +1,224 @@
+"""lipdp.per_example: ghost norms and clipped sums equal a naive loop of one GradientTape
+per row, for every layer kind the ghost method handles and for the vectorised fallback."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lipdp.dpsgd import Clipping, DPSGD_Sequential
+from lipdp.metadata import DatasetMetadata
+from lipdp.model import DPParameters
+from lipdp.per_example import ghost_rule, per_example_gradients, weighted_layers
+
+L = tf.keras.layers
+BATCH, CLASSES = 6, 4
+
+
+def _conv_net(padding="same", strides=1, dilation=1, kernel=3, filters=5, bias=True):
+    return [
+        L.Conv2D(
+            filters,
+            kernel,
+            strides=strides,
+            dilation_rate=dilation,
+            padding=padding,
+            use_bias=bias,
+            activation="relu",
+            input_shape=(9, 9, 2),
+        ),
+        L.Conv2D(3, 2, padding="valid", activation="tanh"),
+        L.Flatten(),
+        L.Dense(CLASSES),
+    ]
+
+
+# name -> (layers builder, input shape or "ids", expected ghost rules of the weighted layers)
+NETS = {
+    "dense": (
+        lambda: [L.Dense(7, activation="tanh", input_shape=(5,)), L.Dense(CLASSES)],
+        (5,),
+        ["dense", "dense"],
+    ),
+    "dense-sequence-ghost": (  # T^2 = 9 < d p
+        lambda: [L.Dense(8, activation="relu", input_shape=(3, 5)), L.Flatten(), L.Dense(CLASSES)],
+        (3, 5),
+        ["dense", "dense"],
+    ),
+    "dense-sequence-materialised": (  # T^2 = 144 > d p = 6
+        lambda: [L.Dense(3, input_shape=(12, 2)), L.Flatten(), L.Dense(CLASSES, use_bias=False)],
+        (12, 2),
+        ["dense", "dense"],
+    ),
+    "conv-same": (lambda: _conv_net(), (9, 9, 2), ["conv2d", "conv2d", "dense"]),
+    "conv-valid-stride2-even": (
+        lambda: _conv_net("valid", strides=2, kernel=4, bias=False),
+        (9, 9, 2),
+        ["conv2d", "conv2d", "dense"],
+    ),
+    "conv-same-stride2-even": (
+        lambda: _conv_net("same", strides=2, kernel=2),
+        (9, 9, 2),
+        ["conv2d", "conv2d", "dense"],
+    ),
+    "conv-dilated-materialised": (  # few filters x small kernel: materialised branch
+        lambda: _conv_net("same", dilation=2, kernel=2, filters=1),
+        (9, 9, 2),
+        ["conv2d", "conv2d", "dense"],
+    ),
+    "embedding": (
+        lambda: [
+            L.Embedding(6, 3, input_shape=(7,)),
+            L.Flatten(),
+            L.Dense(CLASSES),
+        ],
+        "ids",
+        ["embedding", "dense"],
+    ),
+    "fallback-normalisations": (
+        lambda: [
+            L.Conv2D(4, 3, padding="same", input_shape=(9, 9, 2)),
+            L.GroupNormalization(groups=2),
+            L.DepthwiseConv2D(3, activation="relu"),
+            L.Flatten(),
+            L.LayerNormalization(),
+            L.Dense(CLASSES),
+        ],
+        (9, 9, 2),
+        ["conv2d", "vectorized", "vectorized", "vectorized", "dense"],
+    ),
+    "fallback-nested-and-masked-embedding": (
+        lambda: [
+            L.Embedding(6, 3, mask_zero=True, input_shape=(7,)),
+            tf.keras.Sequential([L.Dense(4, activation="tanh")]),
+            L.GlobalAveragePooling1D(),
+            L.Dense(CLASSES),
+        ],
+        "ids",
+        ["vectorized", "vectorized", "dense"],
+    ),
+}
+
+
+def _model(name, clipping=Clipping("flat", 1.0), method="ghost", strategy="global"):
+    build, _, _ = NETS[name]
+    meta = DatasetMetadata(
+        input_shape=(1,), nb_classes=CLASSES, nb_samples_train=60, batch_size=BATCH
+    )
+    model = DPSGD_Sequential(
+        build(),
+        dp_parameters=DPParameters(strategy, 1.0, 1e-5),
+        clipping=clipping,
+        dataset_metadata=meta,
+        gradient_method=method,
+    )
+    model.compile(
+        loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+        optimizer=tf.keras.optimizers.SGD(0.1),
+    )
+    return model
+
+
+def _data(name, rng, rows=BATCH):
+    shape = NETS[name][1]
+    if shape == "ids":
+        x = rng.integers(0, 6, size=(rows, 7)).astype("int32")
+        x[:, :3] = x[:, :1]  # repeated ids: the embedding's rows add up
+    else:
+        x = (2 * rng.normal(size=(rows, *shape))).astype("float32")
+    y = np.eye(CLASSES, dtype="float32")[rng.integers(0, CLASSES, rows)]
+    return x, y
+
+
+def _naive_gradients(model, x, y):
+    """One tape per row: ``[[grad of each variable of layer l] for l]`` per row."""
+    loss_fn = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+    result = []
+    for xi, yi in zip(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yi[None], model(xi[None], training=True))
+        variables = [v for layer in model.weighted_layers() for v in layer.trainable_variables]
+        flat = tape.gradient(loss, variables, unconnected_gradients="zero")
+        grouped, start = [], 0
+        for layer in model.weighted_layers():
+            count = len(layer.trainable_variables)
+            grouped.append(
+                [
+                    tf.convert_to_tensor(g).numpy().astype("float64")
+                    for g in flat[start : start + count]
+                ]
+            )
+            start += count
+        result.append(grouped)
+    return result
+
+
+def _losses(model, y):
+    return lambda y_pred: model.per_example_losses(y, y_pred)
+
+
+@pytest.mark.parametrize("name", list(NETS))
+def test_ghost_rules_and_norms_equal_the_naive_loop(name, rng):
+    model = _model(name)
+    x, y = _data(name, rng)
+    assert [ghost_rule(layer) for layer in model.weighted_layers()] == NETS[name][2]
+    naive = _naive_gradients(model, x, y)
+    expected = np.array([[sum(np.sum(g**2) for g in layer) for layer in row] for row in naive])
+    for method in ("ghost", "jacobian"):
+        facts = per_example_gradients(model, tf.constant(x), _losses(model, y), method)
+        ours = np.stack([sq.numpy() for sq in facts.sq_norms], axis=1)
+        np.testing.assert_allclose(ours, expected, rtol=2e-4, atol=1e-7, err_msg=method)
+
+
+@pytest.mark.parametrize("name", ["conv-same", "embedding", "fallback-normalisations"])
+@pytest.mark.parametrize(
+    "clipping",
+    [Clipping("flat", 0.3), Clipping("per-layer", 0.3), Clipping("automatic", 0.3)],
+    ids=lambda c: c.mode,
+)
+def test_clipped_sums_equal_the_naive_loop(name, clipping, rng):
+    model = _model(name, clipping)
+    x, y = _data(name, rng)
+    naive = _naive_gradients(model, x, y)
+    layers = model.weighted_layers()
+    radii = clipping.layer_radii(len(layers)) if clipping.mode == "per-layer" else None
+    variables = [v for layer in layers for v in layer.trainable_variables]
+    expected = [np.zeros(v.shape) for v in variables]
+    for row in naive:
+        norms = [np.sqrt(sum(np.sum(g**2) for g in layer)) for layer in row]
+        total = np.sqrt(sum(n**2 for n in norms))
+        flat = [g for layer in row for g in layer]
+        if radii is None:
+            r = clipping.clip_norm
+            factor = min(1.0, r / total) if clipping.mode == "flat" else r / (total + 0.01)
+            factors = [factor] * len(flat)
+        else:
+            factors = [min(1.0, r / n) for n, r, layer in zip(norms, radii, row) for _ in layer]
+        expected = [e + f * g for e, f, g in zip(expected, factors, flat)]
+    summed, _, _ = model.clipped_gradient_sum(tf.constant(x), tf.constant(y))
+    ours = {v.ref(): s.numpy() for v, s in zip(model.trainable_variables, summed)}
+    for v, e in zip(variables, expected):
+        np.testing.assert_allclose(ours[v.ref()], e, rtol=3e-4, atol=2e-6, err_msg=v.name)
+
+
+def test_rows_with_non_finite_values_contribute_nothing(rng):
+    """A row whose activations overflow to inf has NaN norms: it is dropped, and the
+    layer-local second pass does not turn 0 x inf into NaN for the others."""
+    model = _model("dense")
+    x, y = _data("dense", rng)
+    x[2] = 3e38  # finite input, infinite activations
+    summed, _, finite = model.clipped_gradient_sum(tf.constant(x), tf.constant(y))
+    assert all(np.all(np.isfinite(s.numpy())) for s in summed)
+    keep = np.ones(BATCH, bool)
+    keep[2] = False
+    reference, _, _ = model.clipped_gradient_sum(tf.constant(x[keep]), tf.constant(y[keep]))
+    for a, b in zip(summed, reference):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_shared_variables_are_refused():
+    dense = L.Dense(3)
+    dense.build((None, 3))
+    wrapper = tf.keras.Sequential([dense])
+    wrapper.build((None, 3))
+    with pytest.raises(ValueError, match="shared"):
+        weighted_layers([dense, wrapper])
