@@ -37,6 +37,9 @@ architecture x batch size x contender):
   registry and ``use_xla=True``. The dense network gets the fast ("ghost") clipping;
   Conv2D is not in tensorflow-privacy 0.9.0's registry, so for the CNN it falls back to
   per-example gradients by ``tf.vectorized_map`` (XLA-compiled).
+* ``dpsgd-ghost`` / ``dpsgd-jacobian``: lipdp's clipped DP-SGD
+  (``lipdp.dpsgd.DPSGD_Sequential``, flat clipping, sigma = 1) on the unconstrained
+  network, per-example norms by ghost norms (book-keeping) / by the full Jacobian.
 
 The isolated worker (TF threads: ``--threads``, default TF's own) builds the model,
 makes Keras' ``train_function`` (what ``fit`` runs every step, under ``tf.function``)
@@ -108,6 +111,8 @@ CONTENDERS = [
     "tfp-dpkeras",
     "tfp-vectorized",
     "tfp-dpsequential",
+    "dpsgd-ghost",
+    "dpsgd-jacobian",
 ]
 PAIRED_VARIANTS = [
     "keras",
@@ -278,6 +283,31 @@ def _build_lipdp(arch, variant, batch):
     return model
 
 
+def _build_dpsgd(arch, method, batch):
+    import tensorflow as tf
+
+    from lipdp.dpsgd import Clipping, DPSGD_Sequential
+    from lipdp.model import DPParameters
+    from lipdp.pipeline import DatasetMetadata
+
+    shape, classes = _shape(arch)
+    metadata = DatasetMetadata(
+        input_shape=shape, nb_classes=classes, nb_samples_train=100 * batch, batch_size=batch
+    )
+    model = DPSGD_Sequential(
+        _keras_layers(arch),
+        dp_parameters=DPParameters("global", SIGMA, 1e-5),
+        clipping=Clipping("flat", CLIP),
+        dataset_metadata=metadata,
+        gradient_method=method,
+    )
+    model.compile(
+        loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+        optimizer=tf.keras.optimizers.SGD(LEARNING_RATE),
+    )
+    return model
+
+
 def _build(arch, contender, batch):
     """The compiled model of a contender or variant."""
     import tensorflow as tf
@@ -307,6 +337,8 @@ def _build(arch, contender, batch):
             jit_compile=contender == "keras-jit",
         )
         return model
+    if contender.startswith("dpsgd-"):
+        return _build_dpsgd(arch, contender.removeprefix("dpsgd-"), batch)
     import tensorflow_privacy as tfp
 
     if contender in ("tfp-dpkeras", "tfp-vectorized"):

@@ -22,9 +22,10 @@ Goodfellow 2015 and Li et al. 2022)
       ||g_i||^2``; bias ``||g_i||^2``.
     * ``Dense`` on sequences ``(b, T, d)`` and ``Conv2D`` (``A_i``: the ``T`` positions'
       input patches, ``k_h k_w c`` wide, from ``tf.image.extract_patches``): ``grad_W =
-      A_i^T G_i``, ``||grad_W||_F^2 = <A_i A_i^T, G_i G_i^T>`` (cost ``T^2`` per row,
-      float64 against cancellation) or the materialised ``A_i^T G_i`` (cost ``k x
-      filters``), whichever is smaller; bias ``||sum_t G_it||^2``.
+      A_i^T G_i``, ``||grad_W||_F^2 = <A_i A_i^T, G_i G_i^T>`` (cost ``T^2 (d + p)`` per
+      row for ``d`` inputs and ``p`` outputs, float64 against cancellation) or the
+      materialised ``A_i^T G_i`` (cost ``T d p``), whichever is cheaper; bias
+      ``||sum_t G_it||^2``.
     * ``Embedding``: ``grad_E = sum_t e_{id_t} G_it^T`` so ``||grad_E||^2 = sum_{t,s}
       [id_t = id_s] <G_it, G_is>`` (float64).
     * any other layer with variables (normalisations, depthwise convolutions, nested
@@ -146,7 +147,8 @@ def _rows(t, width):
 def _product_sq_norms(a, g):
     """``||A_i^T G_i||_F^2`` per row for ``A: (b, T, d)``, ``G: (b, T, p)``."""
     positions, d, p = a.shape[1], a.shape[2], g.shape[2]
-    if positions is not None and positions * positions > d * p:
+    # Cost per row: T d p multiply-adds materialised, T^2 (d + p) through the Grams.
+    if positions is not None and positions * (d + p) >= d * p:
         materialised = tf.einsum("btd,btp->bdp", a, g)
         return tf.reduce_sum(tf.square(materialised), axis=[1, 2])
     a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)

@@ -39,12 +39,12 @@ NETS = {
         (5,),
         ["dense", "dense"],
     ),
-    "dense-sequence-ghost": (  # T^2 = 9 < d p
+    "dense-sequence-ghost": (  # T (d + p) = 39 < d p = 40
         lambda: [L.Dense(8, activation="relu", input_shape=(3, 5)), L.Flatten(), L.Dense(CLASSES)],
         (3, 5),
         ["dense", "dense"],
     ),
-    "dense-sequence-materialised": (  # T^2 = 144 > d p = 6
+    "dense-sequence-materialised": (  # T (d + p) = 60 > d p = 6
         lambda: [L.Dense(3, input_shape=(12, 2)), L.Flatten(), L.Dense(CLASSES, use_bias=False)],
         (12, 2),
         ["dense", "dense"],
@@ -63,6 +63,16 @@ NETS = {
     "conv-dilated-materialised": (  # few filters x small kernel: materialised branch
         lambda: _conv_net("same", dilation=2, kernel=2, filters=1),
         (9, 9, 2),
+        ["conv2d", "conv2d", "dense"],
+    ),
+    "conv-gram": (  # T (d + p) < d p: the Gram branch
+        lambda: [
+            L.Conv2D(16, 3, padding="valid", activation="relu", input_shape=(4, 4, 8)),
+            L.Conv2D(12, 2, padding="valid"),
+            L.Flatten(),
+            L.Dense(CLASSES),
+        ],
+        (4, 4, 8),
         ["conv2d", "conv2d", "dense"],
     ),
     "embedding": (
@@ -169,7 +179,9 @@ def test_ghost_rules_and_norms_equal_the_naive_loop(name, rng):
         np.testing.assert_allclose(ours, expected, rtol=2e-4, atol=1e-7, err_msg=method)
 
 
-@pytest.mark.parametrize("name", ["conv-same", "embedding", "fallback-normalisations"])
+@pytest.mark.parametrize(
+    "name", ["conv-same", "conv-gram", "embedding", "fallback-normalisations"]
+)
 @pytest.mark.parametrize(
     "clipping",
     [Clipping("flat", 0.3), Clipping("per-layer", 0.3), Clipping("automatic", 0.3)],
