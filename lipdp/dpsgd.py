@@ -40,7 +40,12 @@ import tensorflow as tf
 from lipdp import noise, validation
 from lipdp.bounds import ROUNDOFF_SLACK
 from lipdp.model import DP_Model, DPParameters, _refuse_mixed_precision, check_reduction
-from lipdp.per_example import GRADIENT_METHODS, per_example_gradients, weighted_layers
+from lipdp.per_example import (
+    GRADIENT_METHODS,
+    Ascent,
+    per_example_gradients,
+    weighted_layers,
+)
 from lipdp.records import finite_rows, zero_rows
 
 #: Clipping modes (per-example factor rules, :class:`Clipping`).
@@ -171,6 +176,51 @@ def _capped(norms, radius):
     return r / tf.maximum(norms, r)
 
 
+#: Ascent steps before the clipped gradient (:class:`SharpnessAscent`).
+ASCENT_MODES = ("bam", "dp-sat")
+
+
+@dataclass(frozen=True)
+class SharpnessAscent:
+    r"""A sharpness-aware ascent step before the per-example gradients are taken.
+
+    * ``"bam"`` (Knolle et al., *Bias-Aware Minimisation*, Algorithm 2): row ``i``'s
+      gradient is taken at ``theta_i' = theta + lambda g_i / ||g_i||``, its own ascent
+      point (``g_i``: its gradient at ``theta``; no ascent for a zero gradient). Row ``i``'s
+      released contribution depends on row ``i`` alone and is clipped as in DP-SGD: same
+      sensitivity, same privacy. Cost: a second forward and backward pass (about 2x a
+      DP-SGD step); the ascent is exact for Dense, Conv2D and Embedding through their
+      ghost records (``W + s_i A_i^T G_i`` applied as ``A'_i W + s_i A'_i A_i^T G_i``), and
+      by running the layer on materialised row-wise weights for other layers.
+    * ``"dp-sat"`` (Park et al., *Differentially Private Sharpness-Aware Training*, 2023):
+      every row's gradient at ``theta + rho u / ||u||`` with ``u`` the previous step's
+      *released* noisy gradient (post-processing: no privacy cost; no ascent at the first
+      step). Cost: two weight assignments per step.
+
+    Attributes:
+        mode: one of :data:`ASCENT_MODES`.
+        radius: ``lambda`` (BAM) or ``rho`` (DP-SAT), ``> 0``.
+    """
+
+    mode: str
+    radius: float
+
+    def __post_init__(self):
+        validation.choice("ascent mode", self.mode, ASCENT_MODES)
+        object.__setattr__(self, "radius", validation.positive("ascent radius", self.radius))
+
+    @classmethod
+    def coerce(cls, value):
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise TypeError(f"ascent must be a SharpnessAscent or its config dict, got {value!r}.")
+
+    def to_config(self) -> dict:
+        return {"mode": self.mode, "radius": self.radius}
+
+
 @dataclass(frozen=True)
 class ClippedGradientBound:
     """The sensitivity entry of a clipped model: one bound for the whole gradient."""
@@ -226,6 +276,7 @@ class DPSGD_Model(DP_Model):
         dataset_metadata: :class:`~lipdp.metadata.DatasetMetadata`, required for training.
         gradient_method: ``"ghost"`` (default) or ``"jacobian"``, how per-example gradient
             norms are computed (:mod:`lipdp.per_example`; the same numbers).
+        ascent: a :class:`SharpnessAscent` (BAM or DP-SAT), or ``None``.
         debug: run eagerly and log every step's noise level.
     """
 
@@ -237,6 +288,7 @@ class DPSGD_Model(DP_Model):
         clipping=Clipping(),
         dataset_metadata=None,
         gradient_method="ghost",
+        ascent=None,
         debug=False,
         **kwargs,
     ):
@@ -244,6 +296,9 @@ class DPSGD_Model(DP_Model):
         self.gradient_method = validation.choice(
             "gradient_method", gradient_method, GRADIENT_METHODS
         )
+        self.ascent = SharpnessAscent.coerce(ascent)
+        if self.ascent is not None and self.ascent.mode == "bam" and gradient_method != "ghost":
+            raise ValueError("BAM's per-example ascent needs gradient_method='ghost'.")
         if isinstance(dp_parameters, DPParameters):
             if dp_parameters.noisify_strategy != "global" and self.clipping.mode != "per-layer":
                 raise ValueError(
@@ -332,7 +387,24 @@ class DPSGD_Model(DP_Model):
             raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
         if self.debug:
             kwargs["run_eagerly"] = True
+        self._create_ascent_state()
         tf.keras.Model.compile(self, optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def _create_ascent_state(self):
+        """DP-SAT keeps the previous released gradient (saved with the model)."""
+        if self.ascent is None or self.ascent.mode != "dp-sat":
+            return
+        if hasattr(self, "previous_noisy_gradient"):
+            return
+        if not self.built:
+            raise ValueError(
+                "DP-SAT keeps the previous noisy gradient: build the model before compile "
+                "(give the first layer an input_shape)."
+            )
+        self.previous_noisy_gradient = [
+            tf.Variable(tf.zeros_like(v), trainable=False, name="previous_noisy_gradient")
+            for v in self.trainable_variables
+        ]
 
     # ----------------------------------------------------------------- training
     def per_example_losses(self, y, y_pred):
@@ -352,16 +424,45 @@ class DPSGD_Model(DP_Model):
 
     def _clipped_sum(self, x, y, finite):
         """:meth:`clipped_gradient_sum` of rows already neutralised (S9)."""
-        facts = per_example_gradients(
-            self, x, lambda y_pred: self.per_example_losses(y, y_pred), self.gradient_method
-        )
+        if self.ascent is not None and self.ascent.mode == "dp-sat":
+            return self._at_dp_sat_point(lambda: self._clipped_sum_at(x, y, finite))
+        return self._clipped_sum_at(x, y, finite)
+
+    def _clipped_sum_at(self, x, y, finite):
+        def losses(y_pred):
+            return self.per_example_losses(y, y_pred)
+
+        facts = per_example_gradients(self, x, losses, self.gradient_method)
+        y_pred = facts.y_pred
+        if self.ascent is not None and self.ascent.mode == "bam":
+            norms = tf.sqrt(tf.add_n(facts.sq_norms))
+            usable = finite & tf.math.is_finite(norms) & (norms > 0)
+            safe = tf.where(usable, norms, tf.ones_like(norms))
+            scales = tf.where(usable, self.ascent.radius / safe, tf.zeros_like(norms))
+            facts = per_example_gradients(self, x, losses, "ghost", Ascent(facts, scales))
         factors = self.clipping.layer_factors(facts.sq_norms)
         keep = finite & tf.math.is_finite(tf.add_n(facts.sq_norms))
         sums = facts.clipped_sums(factors, keep)
         summed = [
             sums[v.ref()] if v.ref() in sums else tf.zeros_like(v) for v in self.trainable_variables
         ]
-        return summed, facts.y_pred
+        return summed, y_pred
+
+    def _at_dp_sat_point(self, compute):
+        """``compute()`` with the weights at ``theta + rho u / ||u||`` (``u``: the previous
+        released gradient; ``theta`` itself when ``u = 0``), then ``theta`` restored
+        exactly (a saved copy, not a subtraction)."""
+        variables = self.trainable_variables
+        previous = self.previous_noisy_gradient
+        norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(u)) for u in previous]))
+        scale = tf.where(norm > 0, self.ascent.radius / tf.maximum(norm, 1e-30), 0.0)
+        saved = [tf.identity(v) for v in variables]
+        for v, u in zip(variables, previous):
+            v.assign_add(scale * u)
+        result = compute()
+        for v, value in zip(variables, saved):
+            v.assign(value)
+        return result
 
     def train_step(self, data):
         _refuse_mixed_precision(self.dp_layers)
@@ -375,7 +476,11 @@ class DPSGD_Model(DP_Model):
         normalizer = float(self.dataset_metadata.loss_normalizer)
         gradients = [s / normalizer for s in summed]
         variables = self.trainable_variables
-        self.optimizer.apply_gradients(zip(self.noisify(gradients, variables), variables))
+        noisy = self.noisify(gradients, variables)
+        if self.ascent is not None and self.ascent.mode == "dp-sat":
+            for kept, released in zip(self.previous_noisy_gradient, noisy):
+                kept.assign(released)
+        self.optimizer.apply_gradients(zip(noisy, variables))
         self.noisy_steps.assign_add(1)
         self.compute_loss(x, y, y_pred)  # the loss tracker (training logs), not the step
         logs = self.compute_metrics(x, y, y_pred, None)
@@ -387,6 +492,7 @@ class DPSGD_Model(DP_Model):
             **super().get_config(),
             "clipping": self.clipping.to_config(),
             "gradient_method": self.gradient_method,
+            "ascent": None if self.ascent is None else self.ascent.to_config(),
         }
 
 
@@ -401,7 +507,9 @@ tf.keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Model)
 tf.keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Sequential)
 
 __all__ = [
+    "ASCENT_MODES",
     "CLIPPING_MODES",
+    "SharpnessAscent",
     "ClippedGradientBound",
     "Clipping",
     "DPSGD_Model",

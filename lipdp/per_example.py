@@ -43,6 +43,7 @@ norms are computed separately; :func:`weighted_layers` refuses it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import tensorflow as tf
@@ -108,18 +109,33 @@ _LINEAR = {"dense": _dense_linear, "conv2d": _conv2d_linear, "embedding": _embed
 
 @dataclass
 class _Record:
-    """One weighted layer seen by the forward pass: its input, its (pre-activation)
-    output on the tape, and the ghost rule."""
+    """One weighted layer seen by a forward pass: its input, its (pre-activation) output
+    on the tape, the ghost rule; after the backward pass, the output cotangents and, for
+    the vectorised fallback, the materialised per-row gradients."""
 
     layer: tf.keras.layers.Layer
     inputs: tf.Tensor
     outputs: tf.Tensor
     rule: str
+    cotangents: tf.Tensor | None = None
+    per_row: list | None = None
 
 
-def _recorded_forward(model, x, records):
+@dataclass
+class Ascent:
+    """A per-row step ``theta_i' = theta + s_i g_i`` (BAM's ascent, ``s_i = lambda /
+    ||g_i||``): ``first`` holds the rows' gradients ``g_i`` at ``theta`` (its records), and
+    the second pass runs every weighted layer at its row-wise shifted weights."""
+
+    first: PerExampleGradients
+    scales: tf.Tensor
+
+
+def _recorded_forward(model, x, records, ascent=None):
     """The model's forward loop, with each weighted layer split into its linear part
-    (recorded) and its activation."""
+    (recorded) and its activation; under an :class:`Ascent`, each weighted layer of row
+    ``i`` runs at ``W + s_i grad_W loss_i`` (the gradient at ``theta``, held constant)."""
+    shifts = iter(ascent.first.records) if ascent is not None else None
 
     def apply(layer, h, kwargs):
         if not layer.built:
@@ -127,15 +143,31 @@ def _recorded_forward(model, x, records):
         if not layer.trainable_variables:
             return layer(h, training=True, **kwargs)
         rule = ghost_rule(layer)
-        if rule == "vectorized":
+        first = next(shifts) if shifts is not None else None
+        if rule == "vectorized" and first is None:
             out = layer(h, training=True, **kwargs)
             records.append(_Record(layer, h, out, rule))
             return out
+        if rule == "vectorized":
+            out = _shifted_call(first, h, ascent.scales)
+            records.append(_Record(layer, h, out, rule))
+            return _masked_like_keras(layer, h, out)
         z = _LINEAR[rule](layer, h)
+        if first is not None:
+            z = z + _SHIFT[rule](first, h, ascent.scales)
         records.append(_Record(layer, h, z, rule))
-        return z if rule == "embedding" else layer.activation(z)
+        return _masked_like_keras(layer, h, z if rule == "embedding" else layer.activation(z))
 
     return model.forward(x, training=True, apply=apply)
+
+
+def _masked_like_keras(layer, inputs, outputs):
+    """``outputs`` with the Keras mask ``layer.__call__`` would attach (masking layers
+    downstream, e.g. pooling after ``Embedding(mask_zero=True)``, read it)."""
+    mask = layer.compute_mask(inputs, getattr(inputs, "_keras_mask", None))
+    if mask is not None:
+        outputs._keras_mask = mask  # noqa: SLF001 - Keras 2's mask convention
+    return outputs
 
 
 # --------------------------------------------------------------------- ghost norms
@@ -144,11 +176,15 @@ def _rows(t, width):
     return tf.reshape(t, [tf.shape(t)[0], -1, width])
 
 
+def _materialise(positions, d, p) -> bool:
+    """Cheaper to materialise ``A_i^T G_i`` (``T d p`` multiply-adds per row) than to go
+    through the ``T x T`` Grams (``T^2 (d + p)``)?"""
+    return positions is not None and positions * (d + p) >= d * p
+
+
 def _product_sq_norms(a, g):
     """``||A_i^T G_i||_F^2`` per row for ``A: (b, T, d)``, ``G: (b, T, p)``."""
-    positions, d, p = a.shape[1], a.shape[2], g.shape[2]
-    # Cost per row: T d p multiply-adds materialised, T^2 (d + p) through the Grams.
-    if positions is not None and positions * (d + p) >= d * p:
+    if _materialise(a.shape[1], a.shape[2], g.shape[2]):
         materialised = tf.einsum("btd,btp->bdp", a, g)
         return tf.reduce_sum(tf.square(materialised), axis=[1, 2])
     a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
@@ -158,6 +194,19 @@ def _product_sq_norms(a, g):
 
 def _bias_sq_norms(g, width):
     return tf.reduce_sum(tf.square(tf.reduce_sum(_rows(g, width), axis=1)), axis=1)
+
+
+def _patches(layer, a):
+    """The input patch of every output position of a Conv2D, ``(b, T, k_h k_w c)``."""
+    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
+    patches = tf.image.extract_patches(
+        a,
+        sizes=[1, kh, kw, 1],
+        strides=[1, sh, sw, 1],
+        rates=[1, dh, dw, 1],
+        padding=layer.padding.upper(),
+    )
+    return _rows(patches, kh * kw * a.shape[-1])
 
 
 def _dense_sq_norms(layer, a, g):
@@ -170,48 +219,158 @@ def _dense_sq_norms(layer, a, g):
 
 
 def _conv2d_sq_norms(layer, a, g):
-    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
-    patches = tf.image.extract_patches(
-        a,
-        sizes=[1, kh, kw, 1],
-        strides=[1, sh, sw, 1],
-        rates=[1, dh, dw, 1],
-        padding=layer.padding.upper(),
-    )
-    width, filters = kh * kw * a.shape[-1], layer.filters
-    kernel = _product_sq_norms(_rows(patches, width), _rows(g, filters))
-    return kernel + _bias_sq_norms(g, filters) if layer.use_bias else kernel
+    kernel = _product_sq_norms(_patches(layer, a), _rows(g, layer.filters))
+    return kernel + _bias_sq_norms(g, layer.filters) if layer.use_bias else kernel
+
+
+def _same_ids(a):
+    """``(b, T, T)``: positions ``t, s`` of a row hold the same id."""
+    ids = tf.reshape(tf.cast(a, tf.int64), [tf.shape(a)[0], -1])
+    return tf.equal(ids[:, :, None], ids[:, None, :])
 
 
 def _embedding_sq_norms(layer, a, g):
-    width = layer.output_dim
-    ids = tf.reshape(tf.cast(a, tf.int64), [tf.shape(a)[0], -1])
-    g = tf.cast(_rows(g, width), tf.float64)
-    same = tf.equal(ids[:, :, None], ids[:, None, :])
+    g = tf.cast(_rows(g, layer.output_dim), tf.float64)
     inner = tf.einsum("btp,bsp->bts", g, g)
-    return tf.cast(tf.reduce_sum(tf.where(same, inner, tf.zeros_like(inner)), [1, 2]), tf.float32)
+    same = tf.where(_same_ids(a), inner, tf.zeros_like(inner))
+    return tf.cast(tf.reduce_sum(same, [1, 2]), tf.float32)
 
 
 _SQ_NORMS = {"dense": _dense_sq_norms, "conv2d": _conv2d_sq_norms, "embedding": _embedding_sq_norms}
 
 
-def _vectorized_gradients(layer, a, g):
-    """Per-row gradients of ``layer``'s variables: ``vectorized_map`` of the layer's own
-    vector-Jacobian product on ``(a_i, g_i)``."""
-    variables = layer.trainable_variables
+# ------------------------------------------------------- row-wise shifted weights (BAM)
+def _scaled(scales, t):
+    """Row ``i`` of ``t`` times ``scales[i]``."""
+    shape = tf.concat([tf.shape(scales), tf.ones([tf.rank(t) - 1], tf.int32)], axis=0)
+    return tf.reshape(scales, shape) * t
+
+
+def _product_shift(a_new, a, g):
+    """``A'_i (A_i^T G_i)`` per row: the linear part's response to the kernel gradient."""
+    if _materialise(a.shape[1], a.shape[2], g.shape[2]):
+        return tf.einsum("btd,bdp->btp", a_new, tf.einsum("btd,btp->bdp", a, g))
+    return tf.einsum("bts,bsp->btp", tf.einsum("btd,bsd->bts", a_new, a), g)
+
+
+def _first_pass(first):
+    """A first-pass record's input and cotangent, held constant in the second pass."""
+    return tf.stop_gradient(first.inputs), tf.stop_gradient(first.cotangents)
+
+
+def _dense_shift(first, a_new, scales):
+    """``a'_i (s_i grad_W) + s_i grad_b`` of a Dense layer (``grad_W = A_i^T G_i``)."""
+    layer, (a, g) = first.layer, _first_pass(first)
+    if a.shape.rank == 2:
+        shift = tf.reduce_sum(a_new * a, axis=1, keepdims=True) * g
+        shift = shift + g if layer.use_bias else shift
+        return _scaled(scales, shift)
+    width = a.shape[-1]
+    shift = _product_shift(_rows(a_new, width), _rows(a, width), _rows(g, layer.units))
+    if layer.use_bias:
+        shift = shift + tf.reduce_sum(_rows(g, layer.units), axis=1, keepdims=True)
+    return _scaled(scales, tf.reshape(shift, tf.shape(g)))
+
+
+def _conv2d_shift(first, a_new, scales):
+    layer, (a, g) = first.layer, _first_pass(first)
+    g_rows = _rows(g, layer.filters)
+    shift = _product_shift(_patches(layer, a_new), _patches(layer, a), g_rows)
+    if layer.use_bias:
+        shift = shift + tf.reduce_sum(g_rows, axis=1, keepdims=True)
+    return _scaled(scales, tf.reshape(shift, tf.shape(g)))
+
+
+def _embedding_shift(first, a_new, scales):
+    """Position ``s`` of row ``i`` looks up ``E + s_i grad_E``: ``s_i sum_t [id_t = id_s]
+    G_it`` more (the ids are the data: the same in both passes)."""
+    layer, (a, g) = first.layer, _first_pass(first)
+    g_rows = _rows(g, layer.output_dim)
+    shift = tf.einsum("bst,btp->bsp", tf.cast(_same_ids(a), g.dtype), g_rows)
+    return _scaled(scales, tf.reshape(shift, tf.shape(g)))
+
+
+_SHIFT = {"dense": _dense_shift, "conv2d": _conv2d_shift, "embedding": _embedding_shift}
+
+
+def _variable_slots(layer) -> list:
+    """``(object, attribute)`` holding each trainable variable of ``layer`` (or of a
+    sub-layer), to run the layer on other weights."""
+    slots = {}
+    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
+        for name, value in vars(sub).items():
+            if isinstance(value, tf.Variable):
+                slots.setdefault(value.ref(), (sub, name))
+    missing = [v.name for v in layer.trainable_variables if v.ref() not in slots]
+    if missing:
+        raise ValueError(
+            f"Cannot run layer {layer.name!r} on row-wise weights: variables {missing} are "
+            "not held as layer attributes. Use per-example ascent only with layers that "
+            "store their variables as attributes (all built-in Keras layers do)."
+        )
+    return [slots[v.ref()] for v in layer.trainable_variables]
+
+
+@contextlib.contextmanager
+def _weights_replaced(slots, tensors):
+    """Within the block the layer reads ``tensors`` instead of its variables. Plain
+    ``object.__setattr__``: Keras' attribute tracking would reorder the layer's weights."""
+    saved = [getattr(owner, name) for owner, name in slots]
+    for (owner, name), tensor in zip(slots, tensors):
+        object.__setattr__(owner, name, tensor)
+    try:
+        yield
+    finally:
+        for (owner, name), variable in zip(slots, saved):
+            object.__setattr__(owner, name, variable)
+
+
+def _row_call(layer, slots, a_i, weights):
+    """``layer`` on one row with its variables replaced by ``weights``."""
+    with _weights_replaced(slots, weights):
+        return layer(a_i[None], training=True)[0]
+
+
+def _shifted_weights(layer, first_grads, scale):
+    return [v + scale * grad for v, grad in zip(layer.trainable_variables, first_grads)]
+
+
+def _shifted_call(first, h, scales):
+    """A vectorised-fallback layer on each row at ``W + s_i grad_i`` (materialised)."""
+    layer, slots = first.layer, _variable_slots(first.layer)
+    grads = [tf.stop_gradient(t) for t in first.per_row]
 
     def one_row(args):
-        a_i, g_i = args
-        with tf.GradientTape() as tape:
-            out = layer(a_i[None], training=True)
-        return tape.gradient(
-            out,
-            variables,
-            output_gradients=g_i[None],
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        )
+        a_i, scale, row_grads = args
+        return _row_call(layer, slots, a_i, _shifted_weights(layer, row_grads, scale))
 
-    return tf.vectorized_map(one_row, (a, g))
+    return tf.vectorized_map(one_row, (h, scales, grads))
+
+
+def _vectorized_gradients(record, first=None, scales=None):
+    """Per-row gradients of a fallback layer: ``vectorized_map`` of the layer's own
+    vector-Jacobian product on ``(a_i, g_i)``, at ``W`` or, after an ascent, at ``W + s_i
+    grad_i``."""
+    layer, variables = record.layer, record.layer.trainable_variables
+    slots = _variable_slots(layer) if first is not None else None
+    shifts = [tf.stop_gradient(t) for t in first.per_row] if first is not None else None
+
+    def one_row(args):
+        a_i, g_i = args[:2]
+        with tf.GradientTape() as tape:
+            if first is None:
+                out = layer(a_i[None], training=True)[0]
+                sources = variables
+            else:
+                sources = _shifted_weights(layer, args[3], args[2])
+                tape.watch(sources)
+                out = _row_call(layer, slots, a_i, sources)
+        return tape.gradient(out, sources, output_gradients=g_i, unconnected_gradients="zero")
+
+    inputs = (record.inputs, record.cotangents)
+    if first is not None:
+        inputs = (*inputs, scales, shifts)
+    return tf.vectorized_map(one_row, inputs)
 
 
 def _square_sums(per_row):
@@ -221,14 +380,11 @@ def _square_sums(per_row):
     )
 
 
-def _weighted_rows(factors, t):
-    shape = tf.concat([tf.shape(factors), tf.ones([tf.rank(t) - 1], tf.int32)], axis=0)
-    return tf.reshape(factors, shape) * t
-
-
 def _local_vjp(record, inputs, cotangents):
     """``sum_i`` of the rows' gradients for cotangents ``G``: the layer's linear part
-    re-run on ``inputs`` (the forward op is pruned in graph mode) and differentiated."""
+    re-run on ``inputs`` (the forward op is pruned in graph mode) and differentiated. A
+    row-wise shift is constant in the weights, so this is also the gradient at the
+    shifted weights."""
     variables = record.layer.trainable_variables
     with tf.GradientTape() as tape:
         z = _LINEAR[record.rule](record.layer, inputs)
@@ -250,6 +406,7 @@ class PerExampleGradients:
     sq_norms: list
     y_pred: tf.Tensor
     _summer: object
+    records: list | None = None
 
     def clipped_sums(self, factors, keep) -> dict:
         """``factors[l]``: ``(b,)`` factors of layer ``l``; rows where ``keep`` is False
@@ -257,43 +414,50 @@ class PerExampleGradients:
         return self._summer(factors, keep)
 
 
-def per_example_gradients(model, x, per_example_losses, method="ghost") -> PerExampleGradients:
+def per_example_gradients(
+    model, x, per_example_losses, method="ghost", ascent=None
+) -> PerExampleGradients:
     """The per-example squared norms of ``model`` (a chain of Keras layers run by
-    ``model.forward``) on ``x``; ``per_example_losses(y_pred)`` gives the ``(b,)`` losses."""
+    ``model.forward``) on ``x``; ``per_example_losses(y_pred)`` gives the ``(b,)`` losses.
+    ``ascent``: an :class:`Ascent` (ghost method only): the gradients of each row at its
+    own shifted weights."""
     validation.choice("per-example gradient method", method, GRADIENT_METHODS)
     if method == "jacobian":
+        if ascent is not None:
+            raise ValueError("A per-example ascent (BAM) needs gradient_method='ghost'.")
         return _jacobian(model, x, per_example_losses)
     records = []
     with tf.GradientTape() as tape:
-        y_pred = _recorded_forward(model, x, records)
+        y_pred = _recorded_forward(model, x, records, ascent)
         total = tf.reduce_sum(per_example_losses(y_pred))
     cotangents = tape.gradient(total, [r.outputs for r in records])
-    cotangents = [tf.zeros_like(r.outputs) if c is None else c for r, c in zip(records, cotangents)]
     weighted_layers([r.layer for r in records])  # refuses shared variables
-    sq_norms, materialised = [], {}
-    for index, (record, g) in enumerate(zip(records, cotangents)):
+    first = ascent.first.records if ascent is not None else [None] * len(records)
+    sq_norms = []
+    for record, g, before in zip(records, cotangents, first):
+        record.cotangents = tf.zeros_like(record.outputs) if g is None else g
         if record.rule == "vectorized":
-            grads = _vectorized_gradients(record.layer, record.inputs, g)
-            materialised[index] = grads
-            sq_norms.append(_square_sums(grads))
+            scales = None if ascent is None else ascent.scales
+            record.per_row = _vectorized_gradients(record, before, scales)
+            sq_norms.append(_square_sums(record.per_row))
         else:
-            sq_norms.append(_SQ_NORMS[record.rule](record.layer, record.inputs, g))
+            sq_norms.append(_SQ_NORMS[record.rule](record.layer, record.inputs, record.cotangents))
 
     def summer(factors, keep):
         sums = {}
-        for index, (record, g, c) in enumerate(zip(records, cotangents, factors)):
+        for record, c in zip(records, factors):
             c = tf.where(keep, c, tf.zeros_like(c))
-            variables = record.layer.trainable_variables
-            if index in materialised:
-                grads = [zero_rows(keep, t) for t in materialised[index]]
-                parts = [tf.tensordot(c, t, axes=[[0], [0]]) for t in grads]
+            if record.per_row is not None:
+                parts = [tf.tensordot(c, zero_rows(keep, t), [[0], [0]]) for t in record.per_row]
             else:
-                inputs = zero_rows(keep, record.inputs)
-                parts = _local_vjp(record, inputs, _weighted_rows(c, zero_rows(keep, g)))
+                cotangents = _scaled(c, zero_rows(keep, record.cotangents))
+                parts = _local_vjp(record, zero_rows(keep, record.inputs), cotangents)
+            variables = record.layer.trainable_variables
             sums.update({v.ref(): part for v, part in zip(variables, parts)})
         return sums
 
-    return PerExampleGradients([r.layer for r in records], sq_norms, y_pred, summer)
+    layers = [r.layer for r in records]
+    return PerExampleGradients(layers, sq_norms, y_pred, summer, records)
 
 
 def _jacobian(model, x, per_example_losses) -> PerExampleGradients:
@@ -328,6 +492,7 @@ def _jacobian(model, x, per_example_losses) -> PerExampleGradients:
 
 __all__ = [
     "GRADIENT_METHODS",
+    "Ascent",
     "PerExampleGradients",
     "ghost_rule",
     "per_example_gradients",

@@ -8,7 +8,7 @@ import tensorflow as tf
 from lipdp import noise
 from lipdp.accounting import get_eps_delta
 from lipdp.bounds import ROUNDOFF_SLACK
-from lipdp.dpsgd import Clipping, DPSGD_Sequential
+from lipdp.dpsgd import Clipping, DPSGD_Sequential, SharpnessAscent
 from lipdp.metadata import DatasetMetadata
 from lipdp.model import DPParameters
 from lipdp.pipeline import poisson_batches
@@ -25,7 +25,14 @@ def _layers():
 
 
 def _model(
-    sigma=1.0, clip=0.5, n=64, sampling="shuffle", lr=0.5, strategy="global", method="ghost"
+    sigma=1.0,
+    clip=0.5,
+    n=64,
+    sampling="shuffle",
+    lr=0.5,
+    strategy="global",
+    method="ghost",
+    ascent=None,
 ):
     """``clip``: a norm (flat clipping) or a Clipping."""
     clipping = clip if isinstance(clip, Clipping) else Clipping("flat", clip)
@@ -43,6 +50,7 @@ def _model(
         clipping=clipping,
         dataset_metadata=meta,
         gradient_method=method,
+        ascent=ascent,
     )
     model.compile(
         loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
@@ -165,16 +173,21 @@ def test_clipped_sum_equals_a_naive_loop_and_skips_non_finite_rows(clipping, rng
         Clipping("per-layer", 0.2, layer_shares=(2.0, 1.0)),
         Clipping("automatic", 0.2),
         Clipping("global", 0.2, threshold=3.0),
+        "bam",
     ],
-    ids=lambda c: c.mode,
+    ids=lambda c: getattr(c, "mode", c),
 )
 def test_one_row_moves_the_sum_by_at_most_the_clip_norm_under_attack(clipping, rng):
     """Gradient ascent on one row's input to maximise its gradient norm (towards the
     global threshold Z, where the contribution peaks, for global clipping): its clipped
     contribution (sum with it minus sum without it) never exceeds R, nor R_l on the
-    variables of layer l under per-layer clipping."""
+    variables of layer l under per-layer clipping. ``"bam"``: flat clipping after BAM's
+    per-example ascent."""
+    ascent = None
+    if clipping == "bam":
+        clipping, ascent = Clipping("flat", 0.2), SharpnessAscent("bam", 0.5)
     strategy = "per-layer" if clipping.mode == "per-layer" else "global"
-    model = _model(clip=clipping, strategy=strategy)
+    model = _model(clip=clipping, strategy=strategy, ascent=ascent)
     layer_bounds = [d * BATCH for _, d in model.sensitivities()]  # R_l (1 + slack)
     clipped_sum = tf.function(model.clipped_gradient_sum)  # traced once per batch size
     x, y = _batch(rng, scale=1.0)
@@ -259,6 +272,42 @@ def test_per_layer_noise_is_one_mechanism_per_layer(rng):
     assert "(per-layer clipping)" in report
 
 
+def test_dp_sat_ascends_along_the_previous_released_gradient(tmp_path, rng):
+    """DP-SAT: the first step has no ascent; the second step's clipped sum is the one at
+    theta + rho u / ||u||, u the first step's released (noisy) gradient = (theta_0 -
+    theta_1) / lr under SGD; the weights are restored exactly; the state is saved."""
+    rho, lr = 0.4, 0.5
+    model = _model(sigma=1.0, clip=0.5, lr=lr, ascent=SharpnessAscent("dp-sat", rho))
+    plain = _model(sigma=0.0, clip=0.5)
+    for v, w in zip(plain.trainable_variables, model.trainable_variables):
+        v.assign(w)
+    x, y = _batch(rng)
+    first, _, _ = model.clipped_gradient_sum(tf.constant(x), tf.constant(y))
+    for ours, theirs in zip(first, _naive_clipped_sum(plain, x, y, 0.5)):
+        np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=1e-6)  # no ascent yet
+    theta0 = [v.numpy() for v in model.trainable_variables]
+    model.train_on_batch(x, y)
+    theta1 = [v.numpy() for v in model.trainable_variables]
+    released = [(a - b) / lr for a, b in zip(theta0, theta1)]
+    for kept, expected in zip(model.previous_noisy_gradient, released):
+        np.testing.assert_allclose(kept.numpy(), expected, rtol=1e-4, atol=1e-6)
+    x2, y2 = _batch(rng)
+    summed, _, _ = model.clipped_gradient_sum(tf.constant(x2), tf.constant(y2))
+    for v, before in zip(model.trainable_variables, theta1):
+        np.testing.assert_array_equal(v.numpy(), before)  # restored bit for bit
+    norm = np.sqrt(sum(np.sum(u**2) for u in released))
+    for v, w, u in zip(plain.trainable_variables, theta1, released):
+        v.assign(w + rho * u / norm)
+    for ours, theirs in zip(summed, _naive_clipped_sum(plain, x2, y2, 0.5)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
+    path = str(tmp_path / "dp_sat.keras")
+    model.save(path)
+    loaded = tf.keras.models.load_model(path)
+    assert loaded.ascent == SharpnessAscent("dp-sat", rho)
+    for a, b in zip(loaded.previous_noisy_gradient, model.previous_noisy_gradient):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 def test_privacy_plan_and_report_are_the_clipless_ones():
     """Same sigma, q and steps: the same epsilon as a clipless model (one subsampled
     Gaussian per step); the report states the clip-norm sensitivity."""
@@ -327,6 +376,17 @@ def test_misuse_is_refused_with_the_fix():
         ).sensitivities()
     with pytest.raises(ValueError, match="gradient_method"):
         DPSGD_Sequential(_layers(), dp_parameters=params, gradient_method="loop")
+    with pytest.raises(ValueError, match="needs gradient_method='ghost'"):
+        DPSGD_Sequential(
+            _layers(),
+            dp_parameters=params,
+            gradient_method="jacobian",
+            ascent=SharpnessAscent("bam", 0.1),
+        )
+    with pytest.raises(ValueError, match="ascent mode"):
+        SharpnessAscent("sam", 0.1)
+    with pytest.raises(ValueError, match="ascent radius"):
+        SharpnessAscent("bam", -1.0)
     model = DPSGD_Sequential(_layers(), dp_parameters=params)
     with pytest.raises(ValueError, match="reduction"):
         model.compile(
