@@ -140,10 +140,35 @@ def _add_run_arguments(parser) -> None:
     )
     parser.add_argument(
         "--clipping",
-        choices=["flat", "automatic", "global"],
+        choices=["flat", "per-layer", "automatic", "global"],
         default="flat",
-        help="dp-sgd only: per-example clipping, flat min(1, R/|g|), automatic R/(|g|+0.01) "
-        "or global R/Z below Z, 0 above (default flat)",
+        help="dp-sgd only: per-example clipping, flat min(1, R/|g|), per-layer (radius "
+        "R/sqrt(K) for each of K layers; with --strategy per-layer, one mechanism per "
+        "layer), automatic R/(|g|+0.01) or global R/Z below Z, 0 above (default flat)",
+    )
+    parser.add_argument(
+        "--gradient-method",
+        choices=["ghost", "jacobian"],
+        default="ghost",
+        help="dp-sgd only: per-example gradient norms by ghost norms (default, fast) or the "
+        "full Jacobian (reference)",
+    )
+    ascent = parser.add_mutually_exclusive_group()
+    ascent.add_argument(
+        "--bam",
+        type=_positive_float,
+        default=None,
+        metavar="LAMBDA",
+        help="dp-sgd only: Bias-Aware Minimisation, each example's gradient taken after its "
+        "own ascent step of length LAMBDA (about 2x the step cost, same privacy)",
+    )
+    ascent.add_argument(
+        "--dp-sat",
+        type=_positive_float,
+        default=None,
+        metavar="RHO",
+        help="dp-sgd only: DP-SAT, gradients taken after an ascent step of length RHO along "
+        "the previous released gradient (same privacy)",
     )
     parser.add_argument(
         "--clip-norm", type=_positive_float, default=1.0, help="dp-sgd only: R (default 1)"
@@ -300,6 +325,8 @@ def cli_model(
     group_norm=None,
     alpha=1.0,
     clipping=None,
+    ascent=None,
+    gradient_method="ghost",
 ):
     """The compiled model of ``lipdp train`` / ``evaluate`` and its training arrays.
 
@@ -309,8 +336,10 @@ def cli_model(
     :func:`lipdp.zoo.lip_mlp` (32 hidden units). Input bound :data:`INPUT_BOUNDS`, loss
     ``DP_TauCategoricalCrossentropy(8)``, Adam (learning rate the data set's default
     unless given). Poisson batches use every training example; fixed-size batches drop
-    the remainder (rule S5). Returns ``(model, x_train, y_train)``. Benchmarks and tests
-    that study "the CLI's model" build it here.
+    the remainder (rule S5). ``method="dp-sgd"``: :func:`_keras_layers` trained by
+    :class:`lipdp.dpsgd.DPSGD_Sequential` with ``clipping``, ``ascent`` and
+    ``gradient_method``. Returns ``(model, x_train, y_train)``. Benchmarks and tests that
+    study "the CLI's model" build it here.
     """
     import numpy as np
     import tensorflow as tf
@@ -339,6 +368,8 @@ def cli_model(
             dp_parameters=dp_parameters,
             clipping=clipping or Clipping(),
             dataset_metadata=metadata,
+            ascent=ascent,
+            gradient_method=gradient_method,
         )
         loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
     else:
@@ -384,6 +415,8 @@ def _train_private_model(args, data, verb):
         group_norm=args.group_norm,
         alpha=args.group_norm_alpha,
         clipping=_clipping(args) if args.method == "dp-sgd" else None,
+        ascent=_ascent(args),
+        gradient_method=args.gradient_method,
     )
     epochs = args.epochs
     if epochs is None:
@@ -430,10 +463,28 @@ def _clipping(args):
     return Clipping(args.clipping, args.clip_norm, threshold=threshold)
 
 
+def _ascent(args):
+    """The ``--bam`` / ``--dp-sat`` ascent (dp-sgd only)."""
+    from lipdp.dpsgd import SharpnessAscent
+
+    mode, radius = ("bam", args.bam) if args.bam is not None else ("dp-sat", args.dp_sat)
+    if radius is None:
+        return None
+    if args.method != "dp-sgd":
+        raise ValueError(f"--{mode} applies to --method dp-sgd only.")
+    return SharpnessAscent(mode, radius)
+
+
 def _method_detail(args) -> str:
     if args.method == "dp-sgd":
         detail = f"{args.clipping} clipping, R = {args.clip_norm:g}"
-        return detail + (f", Z = {args.clip_threshold:g}" if args.clipping == "global" else "")
+        if args.clipping == "global":
+            detail += f", Z = {args.clip_threshold:g}"
+        if args.bam is not None:
+            detail += f", BAM lambda = {args.bam:g}"
+        if args.dp_sat is not None:
+            detail += f", DP-SAT rho = {args.dp_sat:g}"
+        return detail
     return f"weight norm bound {args.weight_norm_bound:g}"
 
 

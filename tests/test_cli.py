@@ -41,6 +41,8 @@ MISUSES = [
     (["train", "--averaging", "1"], "argument --averaging: must be a number in [0, 1)"),
     (["train", "--clipping", "median"], "argument --clipping: invalid choice: 'median'"),
     (["train", "--clip-norm", "0"], "argument --clip-norm: must be a finite number > 0"),
+    (["train", "--bam", "0.1", "--dp-sat", "0.1"], "argument --dp-sat: not allowed with"),
+    (["train", "--bam", "0"], "argument --bam: must be a finite number > 0"),
 ]
 
 
@@ -65,6 +67,7 @@ def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
             ["train", "--method", "dp-sgd", "--clipping", "global"],
             "--clipping global needs --clip-threshold Z",
         ),
+        (["train", "--bam", "0.1"], "--bam applies to --method dp-sgd only"),
     ],
 )
 def test_runtime_errors_are_one_line(argv, message, capsys):
@@ -105,10 +108,12 @@ def test_cli_trains_lip_dp_sgd_on_breast_cancer(capsys):
 def test_cli_choices_are_the_library_s():
     from lipdp.accounting.registry import _REGISTRY
     from lipdp.dpsgd import CLIPPING_MODES
+    from lipdp.per_example import GRADIENT_METHODS
 
     actions = {a.dest: a for a in cli._parser()._subparsers._group_actions[0].choices[
         "train"]._actions}  # fmt: skip
     assert tuple(actions["clipping"].choices) == CLIPPING_MODES
+    assert tuple(actions["gradient_method"].choices) == GRADIENT_METHODS
     assert set(actions["accountant"].choices) == set(_REGISTRY)
 
 
@@ -122,6 +127,19 @@ def test_cli_trains_clipped_dp_sgd(capsys):
     assert "method dp-sgd (automatic clipping, R = 0.5)" in out
     # R / b = 0.5 / 64, times the round-off slack
     assert "all variables (automatic clipping): 0.007813" in out
+
+
+def test_cli_trains_dp_sgd_with_bam_and_per_layer_clipping(capsys):
+    argv = [
+        "train", "--method", "dp-sgd", "--dataset", "breast_cancer", "--quiet",
+        "--clipping", "per-layer", "--strategy", "per-layer", "--bam", "0.1",
+        "--epochs", "1", "--delta", "0.002",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "method dp-sgd (per-layer clipping, R = 1, BAM lambda = 0.1)" in out
+    # two Dense layers, R_l = 1 / sqrt(2), / b = 64, times the round-off slack
+    assert out.count("(per-layer clipping): 0.01105") == 2
 
 
 def test_cli_model_follows_the_method_flags():
