@@ -37,7 +37,7 @@ configurations per DP-SGD mode (learning rate 1e-2 or 3e-3; for ``global`` the
 threshold Z in {5, 20} at 1e-2), 2 learning rates for ``non-private``, 1 trial for
 ``lipdp-clipless``. Z comes from the measured per-example gradient norms of this CNN:
 median 8 (5th-95th percentile 4.6-12) at initialisation, 0.36 after one DP-SGD epoch;
-Z = 1 would drop every row of the first steps, Z = 20 drops almost none. The noise
+Z = 1 would drop every row of the first steps, Z = 20 keeps most rows. The noise
 multiplier of every run is the smallest that meets the epsilon target after its epochs
 (``calibrate_noise_multiplier``).
 

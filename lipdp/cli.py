@@ -536,14 +536,14 @@ def train_command(args) -> int:
 def _load_model(path):
     import tensorflow as tf
 
-    from lipdp.model import DP_Model
+    from lipdp.private_model import PrivateModel
 
     try:
         model = tf.keras.models.load_model(path)
     except Exception as error:  # any reason a file is not a loadable model
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"--model: cannot load a model from {path!r} ({reason[:200]})") from None
-    if not isinstance(model, DP_Model):
+    if not isinstance(model, PrivateModel):
         raise ValueError(f"--model: {path!r} holds a {type(model).__name__}, not a lipdp DP model.")
     return model
 

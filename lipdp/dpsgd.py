@@ -39,13 +39,13 @@ import tensorflow as tf
 
 from lipdp import noise, validation
 from lipdp.bounds import ROUNDOFF_SLACK
-from lipdp.model import DP_Model, DPParameters, _refuse_mixed_precision, check_reduction
 from lipdp.per_example import (
     GRADIENT_METHODS,
     Ascent,
     per_example_gradients,
     weighted_layers,
 )
+from lipdp.private_model import DPParameters, PrivateModel
 from lipdp.records import finite_rows, zero_rows
 
 #: Clipping modes (per-example factor rules, :class:`Clipping`).
@@ -263,7 +263,7 @@ def check_keras_layers(layers) -> None:
             )
 
 
-class DPSGD_Model(DP_Model):
+class DPSGD_Model(PrivateModel):
     """A Keras model trained with clipped DP-SGD (module docstring).
 
     Args:
@@ -318,12 +318,6 @@ class DPSGD_Model(DP_Model):
     _check_layers = staticmethod(check_keras_layers)
 
     # ----------------------------------------------------------------- sensitivity
-    def bounds(self):
-        raise ValueError(
-            "A clipped DP-SGD model has no layer-wise bounds: its sensitivity is the clip "
-            "norm (sensitivities())."
-        )
-
     def weighted_layers(self) -> list:
         """The layers with trainable variables, forward order (one clip radius each under
         per-layer clipping)."""
@@ -374,21 +368,10 @@ class DPSGD_Model(DP_Model):
             for v in layer.trainable_variables
         }
 
-    def project(self):
-        return None  # no constraint sets
-
     # -------------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
-        if loss is None:
-            raise ValueError("compile(loss=...) is required.")
-        check_reduction(loss)
-        _refuse_mixed_precision(self.dp_layers)
-        if kwargs.get("loss_weights") is not None:
-            raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
-        if self.debug:
-            kwargs["run_eagerly"] = True
         self._create_ascent_state()
-        tf.keras.Model.compile(self, optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     def _create_ascent_state(self):
         """DP-SAT keeps the previous released gradient (saved with the model)."""
@@ -465,11 +448,7 @@ class DPSGD_Model(DP_Model):
         return result
 
     def train_step(self, data):
-        _refuse_mixed_precision(self.dp_layers)
-        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
-        if sample_weight is not None:
-            raise ValueError("sample weights are not supported: they change the sensitivity.")
-        self._check_batch_rows(tf.shape(tf.nest.flatten(x)[0])[0])
+        x, y, _ = self._checked_batch(data)
         x, y, finite = _neutralised(x, y)
         summed, y_pred = self._clipped_sum(x, y, finite)
         self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))

@@ -23,19 +23,22 @@ callback and the privacy report all read it.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
 
-from lipdp import noise, validation
-from lipdp.accounting.plan import PrivacyPlan
+from lipdp import noise
 from lipdp.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
-from lipdp.dynamic import DynamicClippingSpec, dynamic_clip_layers
+from lipdp.dynamic import dynamic_clip_layers
 from lipdp.layers import DP_BoundedInput, DP_InputLayer, DPLayer
-from lipdp.metadata import DatasetMetadata
-from lipdp.noise import NOISIFY_STRATEGIES
+from lipdp.private_model import (  # noqa: F401  (DPParameters and the guards: public here too)
+    DPParameters,
+    PrivateModel,
+    _check_poisson_pipeline,
+    _refuse_mixed_precision,
+    _refuse_non_finite,
+    check_reduction,
+)
 from lipdp.records import finite_rows
 
 logger = logging.getLogger(__name__)
@@ -65,63 +68,6 @@ _REPLACEMENTS = {
     "Dropout": "nothing: remove it (the 1/(1-rate) rescaling increases norms)",
     "Add": "make_residuals(...)",
 }
-
-
-@dataclass(frozen=True)
-class DPParameters:
-    """Privacy parameters of a training run.
-
-    Attributes:
-        noisify_strategy: ``"global"`` or ``"per-layer"``.
-        noise_multiplier: ``sigma > 0``; noise std = sigma x sensitivity.
-        delta: target ``delta`` in ``(0, 1)`` of the ``(epsilon, delta)`` guarantee.
-        non_private: ``True`` only for a reference run without noise
-            (``noise_multiplier`` must then be 0): same network, same projections,
-            no privacy.
-        dynamic_clipping: the dynamic-clipping updates the run releases, declared before
-            training so that every privacy plan counts them (rule S11): a callback of
-            :mod:`lipdp.dynamic` (e.g. ``LaplaceAdaptiveLossGradientClipping(ds, epsilon=
-            0.5)``), its ``spec``, or ``None`` (no ``DP_ClipGradient(mode="dynamic")``).
-
-    Immutable (the model, its plan and its training step read the same values); use
-    ``dataclasses.replace`` for a variant.
-    """
-
-    noisify_strategy: str
-    noise_multiplier: float
-    delta: float
-    non_private: bool = False
-    dynamic_clipping: DynamicClippingSpec | None = None
-
-    def __post_init__(self):
-        validation.choice("noisify_strategy", self.noisify_strategy, NOISIFY_STRATEGIES)
-        set_field = object.__setattr__  # normalisation of a frozen dataclass
-        set_field(self, "dynamic_clipping", DynamicClippingSpec.coerce(self.dynamic_clipping))
-        sigma = validation.non_negative("noise_multiplier", self.noise_multiplier)
-        set_field(self, "noise_multiplier", sigma)
-        set_field(self, "non_private", bool(self.non_private))
-        if self.non_private:
-            if self.noise_multiplier != 0:
-                raise ValueError(
-                    "non_private=True is for a noiseless reference: set noise_multiplier=0."
-                )
-        elif not self.noise_multiplier > 0:
-            raise ValueError(
-                f"noise_multiplier must be > 0, got {self.noise_multiplier}. For a "
-                "non-private reference run pass non_private=True and noise_multiplier=0."
-            )
-        set_field(self, "delta", validation.delta(self.delta))
-
-    def to_config(self) -> dict:
-        config = {
-            "noisify_strategy": self.noisify_strategy,
-            "noise_multiplier": self.noise_multiplier,
-            "delta": self.delta,
-            "non_private": self.non_private,
-        }
-        if self.dynamic_clipping is not None:
-            config["dynamic_clipping"] = self.dynamic_clipping.to_config()
-        return config
 
 
 def _describe(layer) -> str:
@@ -184,22 +130,12 @@ def check_loss(loss) -> None:
     check_reduction(loss)
 
 
-def check_reduction(loss) -> None:
-    """The loss must be the mean over the batch (what the sensitivities divide by)."""
-    reduction = getattr(loss, "reduction", tf.keras.losses.Reduction.AUTO)
-    allowed = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
-    if reduction not in allowed:
-        raise ValueError(
-            f"Loss reduction {reduction!r} is not supported: sensitivities are computed for "
-            "the mean over the batch. Use reduction=SUM_OVER_BATCH_SIZE (the default)."
-        )
-
-
-class DP_Model(tf.keras.Model):
+class DP_Model(PrivateModel):
     """A Keras model trained with Clipless DP-SGD.
 
     ``dp_layers`` are applied in order; residual blocks pass pairs between layers
-    (:func:`lipdp.layers.make_residuals`).
+    (:func:`lipdp.layers.make_residuals`). What is not about bounds (privacy state, plan,
+    noise, guards) is :class:`lipdp.private_model.PrivateModel`'s.
 
     Args:
         dp_layers: list of DP layers, the first being :class:`DP_BoundedInput`.
@@ -215,99 +151,20 @@ class DP_Model(tf.keras.Model):
     _check_layers = staticmethod(check_dp_layers)
 
     def __init__(self, dp_layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
-        super().__init__(**kwargs)
-        self._check_layers(dp_layers)
-        if not isinstance(dp_parameters, DPParameters):
-            raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
-        if dataset_metadata is not None and not isinstance(dataset_metadata, DatasetMetadata):
-            raise TypeError("dataset_metadata must be a lipdp.metadata.DatasetMetadata.")
-        self.dp_layers = list(dp_layers)
-        self.dp_parameters = dp_parameters
-        self.dataset_metadata = dataset_metadata
-        self.debug = bool(debug)
+        super().__init__(
+            dp_layers,
+            dp_parameters=dp_parameters,
+            dataset_metadata=dataset_metadata,
+            debug=debug,
+            **kwargs,
+        )
         _check_dynamic_declaration(self.dp_layers, dp_parameters)
-        # Training examples with a NaN or an infinity (input or label), per epoch, in the
-        # training logs. Like the loss and the accuracy there, a statistic of the private
-        # data for its owner, not part of the DP release. Kept out of Keras' metric list
-        # (object.__setattr__) so that evaluate() returns what it always did.
-        object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
-        #: Noisy steps taken (rule S10): a model variable, so it is saved and restored with
-        #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
-        #: and survives a new optimizer; the accountant counts epochs from it.
-        self.noisy_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noisy_steps")
-        if dataset_metadata is not None:
-            if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
-                raise ValueError(
-                    "Augmentation multiplicity is not supported with Poisson sampling; "
-                    "use sampling='shuffle' or multiplicity=0."
-                )
-        input_shape = getattr(self.dp_layers[0], "_batch_input_shape", None)
-        if input_shape is not None:
-            self.build(input_shape)
 
-    # ----------------------------------------------------------------- structure
-    def call(self, inputs, training=None):
-        return self.forward(inputs, training=training)
+    def _all_layers(self):
+        return list(_with_wrapped_blocks(self.dp_layers))
 
-    def forward(self, inputs, training=None, observe=None, apply=None):
-        """The one forward loop over ``dp_layers``.
-
-        Layers that clip cotangents receive the loss normaliser of the model's metadata
-        (:attr:`loss_normalizer`). ``observe(index, output)``, if given, is called after
-        every layer and returns the tensor to continue with (e.g. after ``tape.watch``):
-        how diagnostics and dynamic clipping look inside the network without a second
-        copy of this loop. ``apply(layer, h, kwargs)``, if given, replaces the call
-        ``layer(h, training=training, **kwargs)`` (how :mod:`lipdp.per_example` records
-        each layer's pre-activation output).
-        """
-        h = inputs
-        normalizer = {"loss_normalizer": self.loss_normalizer}
-        for index, layer in enumerate(self.dp_layers):
-            kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
-            if apply is None:
-                h = layer(h, training=training, **kwargs)
-            else:
-                h = apply(layer, h, kwargs)
-            if observe is not None:
-                h = observe(index, h)
-        return h
-
-    def layers_forward_order(self):
-        return list(self.dp_layers)
-
-    def layers_backward_order(self):
-        return list(reversed(self.dp_layers))
-
-    @property
-    def batch_size(self) -> int:
-        """``b``: the sensitivities of the averaged gradient are ``bound / b``."""
-        return int(self._metadata_for("training").batch_size)
-
-    @property
-    def loss_normalizer(self) -> int | None:
-        """What the summed per-row loss of a batch is divided by (``None``: the rows of
-        the batch, for a model without metadata)."""
-        metadata = self.dataset_metadata
-        return None if metadata is None else metadata.loss_normalizer
-
-    def _metadata_for(self, purpose) -> DatasetMetadata:
-        if self.dataset_metadata is None:
-            raise ValueError(
-                f"{type(self).__name__} needs dataset_metadata=DatasetMetadata(...) for "
-                f"{purpose}: the sensitivity depends on the batch size, the privacy "
-                "accounting on the sampling rate b/N and the steps per epoch."
-            )
-        return self.dataset_metadata
-
-    # ---------------------------------------------------------------- compile
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
+    def _check_loss(self, loss) -> None:
         check_loss(loss)
-        _refuse_mixed_precision(_with_wrapped_blocks(self.dp_layers))
-        if kwargs.get("loss_weights") is not None:
-            raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
-        if self.debug:
-            kwargs["run_eagerly"] = True
-        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     # ------------------------------------------------------------------ bounds
     def bounds(self):
@@ -362,17 +219,11 @@ class DP_Model(tf.keras.Model):
         return {entry.variable.ref(): s for (entry, _), s in zip(entries, stddevs)}
 
     # ----------------------------------------------------------------- privacy
-    def privacy_plan(self) -> PrivacyPlan:
-        """Every mechanism a training run of this model releases (rule S11).
-
-        The noisy steps (noise multipliers of :meth:`noise_multipliers`, sampling rate
-        and steps per epoch of the metadata) and the dynamic-clipping updates declared in
-        ``dp_parameters.dynamic_clipping``. A model with dynamic clip layers that declared
-        nothing is refused: its plan would silently leave the clipping releases out.
-        """
-        metadata = self._metadata_for("privacy accounting")
+    def _other_releases(self, metadata) -> tuple:
+        """The dynamic-clipping updates declared in ``dp_parameters.dynamic_clipping``. A
+        model with dynamic clip layers that declared nothing is refused: its plan would
+        silently leave the clipping releases out."""
         params = self.dp_parameters
-        others = ()
         spec = params.dynamic_clipping
         dynamic_layers = dynamic_clip_layers(self.dp_layers)
         if dynamic_layers and spec is None and not params.non_private:
@@ -384,51 +235,23 @@ class DP_Model(tf.keras.Model):
                 "LaplaceAdaptiveLossGradientClipping(...) or AdaptiveQuantileClipping(...)), "
                 "or use mode='fixed'."
             )
-        if spec is not None:
-            others = (spec.release(len(dynamic_layers), metadata.sampling_rate),)
-        return PrivacyPlan.for_training(
-            noise_multipliers=self.noise_multipliers() if not params.non_private else 1.0,
-            sampling_rate=metadata.sampling_rate,
-            steps_per_epoch=metadata.nb_steps_per_epochs,
-            delta=params.delta,
-            other_releases=others,
-            non_private=params.non_private,
-            noise_multiplier=params.noise_multiplier if not params.non_private else None,
-        )
+        if spec is None:
+            return ()
+        return (spec.release(len(dynamic_layers), metadata.sampling_rate),)
 
     @property
     def dynamic_clipping(self):
         """The declared :class:`~lipdp.dynamic.DynamicClippingSpec` (or ``None``)."""
         return self.dp_parameters.dynamic_clipping
 
-    # --------------------------------------------------------------- training
-    def noisify(self, gradients, variables):
-        """Add the calibrated Gaussian noise to ``gradients`` (aligned with ``variables``)."""
-        entries = self.sensitivities()
-        stddevs = self.noise_stddevs(entries)
-        if self.debug:
-            for entry, delta in entries:
-                logger.info("%s: sensitivity %.6g", entry.key, float(delta))
-            for v in variables:
-                logger.info("variable %s: noise std %.6g", v.name, float(stddevs[v.ref()]))
-        if self.dp_parameters.non_private:
-            return list(gradients)
-        return noise.add_noise(gradients, [stddevs[v.ref()] for v in variables])
-
     def project(self):
         """Project every constrained weight onto its feasible set."""
         for layer in self.dp_layers:
             layer.project()
 
+    # --------------------------------------------------------------- training
     def train_step(self, data):
-        # Python: runs when the step is traced, so every path (fit, train_on_batch, custom
-        # loops) is checked at no per-step cost.
-        _refuse_mixed_precision(_with_wrapped_blocks(self.dp_layers))
-        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
-        if sample_weight is not None:
-            raise ValueError("sample weights are not supported: they change the sensitivity.")
-        batch_rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        self._check_batch_rows(batch_rows)
+        x, y, batch_rows = self._checked_batch(data)
         # Rule S9: DP_BoundedInput zeroes such inputs and the losses give such labels a
         # zero loss; here they are only counted.
         finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
@@ -451,174 +274,6 @@ class DP_Model(tf.keras.Model):
         self.project()
         logs = self.compute_metrics(x, y, y_pred, None)
         return {**logs, "non_finite_examples": self._non_finite.result()}
-
-    def _check_batch_rows(self, batch_rows) -> None:
-        """Fixed-size batches must have the rows the sensitivity is computed for (S5)."""
-        if self.poisson_sampling:
-            return
-        # With augmentation multiplicity m a batch holds b originals x m copies; the
-        # loss is their mean, so one original moves it by at most G / b still.
-        rows = self.dataset_metadata.rows_per_batch
-        tf.debugging.assert_equal(
-            batch_rows,
-            rows,
-            message=(
-                f"DP training needs every batch to have exactly {rows} rows (batch_size="
-                f"{self.batch_size} x multiplicity; the sensitivity is computed for it); "
-                "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
-            ),
-        )
-
-    def reset_metrics(self):
-        super().reset_metrics()
-        self._non_finite.reset_state()
-
-    @property
-    def poisson_sampling(self) -> bool:
-        return self.dataset_metadata is not None and self.dataset_metadata.sampling == "poisson"
-
-    def _refuse_extra_losses(self):
-        if self.losses:
-            raise ValueError(
-                "Additional losses (add_loss, regularizers) are not supported in DP "
-                "training: the sensitivity bounds cover the compiled loss only."
-            )
-
-    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        self._check_fit_arguments(x, y, batch_size, kwargs)
-        # Weights set by hand (load_weights, set_weights) are brought back in the
-        # feasible set before the first bound is trusted.
-        self.project()
-        return super().fit(x, y, batch_size, *args, **kwargs)
-
-    def save(self, filepath, *args, **kwargs):
-        """Save in the ``.keras`` format only (rule S10).
-
-        Keras 2.15's SavedModel directory and HDF5 files do not restore everything a
-        privacy guarantee rests on (a SavedModel reload restores the optimizer's step count
-        as 0, and the DP configuration is not part of HDF5): a reload would under-count
-        epsilon. ``save_weights`` checkpoints keep the noisy step count (a model variable).
-        """
-        if not str(filepath).endswith(".keras"):
-            raise ValueError(
-                f"DP models are saved to .keras files (got {str(filepath)!r}): the SavedModel "
-                "and HDF5 formats do not carry the privacy state (step count, DP "
-                "configuration), so a reload would under-count epsilon."
-            )
-        return super().save(filepath, *args, **kwargs)
-
-    def train_on_batch(self, *args, **kwargs):
-        """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
-        self.project()
-        return super().train_on_batch(*args, **kwargs)
-
-    def set_weights(self, weights):
-        """Set the weights, then project them onto their constraint sets (S12)."""
-        super().set_weights(weights)
-        self.project()
-
-    def load_weights(self, *args, **kwargs):
-        """Load the weights, then project them onto their constraint sets (S12)."""
-        status = super().load_weights(*args, **kwargs)
-        if self.built:
-            self.project()
-        return status
-
-    def _check_fit_arguments(self, x, y, batch_size, kwargs):
-        if self.compiled_loss is None:
-            raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
-        b = self.batch_size
-        for unsupported in ("sample_weight", "class_weight"):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(f"{unsupported} is not supported: it changes the sensitivity.")
-        if self.poisson_sampling:
-            if not isinstance(x, tf.data.Dataset):
-                raise ValueError(
-                    "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
-                    "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
-                )
-            _check_poisson_pipeline(x, self.dataset_metadata)
-            return
-        metadata = self.dataset_metadata
-        if metadata.partial_last_batch:
-            raise ValueError(
-                "dataset_metadata.partial_last_batch: the last batch of each epoch is partial "
-                "and would be refused mid-training. Prepare the data with drop_remainder=True."
-            )
-        if isinstance(x, tf.data.Dataset):
-            static = tf.nest.flatten(x.element_spec)[0].shape[0]
-            if static is not None and static != metadata.rows_per_batch:
-                raise ValueError(
-                    f"The dataset yields batches of {static}, the model expects "
-                    f"{metadata.rows_per_batch} (batch_size={b} x multiplicity, "
-                    "dataset_metadata)."
-                )
-            return
-        if metadata.multiplicity:
-            raise ValueError(
-                "dataset_metadata.multiplicity > 0: pass the augmented tf.data pipeline of "
-                "lipdp.pipeline.load_and_prepare_images_data, not arrays."
-            )
-        if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
-            return
-        _refuse_non_finite(x, y)
-        n = len(tf.nest.flatten(x)[0])
-        if batch_size is not None and batch_size != b:
-            raise ValueError(
-                f"fit(batch_size={batch_size}) differs from the batch size "
-                f"{b} declared in dataset_metadata."
-            )
-        split = kwargs.get("validation_split") or 0.0
-        n_train = int(math.floor(n * (1.0 - split)))
-        if n_train % b:
-            raise ValueError(
-                f"{n_train} training examples are not a multiple of batch_size={b}: the last "
-                f"batch would be partial. Use {n_train - n_train % b} examples, or a "
-                "tf.data pipeline with drop_remainder=True."
-            )
-        if kwargs.get("shuffle") is False:
-            logger.warning(
-                "fit(shuffle=False): batches are not random, so privacy "
-                "amplification by subsampling does not apply."
-            )
-
-    # ---------------------------------------------------------- serialisation
-    def get_compile_config(self):
-        return super().get_compile_config()
-
-    def compile_from_config(self, config):
-        # Keras skips compile() on load for models overriding it; our compile only
-        # adds checks, so the stored configuration is replayed through it.
-        config = tf.keras.saving.deserialize_keras_object(config)
-        self.compile(**config)
-        if self.built and isinstance(self.optimizer, tf.keras.optimizers.Optimizer):
-            self.optimizer.build(self.trainable_variables)
-
-    def get_config(self):
-        return {
-            self._layers_key: [tf.keras.layers.serialize(layer) for layer in self.dp_layers],
-            "dp_parameters": self.dp_parameters.to_config(),
-            "dataset_metadata": (
-                None if self.dataset_metadata is None else self.dataset_metadata.to_config()
-            ),
-            "debug": self.debug,
-            "name": self.name,
-        }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        layers = [
-            tf.keras.layers.deserialize(c, custom_objects=custom_objects)
-            for c in config.pop(cls._layers_key)
-        ]
-        metadata = config.pop("dataset_metadata")
-        return cls(
-            layers,
-            dp_parameters=DPParameters(**config.pop("dp_parameters")),
-            dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
-            **config,
-        )
 
 
 class DP_Sequential(DP_Model):
@@ -654,71 +309,6 @@ def compute_gradient_bounds(model) -> dict:
 def global_sensitivity(model) -> float:
     """``sqrt(sum_v Delta_v^2)``: the sensitivity of the whole averaged gradient."""
     return float(np.sqrt(sum(float(d) ** 2 for d in compute_gradient_bounds(model).values())))
-
-
-def _check_poisson_pipeline(dataset, metadata) -> None:
-    """A Poisson pipeline that states its rate must draw at the metadata's rate (the rate
-    the accountant uses): batches drawn 4x more often cost far more than reported."""
-    rate = getattr(dataset, "lipdp_sampling_rate", None)
-    if rate is None:
-        logger.warning(
-            "The Poisson pipeline does not state its sampling rate (pass the dataset "
-            "poisson_batches returns, before map/prefetch): the accountant assumes q = %g.",
-            metadata.sampling_rate,
-        )
-        return
-    if not math.isclose(rate, metadata.sampling_rate, rel_tol=1e-9):
-        raise ValueError(
-            f"The Poisson pipeline samples at rate {rate:g} but dataset_metadata declares "
-            f"q = batch_size / N = {metadata.sampling_rate:g}, the rate the privacy "
-            "accounting uses. Build the batches with metadata.sampling_rate."
-        )
-    steps = getattr(dataset, "lipdp_steps_per_epoch", None)
-    if steps is not None and steps != metadata.nb_steps_per_epochs:
-        raise ValueError(
-            f"The Poisson pipeline has {steps} steps per epoch but dataset_metadata declares "
-            f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong number "
-            "of steps. Build the batches with metadata.nb_steps_per_epochs."
-        )
-
-
-def _refuse_mixed_precision(layers) -> None:
-    """Bounds, clipping and noise are computed for float32: refuse other compute dtypes."""
-    policy = tf.keras.mixed_precision.global_policy()
-    names = [f"global policy {policy.name!r}"] if policy.compute_dtype != "float32" else []
-    names += [
-        f"layer {layer.name!r} ({layer.compute_dtype})"
-        for layer in layers
-        if getattr(layer, "compute_dtype", "float32") not in ("float32", None)
-    ]
-    if names:
-        raise ValueError(
-            f"Mixed precision is not supported ({', '.join(names)}): float16 round-off "
-            "exceeds the slack of the sensitivity bounds (an input clipped to norm 1 can "
-            "come out above 1). Use tf.keras.mixed_precision.set_global_policy('float32')."
-        )
-
-
-def _refuse_non_finite(x, y) -> None:
-    """Rule S9 for arrays: refuse examples with a NaN or an infinity, naming their rows.
-
-    (Pipelines are neutralised in-graph instead: such examples count zero.)
-    """
-    for name, values in (("x", x), ("y", y)):
-        for array in tf.nest.flatten(values):
-            if array is None:
-                continue
-            array = np.asarray(array)
-            if array.dtype.kind not in "fc" or array.ndim == 0:
-                continue
-            bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
-            if bad.size:
-                shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
-                raise ValueError(
-                    f"{name} has {bad.size} example(s) with NaN or infinite values (rows "
-                    f"{shown}): such a record has no bounded contribution. Remove or repair "
-                    "these rows before fit."
-                )
 
 
 def _check_dynamic_declaration(layers, dp_parameters) -> None:

@@ -450,7 +450,7 @@ def test_debug_mode_logs_sensitivities(caplog):
         debug=True,
     )
     model.compile(loss=losses.DP_MeanAbsoluteError(), optimizer="sgd")
-    with caplog.at_level("INFO", logger="lipdp.model"):
+    with caplog.at_level("INFO", logger="lipdp"):
         model.fit(
             np.zeros((8, 12), "float32"), np.zeros((8, 5), "float32"), batch_size=8, verbose=0
         )

@@ -1,0 +1,530 @@
+"""What both model families share: a Keras model trained privately.
+
+:class:`PrivateModel` holds the privacy parameters (:class:`DPParameters`), the dataset
+metadata (batch size ``b``, ``N``, sampling), the noisy-step counter saved with the weights
+(rule S10), the one forward loop over the layers, the privacy plan built from the model's
+noise multipliers (rule S11), the noise step (:mod:`lipdp.noise`), and the guards of
+``fit``, ``train_on_batch``, ``save``, ``set_weights`` and ``load_weights`` (rules S5, S9,
+S10, S12). A family says how its gradient is bounded:
+
+* :class:`lipdp.model.DP_Model` (clipless): sensitivities from the one bound pass of
+  :mod:`lipdp.bounds`, weights projected after every step;
+* :class:`lipdp.dpsgd.DPSGD_Model` (clipped DP-SGD): sensitivity = the clip norm.
+
+A family implements :meth:`PrivateModel.sensitivities`, :meth:`~PrivateModel.noise_multipliers`,
+:meth:`~PrivateModel.noise_stddevs` and ``train_step``, and may override the hooks
+``_check_layers``, ``_check_loss``, ``_all_layers``, ``_other_releases`` and ``project``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from lipdp import noise, validation
+from lipdp.accounting.plan import PrivacyPlan
+from lipdp.dynamic import DynamicClippingSpec
+from lipdp.metadata import DatasetMetadata
+from lipdp.noise import NOISIFY_STRATEGIES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DPParameters:
+    """Privacy parameters of a training run.
+
+    Attributes:
+        noisify_strategy: ``"global"`` or ``"per-layer"``.
+        noise_multiplier: ``sigma > 0``; noise std = sigma x sensitivity.
+        delta: target ``delta`` in ``(0, 1)`` of the ``(epsilon, delta)`` guarantee.
+        non_private: ``True`` only for a reference run without noise
+            (``noise_multiplier`` must then be 0): same network, same projections,
+            no privacy.
+        dynamic_clipping: the dynamic-clipping updates the run releases, declared before
+            training so that every privacy plan counts them (rule S11): a callback of
+            :mod:`lipdp.dynamic` (e.g. ``LaplaceAdaptiveLossGradientClipping(ds, epsilon=
+            0.5)``), its ``spec``, or ``None`` (no ``DP_ClipGradient(mode="dynamic")``).
+
+    Immutable (the model, its plan and its training step read the same values); use
+    ``dataclasses.replace`` for a variant.
+    """
+
+    noisify_strategy: str
+    noise_multiplier: float
+    delta: float
+    non_private: bool = False
+    dynamic_clipping: DynamicClippingSpec | None = None
+
+    def __post_init__(self):
+        validation.choice("noisify_strategy", self.noisify_strategy, NOISIFY_STRATEGIES)
+        set_field = object.__setattr__  # normalisation of a frozen dataclass
+        set_field(self, "dynamic_clipping", DynamicClippingSpec.coerce(self.dynamic_clipping))
+        sigma = validation.non_negative("noise_multiplier", self.noise_multiplier)
+        set_field(self, "noise_multiplier", sigma)
+        set_field(self, "non_private", bool(self.non_private))
+        if self.non_private:
+            if self.noise_multiplier != 0:
+                raise ValueError(
+                    "non_private=True is for a noiseless reference: set noise_multiplier=0."
+                )
+        elif not self.noise_multiplier > 0:
+            raise ValueError(
+                f"noise_multiplier must be > 0, got {self.noise_multiplier}. For a "
+                "non-private reference run pass non_private=True and noise_multiplier=0."
+            )
+        set_field(self, "delta", validation.delta(self.delta))
+
+    def to_config(self) -> dict:
+        config = {
+            "noisify_strategy": self.noisify_strategy,
+            "noise_multiplier": self.noise_multiplier,
+            "delta": self.delta,
+            "non_private": self.non_private,
+        }
+        if self.dynamic_clipping is not None:
+            config["dynamic_clipping"] = self.dynamic_clipping.to_config()
+        return config
+
+
+class PrivateModel(tf.keras.Model):
+    """A Keras model over a list of layers, trained under (epsilon, delta)-DP (module
+    docstring).
+
+    Args:
+        layers: the layers, applied in order (checked by the family's ``_check_layers``).
+        dp_parameters: :class:`DPParameters`.
+        dataset_metadata: :class:`lipdp.metadata.DatasetMetadata` (the batch size
+            ``b`` and ``N``); required for training.
+        debug: run eagerly and log every step's sensitivities and noise levels.
+    """
+
+    _layers_key = "dp_layers"
+
+    @staticmethod
+    def _check_layers(layers) -> None:
+        """Refuse layers the family cannot bound (with the fix in the message)."""
+        raise NotImplementedError
+
+    def __init__(self, dp_layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
+        super().__init__(**kwargs)
+        self._check_layers(dp_layers)
+        if not isinstance(dp_parameters, DPParameters):
+            raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
+        if dataset_metadata is not None and not isinstance(dataset_metadata, DatasetMetadata):
+            raise TypeError("dataset_metadata must be a lipdp.metadata.DatasetMetadata.")
+        self.dp_layers = list(dp_layers)
+        self.dp_parameters = dp_parameters
+        self.dataset_metadata = dataset_metadata
+        self.debug = bool(debug)
+        # Training examples with a NaN or an infinity (input or label), per epoch, in the
+        # training logs. Like the loss and the accuracy there, a statistic of the private
+        # data for its owner, not part of the DP release. Kept out of Keras' metric list
+        # (object.__setattr__) so that evaluate() returns what it always did.
+        object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
+        #: Noisy steps taken (rule S10): a model variable, so it is saved and restored with
+        #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
+        #: and survives a new optimizer; the accountant counts epochs from it.
+        self.noisy_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noisy_steps")
+        if dataset_metadata is not None:
+            if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
+                raise ValueError(
+                    "Augmentation multiplicity is not supported with Poisson sampling; "
+                    "use sampling='shuffle' or multiplicity=0."
+                )
+        input_shape = getattr(self.dp_layers[0], "_batch_input_shape", None)
+        if input_shape is not None:
+            self.build(input_shape)
+
+    # ----------------------------------------------------------------- structure
+    def call(self, inputs, training=None):
+        return self.forward(inputs, training=training)
+
+    def forward(self, inputs, training=None, observe=None, apply=None):
+        """The one forward loop over ``dp_layers``.
+
+        Layers that clip cotangents receive the loss normaliser of the model's metadata
+        (:attr:`loss_normalizer`). ``observe(index, output)``, if given, is called after
+        every layer and returns the tensor to continue with (e.g. after ``tape.watch``):
+        how diagnostics and dynamic clipping look inside the network without a second
+        copy of this loop. ``apply(layer, h, kwargs)``, if given, replaces the call
+        ``layer(h, training=training, **kwargs)`` (how :mod:`lipdp.per_example` records
+        each layer's pre-activation output).
+        """
+        h = inputs
+        normalizer = {"loss_normalizer": self.loss_normalizer}
+        for index, layer in enumerate(self.dp_layers):
+            kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
+            if apply is None:
+                h = layer(h, training=training, **kwargs)
+            else:
+                h = apply(layer, h, kwargs)
+            if observe is not None:
+                h = observe(index, h)
+        return h
+
+    def layers_forward_order(self):
+        return list(self.dp_layers)
+
+    def layers_backward_order(self):
+        return list(reversed(self.dp_layers))
+
+    @property
+    def batch_size(self) -> int:
+        """``b``: the sensitivities of the averaged gradient are ``bound / b``."""
+        return int(self._metadata_for("training").batch_size)
+
+    @property
+    def loss_normalizer(self) -> int | None:
+        """What the summed per-row loss of a batch is divided by (``None``: the rows of
+        the batch, for a model without metadata)."""
+        metadata = self.dataset_metadata
+        return None if metadata is None else metadata.loss_normalizer
+
+    def _metadata_for(self, purpose) -> DatasetMetadata:
+        if self.dataset_metadata is None:
+            raise ValueError(
+                f"{type(self).__name__} needs dataset_metadata=DatasetMetadata(...) for "
+                f"{purpose}: the sensitivity depends on the batch size, the privacy "
+                "accounting on the sampling rate b/N and the steps per epoch."
+            )
+        return self.dataset_metadata
+
+    def _all_layers(self):
+        """Every layer whose dtype matters (wrapped blocks included)."""
+        return list(self.dp_layers)
+
+    # ---------------------------------------------------------------- compile
+    def _check_loss(self, loss) -> None:
+        """Refuse a loss whose per-example gradient the family cannot bound."""
+        if loss is None:
+            raise ValueError("compile(loss=...) is required.")
+        check_reduction(loss)
+
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
+        self._check_loss(loss)
+        _refuse_mixed_precision(self._all_layers())
+        if kwargs.get("loss_weights") is not None:
+            raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
+        if self.debug:
+            kwargs["run_eagerly"] = True
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    # ------------------------------------------------------------- sensitivity
+    def sensitivities(self):
+        """``[(entry, Delta)]``: sensitivity ``Delta`` of each noised part of the averaged
+        gradient; ``entry.key`` names it, ``entry.bound`` is one example's bound."""
+        raise NotImplementedError
+
+    def noise_multipliers(self) -> list[float]:
+        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant
+        (:func:`lipdp.noise.noise_multipliers`)."""
+        raise NotImplementedError
+
+    def noise_stddevs(self, sensitivities=None):
+        """``{variable ref: standard deviation of its noise}`` (0 for a non-private
+        model); ``sensitivities``: the result of :meth:`sensitivities` if computed."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- privacy
+    def privacy_plan(self) -> PrivacyPlan:
+        """Every mechanism a training run of this model releases (rule S11): the noisy
+        steps (noise multipliers of :meth:`noise_multipliers`, sampling rate and steps per
+        epoch of the metadata) and the family's other releases (:meth:`_other_releases`)."""
+        metadata = self._metadata_for("privacy accounting")
+        params = self.dp_parameters
+        return PrivacyPlan.for_training(
+            noise_multipliers=self.noise_multipliers() if not params.non_private else 1.0,
+            sampling_rate=metadata.sampling_rate,
+            steps_per_epoch=metadata.nb_steps_per_epochs,
+            delta=params.delta,
+            other_releases=self._other_releases(metadata),
+            non_private=params.non_private,
+            noise_multiplier=params.noise_multiplier if not params.non_private else None,
+        )
+
+    def _other_releases(self, metadata) -> tuple:
+        """Releases besides the noisy steps (none by default)."""
+        return ()
+
+    # --------------------------------------------------------------- training
+    # --------------------------------------------------------------- training
+    def noisify(self, gradients, variables):
+        """Add the calibrated Gaussian noise to ``gradients`` (aligned with ``variables``)."""
+        entries = self.sensitivities()
+        stddevs = self.noise_stddevs(entries)
+        if self.debug:
+            for entry, delta in entries:
+                logger.info("%s: sensitivity %.6g", entry.key, float(delta))
+            for v in variables:
+                logger.info("variable %s: noise std %.6g", v.name, float(stddevs[v.ref()]))
+        if self.dp_parameters.non_private:
+            return list(gradients)
+        return noise.add_noise(gradients, [stddevs[v.ref()] for v in variables])
+
+    def project(self):
+        """Bring the weights back into their constraint sets (none by default)."""
+        return None
+
+    def _checked_batch(self, data):
+        """``(x, y, batch_rows)`` of a training batch, refusing what changes the
+        sensitivity. Python: runs when the step is traced, so every path (fit,
+        train_on_batch, custom loops) is checked at no per-step cost."""
+        _refuse_mixed_precision(self._all_layers())
+        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise ValueError("sample weights are not supported: they change the sensitivity.")
+        batch_rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        self._check_batch_rows(batch_rows)
+        return x, y, batch_rows
+
+    def _check_batch_rows(self, batch_rows) -> None:
+        """Fixed-size batches must have the rows the sensitivity is computed for (S5)."""
+        if self.poisson_sampling:
+            return
+        # With augmentation multiplicity m a batch holds b originals x m copies; the
+        # loss is their mean, so one original moves it by at most G / b still.
+        rows = self.dataset_metadata.rows_per_batch
+        tf.debugging.assert_equal(
+            batch_rows,
+            rows,
+            message=(
+                f"DP training needs every batch to have exactly {rows} rows (batch_size="
+                f"{self.batch_size} x multiplicity; the sensitivity is computed for it); "
+                "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
+            ),
+        )
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        self._non_finite.reset_state()
+
+    @property
+    def poisson_sampling(self) -> bool:
+        return self.dataset_metadata is not None and self.dataset_metadata.sampling == "poisson"
+
+    def _refuse_extra_losses(self):
+        if self.losses:
+            raise ValueError(
+                "Additional losses (add_loss, regularizers) are not supported in DP "
+                "training: the sensitivity bounds cover the compiled loss only."
+            )
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_fit_arguments(x, y, batch_size, kwargs)
+        # Weights set by hand (load_weights, set_weights) are brought back in the
+        # feasible set before the first bound is trusted.
+        self.project()
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def save(self, filepath, *args, **kwargs):
+        """Save in the ``.keras`` format only (rule S10).
+
+        Keras 2.15's SavedModel directory and HDF5 files do not restore everything a
+        privacy guarantee rests on (a SavedModel reload restores the optimizer's step count
+        as 0, and the DP configuration is not part of HDF5): a reload would under-count
+        epsilon. ``save_weights`` checkpoints keep the noisy step count (a model variable).
+        """
+        if not str(filepath).endswith(".keras"):
+            raise ValueError(
+                f"DP models are saved to .keras files (got {str(filepath)!r}): the SavedModel "
+                "and HDF5 formats do not carry the privacy state (step count, DP "
+                "configuration), so a reload would under-count epsilon."
+            )
+        return super().save(filepath, *args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
+        self.project()
+        return super().train_on_batch(*args, **kwargs)
+
+    def set_weights(self, weights):
+        """Set the weights, then project them onto their constraint sets (S12)."""
+        super().set_weights(weights)
+        self.project()
+
+    def load_weights(self, *args, **kwargs):
+        """Load the weights, then project them onto their constraint sets (S12)."""
+        status = super().load_weights(*args, **kwargs)
+        if self.built:
+            self.project()
+        return status
+
+    def _check_fit_arguments(self, x, y, batch_size, kwargs):
+        if self.compiled_loss is None:
+            raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
+        b = self.batch_size
+        for unsupported in ("sample_weight", "class_weight"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(f"{unsupported} is not supported: it changes the sensitivity.")
+        if self.poisson_sampling:
+            if not isinstance(x, tf.data.Dataset):
+                raise ValueError(
+                    "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
+                    "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
+                )
+            _check_poisson_pipeline(x, self.dataset_metadata)
+            return
+        metadata = self.dataset_metadata
+        if metadata.partial_last_batch:
+            raise ValueError(
+                "dataset_metadata.partial_last_batch: the last batch of each epoch is partial "
+                "and would be refused mid-training. Prepare the data with drop_remainder=True."
+            )
+        if isinstance(x, tf.data.Dataset):
+            static = tf.nest.flatten(x.element_spec)[0].shape[0]
+            if static is not None and static != metadata.rows_per_batch:
+                raise ValueError(
+                    f"The dataset yields batches of {static}, the model expects "
+                    f"{metadata.rows_per_batch} (batch_size={b} x multiplicity, "
+                    "dataset_metadata)."
+                )
+            return
+        if metadata.multiplicity:
+            raise ValueError(
+                "dataset_metadata.multiplicity > 0: pass the augmented tf.data pipeline of "
+                "lipdp.pipeline.load_and_prepare_images_data, not arrays."
+            )
+        if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
+            return
+        _refuse_non_finite(x, y)
+        n = len(tf.nest.flatten(x)[0])
+        if batch_size is not None and batch_size != b:
+            raise ValueError(
+                f"fit(batch_size={batch_size}) differs from the batch size "
+                f"{b} declared in dataset_metadata."
+            )
+        split = kwargs.get("validation_split") or 0.0
+        n_train = int(math.floor(n * (1.0 - split)))
+        if n_train % b:
+            raise ValueError(
+                f"{n_train} training examples are not a multiple of batch_size={b}: the last "
+                f"batch would be partial. Use {n_train - n_train % b} examples, or a "
+                "tf.data pipeline with drop_remainder=True."
+            )
+        if kwargs.get("shuffle") is False:
+            logger.warning(
+                "fit(shuffle=False): batches are not random, so privacy "
+                "amplification by subsampling does not apply."
+            )
+
+    # ---------------------------------------------------------- serialisation
+    def get_compile_config(self):
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        # Keras skips compile() on load for models overriding it; our compile only
+        # adds checks, so the stored configuration is replayed through it.
+        config = tf.keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built and isinstance(self.optimizer, tf.keras.optimizers.Optimizer):
+            self.optimizer.build(self.trainable_variables)
+
+    def get_config(self):
+        return {
+            self._layers_key: [tf.keras.layers.serialize(layer) for layer in self.dp_layers],
+            "dp_parameters": self.dp_parameters.to_config(),
+            "dataset_metadata": (
+                None if self.dataset_metadata is None else self.dataset_metadata.to_config()
+            ),
+            "debug": self.debug,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        layers = [
+            tf.keras.layers.deserialize(c, custom_objects=custom_objects)
+            for c in config.pop(cls._layers_key)
+        ]
+        metadata = config.pop("dataset_metadata")
+        return cls(
+            layers,
+            dp_parameters=DPParameters(**config.pop("dp_parameters")),
+            dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
+            **config,
+        )
+
+
+def check_reduction(loss) -> None:
+    """The loss must be the mean over the batch (what the sensitivities divide by)."""
+    reduction = getattr(loss, "reduction", tf.keras.losses.Reduction.AUTO)
+    allowed = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
+    if reduction not in allowed:
+        raise ValueError(
+            f"Loss reduction {reduction!r} is not supported: sensitivities are computed for "
+            "the mean over the batch. Use reduction=SUM_OVER_BATCH_SIZE (the default)."
+        )
+
+
+def _check_poisson_pipeline(dataset, metadata) -> None:
+    """A Poisson pipeline that states its rate must draw at the metadata's rate (the rate
+    the accountant uses): batches drawn 4x more often cost far more than reported."""
+    rate = getattr(dataset, "lipdp_sampling_rate", None)
+    if rate is None:
+        logger.warning(
+            "The Poisson pipeline does not state its sampling rate (pass the dataset "
+            "poisson_batches returns, before map/prefetch): the accountant assumes q = %g.",
+            metadata.sampling_rate,
+        )
+        return
+    if not math.isclose(rate, metadata.sampling_rate, rel_tol=1e-9):
+        raise ValueError(
+            f"The Poisson pipeline samples at rate {rate:g} but dataset_metadata declares "
+            f"q = batch_size / N = {metadata.sampling_rate:g}, the rate the privacy "
+            "accounting uses. Build the batches with metadata.sampling_rate."
+        )
+    steps = getattr(dataset, "lipdp_steps_per_epoch", None)
+    if steps is not None and steps != metadata.nb_steps_per_epochs:
+        raise ValueError(
+            f"The Poisson pipeline has {steps} steps per epoch but dataset_metadata declares "
+            f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong number "
+            "of steps. Build the batches with metadata.nb_steps_per_epochs."
+        )
+
+
+def _refuse_mixed_precision(layers) -> None:
+    """Bounds, clipping and noise are computed for float32: refuse other compute dtypes."""
+    policy = tf.keras.mixed_precision.global_policy()
+    names = [f"global policy {policy.name!r}"] if policy.compute_dtype != "float32" else []
+    names += [
+        f"layer {layer.name!r} ({layer.compute_dtype})"
+        for layer in layers
+        if getattr(layer, "compute_dtype", "float32") not in ("float32", None)
+    ]
+    if names:
+        raise ValueError(
+            f"Mixed precision is not supported ({', '.join(names)}): float16 round-off "
+            "exceeds the slack of the sensitivity bounds (an input clipped to norm 1 can "
+            "come out above 1). Use tf.keras.mixed_precision.set_global_policy('float32')."
+        )
+
+
+def _refuse_non_finite(x, y) -> None:
+    """Rule S9 for arrays: refuse examples with a NaN or an infinity, naming their rows.
+
+    (Pipelines are neutralised in-graph instead: such examples count zero.)
+    """
+    for name, values in (("x", x), ("y", y)):
+        for array in tf.nest.flatten(values):
+            if array is None:
+                continue
+            array = np.asarray(array)
+            if array.dtype.kind not in "fc" or array.ndim == 0:
+                continue
+            bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
+            if bad.size:
+                shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
+                raise ValueError(
+                    f"{name} has {bad.size} example(s) with NaN or infinite values (rows "
+                    f"{shown}): such a record has no bounded contribution. Remove or repair "
+                    "these rows before fit."
+                )
+
+
+__all__ = ["DPParameters", "PrivateModel", "check_reduction"]
