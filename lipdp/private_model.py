@@ -96,7 +96,7 @@ class PrivateModel(tf.keras.Model):
     docstring).
 
     Args:
-        layers: the layers, applied in order (checked by the family's ``_check_layers``).
+        dp_layers: the layers, applied in order (checked by the family's ``_check_layers``).
         dp_parameters: :class:`DPParameters`.
         dataset_metadata: :class:`lipdp.metadata.DatasetMetadata` (the batch size
             ``b`` and ``N``); required for training.

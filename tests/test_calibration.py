@@ -60,3 +60,15 @@ def test_reliability_plot_saves_a_png(tmp_path):
     figure.savefig(path)
     assert path.stat().st_size > 1000
     assert figure.axes[0].get_title() == "toy: ECE 0.250, MCE 0.700"
+
+
+def test_reliability_plot_draws_into_given_axes():
+    figure = calibration.new_figure((8.0, 4.0))
+    left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    under_confident = np.array([[0.6, 0.4]] * 4)  # confidence 0.6, accuracy 1
+    assert calibration.plot_reliability_diagram(under_confident, [0] * 4, 5, ax=right) is figure
+    assert not left.patches and right.get_title() == "ECE 0.400, MCE 0.400"
+    gap = [p for p in right.patches if p.get_hatch() == "//"]
+    # the gap bar of the bin (0.4, 0.6] spans from the accuracy 1.0 down to 0.6
+    assert len(gap) == 1 and gap[0].get_y() == pytest.approx(1.0)
+    assert gap[0].get_height() == pytest.approx(-0.4)

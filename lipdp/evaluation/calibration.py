@@ -186,23 +186,30 @@ def new_figure(figsize=(5.0, 4.0)):
     return figure
 
 
-def plot_reliability_diagram(diagram, labels=None, n_bins: int = DEFAULT_BINS, title=None):
+def plot_reliability_diagram(diagram, labels=None, n_bins: int = DEFAULT_BINS, title=None, ax=None):
     """Reliability diagram: accuracy per confidence bin against the diagonal.
+
+    The hatched bar of a bin spans from its accuracy to its mean confidence: above the
+    blue bar where the model is over-confident, inside it where it is under-confident.
 
     Args:
         diagram: a :class:`ReliabilityDiagram`, or probabilities ``(n, classes)``
             (then ``labels`` is required).
         title: optional title (ECE and MCE are appended).
+        ax: a matplotlib ``Axes`` to draw into (e.g. one panel of a grid from
+            :func:`new_figure`); default: a new figure with one ``Axes``.
 
     Returns:
-        the matplotlib ``Figure`` (Agg canvas); save it with ``fig.savefig(path)``.
+        the matplotlib ``Figure`` holding the diagram (Agg canvas for a new one); save it
+        with ``fig.savefig(path)``.
     """
     if not isinstance(diagram, ReliabilityDiagram):
         if labels is None:
             raise ValueError("labels are required when probabilities are given.")
         diagram = reliability_diagram(diagram, labels, n_bins)
-    figure = new_figure()
-    ax = figure.add_subplot(1, 1, 1)
+    if ax is None:
+        ax = new_figure().add_subplot(1, 1, 1)
+    figure = ax.figure
     edges = diagram.edges
     width = np.diff(edges)
     filled = diagram.counts > 0
@@ -233,7 +240,7 @@ def plot_reliability_diagram(diagram, labels=None, n_bins: int = DEFAULT_BINS, t
     ax.set_ylabel("accuracy")
     summary = f"ECE {diagram.ece:.3f}, MCE {diagram.mce:.3f}"
     ax.set_title(f"{title}: {summary}" if title else summary)
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper left", fontsize="small")
     figure.tight_layout()
     return figure
 
@@ -252,4 +259,5 @@ __all__ = [
     "CalibrationReport",
     "calibration_report",
     "plot_reliability_diagram",
+    "new_figure",
 ]
