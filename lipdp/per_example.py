@@ -35,7 +35,9 @@ Goodfellow 2015 and Li et al. 2022)
 
     The clipped sum of a ghost layer is its vector-Jacobian product with the cotangents
     ``C_il G_i`` (a layer-local second backward pass, rows dropped by the clipping zeroed
-    in both ``A`` and ``G``): no per-example gradient of those layers is materialised.
+    in both ``A`` and ``G``): no per-example gradient of those layers is materialised;
+    where the materialised branch was cheaper, its ``A_i^T G_i`` give the clipped sum
+    ``sum_i C_il A_i^T G_i`` directly and the second backward pass is skipped.
 
 A variable shared by two layers would make a row's gradient the sum of two parts whose
 norms are computed separately; :func:`weighted_layers` refuses it.
@@ -111,7 +113,7 @@ _LINEAR = {"dense": _dense_linear, "conv2d": _conv2d_linear, "embedding": _embed
 class _Record:
     """One weighted layer seen by a forward pass: its input, its (pre-activation) output
     on the tape, the ghost rule; after the backward pass, the output cotangents and, for
-    the vectorised fallback, the materialised per-row gradients."""
+    the vectorised fallback and the materialised ghost branch, the per-row gradients."""
 
     layer: tf.keras.layers.Layer
     inputs: tf.Tensor
@@ -183,10 +185,9 @@ def _materialise(positions, d, p) -> bool:
 
 
 def _product_sq_norms(a, g):
-    """``||A_i^T G_i||_F^2`` per row for ``A: (b, T, d)``, ``G: (b, T, p)``."""
-    if _materialise(a.shape[1], a.shape[2], g.shape[2]):
-        materialised = tf.einsum("btd,btp->bdp", a, g)
-        return tf.reduce_sum(tf.square(materialised), axis=[1, 2])
+    """``||A_i^T G_i||_F^2`` per row for ``A: (b, T, d)``, ``G: (b, T, p)``, through the
+    ``T x T`` Grams (float64 against cancellation); see :func:`_materialised_gradients`
+    for the other branch."""
     a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
     grams = tf.einsum("btd,bsd->bts", a, a) * tf.einsum("btp,bsp->bts", g, g)
     return tf.cast(tf.reduce_sum(grams, axis=[1, 2]), tf.float32)
@@ -207,6 +208,27 @@ def _patches(layer, a):
         padding=layer.padding.upper(),
     )
     return _rows(patches, kh * kw * a.shape[-1])
+
+
+def _materialised_gradients(record):
+    """Row-wise gradients ``[A_i^T G_i, sum_t G_it]`` of a Dense layer on sequences or
+    of a Conv2D layer when materialising them is cheaper than the Grams
+    (:func:`_materialise`), else ``None``. Once paid for, they also give the clipped sum
+    (``sum_i C_i grad_i``, ``b d p`` multiply-adds) and BAM's shift, so the layer-local
+    backward pass is skipped."""
+    layer, a, g = record.layer, record.inputs, record.cotangents
+    if record.rule == "conv2d":
+        a, width = _patches(layer, a), layer.filters
+    elif record.rule == "dense" and a.shape.rank > 2:
+        a, width = _rows(a, a.shape[-1]), layer.units
+    else:
+        return None
+    if not _materialise(a.shape[1], a.shape[2], width):
+        return None
+    g = _rows(g, width)
+    kernel = tf.einsum("btd,btp->bdp", a, g)
+    grads = [tf.reshape(kernel, [-1, *layer.kernel.shape])]  # patches are (k_h, k_w, c)
+    return grads + [tf.reduce_sum(g, axis=1)] if layer.use_bias else grads
 
 
 def _dense_sq_norms(layer, a, g):
@@ -246,10 +268,12 @@ def _scaled(scales, t):
     return tf.reshape(scales, shape) * t
 
 
-def _product_shift(a_new, a, g):
-    """``A'_i (A_i^T G_i)`` per row: the linear part's response to the kernel gradient."""
-    if _materialise(a.shape[1], a.shape[2], g.shape[2]):
-        return tf.einsum("btd,bdp->btp", a_new, tf.einsum("btd,btp->bdp", a, g))
+def _product_shift(a_new, a, g, first):
+    """``A'_i (A_i^T G_i)`` per row: the linear part's response to the kernel gradient
+    (from the first pass's materialised gradients when it has them)."""
+    if first.per_row is not None:
+        kernel = tf.stop_gradient(first.per_row[0])
+        return tf.einsum("btd,bdp->btp", a_new, tf.reshape(kernel, [-1, a.shape[2], g.shape[2]]))
     return tf.einsum("bts,bsp->btp", tf.einsum("btd,bsd->bts", a_new, a), g)
 
 
@@ -266,7 +290,7 @@ def _dense_shift(first, a_new, scales):
         shift = shift + g if layer.use_bias else shift
         return _scaled(scales, shift)
     width = a.shape[-1]
-    shift = _product_shift(_rows(a_new, width), _rows(a, width), _rows(g, layer.units))
+    shift = _product_shift(_rows(a_new, width), _rows(a, width), _rows(g, layer.units), first)
     if layer.use_bias:
         shift = shift + tf.reduce_sum(_rows(g, layer.units), axis=1, keepdims=True)
     return _scaled(scales, tf.reshape(shift, tf.shape(g)))
@@ -275,7 +299,7 @@ def _dense_shift(first, a_new, scales):
 def _conv2d_shift(first, a_new, scales):
     layer, (a, g) = first.layer, _first_pass(first)
     g_rows = _rows(g, layer.filters)
-    shift = _product_shift(_patches(layer, a_new), _patches(layer, a), g_rows)
+    shift = _product_shift(_patches(layer, a_new), _patches(layer, a), g_rows, first)
     if layer.use_bias:
         shift = shift + tf.reduce_sum(g_rows, axis=1, keepdims=True)
     return _scaled(scales, tf.reshape(shift, tf.shape(g)))
@@ -440,6 +464,9 @@ def per_example_gradients(
             scales = None if ascent is None else ascent.scales
             record.per_row = _vectorized_gradients(record, before, scales)
             sq_norms.append(_square_sums(record.per_row))
+        elif (materialised := _materialised_gradients(record)) is not None:
+            record.per_row = materialised
+            sq_norms.append(_square_sums(materialised))
         else:
             sq_norms.append(_SQ_NORMS[record.rule](record.layer, record.inputs, record.cotangents))
 
