@@ -37,6 +37,9 @@ COVERED_BY_OTHER_BALLS = {
     # the Frobenius conv case + pooled_cnn's pooling.
     "Zoo:lip_mlp(groupnorm,bias)",
     "Zoo:lip_convnet(frobenius)",
+    # resnet(1-lip-add) = the Residual(1-lip-add) / ResidualConvBlock cases stacked behind
+    # pooled_cnn's layers (resnet(add), whose bounds double per block, stays).
+    "Zoo:resnet(1-lip-add)",
 }
 
 
