@@ -7,8 +7,11 @@ within the budget (``get_max_epochs``) unless ``--epochs`` is given.
 
 ``lipdp evaluate`` trains the same model (or loads a saved one with ``--model PATH``)
 and prints the privacy report, the test accuracy, the certified accuracy at a few
-radii, the calibration errors and the AUROC of membership-inference attacks (see
-:mod:`lipdp.evaluation`).
+radii, the accuracy under a PGD attack at the same radii, the calibration errors and
+the AUROC of membership-inference attacks (see :mod:`lipdp.evaluation`).
+
+``--adversarial-radius R`` (with ``--adversarial-norm``, ``--adversarial-steps``,
+``--adversarial-mix``) trains on PGD adversarial examples (:mod:`lipdp.adversarial`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ CNN_WIDTHS = {"digits": (16,), "fashion_mnist": (32, 64)}
 #: per-example gradients of an ordinary Keras network (:mod:`lipdp.dpsgd`).
 METHODS = ("lipdp", "lip-dp-sgd", "dp-sgd")
 
+#: Public value ranges of the features (pixels in [0, 1]; breast cancer mapped to
+#: [-1, 1]): adversarial examples are kept in them.
+FEATURE_RANGES = {"digits": (0.0, 1.0), "fashion_mnist": (0.0, 1.0), "breast_cancer": (-1.0, 1.0)}
+
 
 class _Parser(argparse.ArgumentParser):
     """Errors as one line, ``lipdp <command>: error: ...``, exit status 2 (no usage dump)."""
@@ -59,9 +66,11 @@ def _number(convert, check, requirement):
 
 _positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
 _seed = _number(int, lambda v: v >= 0, "an integer >= 0")
+_non_negative_int = _seed
 _positive_float = _number(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
 _probability = _number(float, lambda v: 0 < v < 1, "a number in (0, 1)")
 _radius = _number(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+_mix = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 _decay = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
@@ -215,6 +224,34 @@ def _add_run_arguments(parser) -> None:
     )
     parser.add_argument("--learning-rate", type=_positive_float, default=None)
     parser.add_argument(
+        "--adversarial-radius",
+        type=_positive_float,
+        default=None,
+        metavar="R",
+        help="adversarial training (both methods): each example replaced by its PGD "
+        "adversarial version within radius R, computed from the current weights (same "
+        "privacy; lipdp.adversarial); default: none",
+    )
+    parser.add_argument(
+        "--adversarial-norm",
+        choices=["l2", "linf"],
+        default="l2",
+        help="the ball of --adversarial-radius (default l2)",
+    )
+    parser.add_argument(
+        "--adversarial-steps",
+        type=_positive_int,
+        default=10,
+        help="PGD steps of adversarial training (default 10; step 2.5 R / steps)",
+    )
+    parser.add_argument(
+        "--adversarial-mix",
+        type=_mix,
+        default=1.0,
+        help="weight w in (0, 1] of the adversarial loss: (1 - w) clean + w adversarial "
+        "(default 1: adversarial examples only)",
+    )
+    parser.add_argument(
         "--seed",
         type=_seed,
         default=0,
@@ -247,7 +284,32 @@ def _add_evaluate_parser(commands) -> None:
         type=_radius,
         nargs="+",
         default=[0.0, 0.05, 0.1, 0.2, 0.5],
-        help="l2 radii of the certified accuracy",
+        help="radii of the certified (l2) and PGD accuracy",
+    )
+    evaluate.add_argument(
+        "--attack-steps",
+        type=_non_negative_int,
+        default=20,
+        help="PGD steps of the robustness table at each of --radii (0: no attack; default 20)",
+    )
+    evaluate.add_argument(
+        "--attack-restarts",
+        type=_positive_int,
+        default=1,
+        help="PGD restarts, the first from the clean point (default 1)",
+    )
+    evaluate.add_argument(
+        "--attack-norms",
+        choices=["l2", "linf"],
+        nargs="+",
+        default=["l2"],
+        help="balls of the PGD attack (default l2; the radii are the same numbers)",
+    )
+    evaluate.add_argument(
+        "--attack-examples",
+        type=_positive_int,
+        default=1000,
+        help="test examples attacked (the first ones; default 1000)",
     )
     evaluate.add_argument(
         "--bins", type=_positive_int, default=15, help="confidence bins of the ECE"
@@ -327,6 +389,7 @@ def cli_model(
     clipping=None,
     ascent=None,
     gradient_method="ghost",
+    adversarial=None,
 ):
     """The compiled model of ``lipdp train`` / ``evaluate`` and its training arrays.
 
@@ -338,7 +401,8 @@ def cli_model(
     unless given). Poisson batches use every training example; fixed-size batches drop
     the remainder (rule S5). ``method="dp-sgd"``: :func:`_keras_layers` trained by
     :class:`lipdp.dpsgd.DPSGD_Sequential` with ``clipping``, ``ascent`` and
-    ``gradient_method``. Returns ``(model, x_train, y_train)``. Benchmarks and tests that
+    ``gradient_method``. ``adversarial``: a :class:`lipdp.adversarial.PGD` for adversarial
+    training (either method). Returns ``(model, x_train, y_train)``. Benchmarks and tests that
     study "the CLI's model" build it here.
     """
     import numpy as np
@@ -370,11 +434,13 @@ def cli_model(
             dataset_metadata=metadata,
             ascent=ascent,
             gradient_method=gradient_method,
+            adversarial=adversarial,
         )
         loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
     else:
         architecture, options = _architecture(dataset, method, weight_norm_bound, group_norm, alpha)
         model = zoo.build_model(architecture, metadata, dp_parameters, **options)
+        model.adversarial = adversarial
         loss = losses.DP_TauCategoricalCrossentropy(tau=8.0)
     model.compile(
         loss=loss,
@@ -417,6 +483,7 @@ def _train_private_model(args, data, verb):
         clipping=_clipping(args) if args.method == "dp-sgd" else None,
         ascent=_ascent(args),
         gradient_method=args.gradient_method,
+        adversarial=_adversarial(args),
     )
     epochs = args.epochs
     if epochs is None:
@@ -475,7 +542,28 @@ def _ascent(args):
     return SharpnessAscent(mode, radius)
 
 
+def _adversarial(args):
+    """The ``--adversarial-*`` PGD (or ``None``), kept in the data set's value range."""
+    from lipdp.adversarial import PGD
+
+    if args.adversarial_radius is None:
+        return None
+    return PGD(
+        args.adversarial_radius,
+        args.adversarial_norm,
+        steps=args.adversarial_steps,
+        mix=args.adversarial_mix,
+        clip_values=FEATURE_RANGES[args.dataset],
+    )
+
+
 def _method_detail(args) -> str:
+    detail = _family_detail(args)
+    adversarial = _adversarial(args)
+    return detail if adversarial is None else f"{detail}; adversarial {adversarial.describe()}"
+
+
+def _family_detail(args) -> str:
     if args.method == "dp-sgd":
         detail = f"{args.clipping} clipping, R = {args.clip_norm:g}"
         if args.clipping == "global":
@@ -604,6 +692,8 @@ def evaluate_command(args) -> int:
             print(f"  {radius:g}: {value:.4f}")
     else:
         print("certified accuracy: none (a clipped DP-SGD network has no Lipschitz bound)")
+    if args.attack_steps:
+        print(_robustness_table(model, x_test, y_test, args, lipschitz_model))
     print(
         f"calibration ({args.bins} bins): ECE {calibration.ece:.4f}, MCE {calibration.mce:.4f}, "
         f"NLL {calibration.nll:.4f}"
@@ -616,6 +706,36 @@ def evaluate_command(args) -> int:
         f"{summary['mia_adv_entire_dataset']:.4f}"
     )
     return 0
+
+
+def _robustness_table(model, x, y, args, certified):
+    """The ``--attack-*`` table: accuracy under PGD (and certified, for Lipschitz
+    models) at each radius, on the first ``--attack-examples`` test examples."""
+    from lipdp.evaluation import robustness_curves
+
+    x, y = x[: args.attack_examples], y[: args.attack_examples]
+    curves = robustness_curves(
+        model,
+        x,
+        y,
+        args.radii,
+        norms=args.attack_norms,
+        steps=args.attack_steps,
+        restarts=args.attack_restarts,
+        seed=args.seed,
+        certified=certified,
+    )
+    columns = [key for key in curves if key != "radii"]
+    lines = [
+        f"robustness ({len(x)} test examples; PGD {args.attack_steps} steps, "
+        f"{args.attack_restarts} restart(s): an upper bound on robust accuracy; certified: "
+        "a lower bound; linf certificates from the l2 ball containing the linf ball):",
+        "  radius | " + " | ".join(c.replace("_", " ") for c in columns),
+    ]
+    for i, radius in enumerate(curves["radii"]):
+        values = " | ".join(f"{curves[c][i]:.4f}" for c in columns)
+        lines.append(f"  {radius:g} | {values}")
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager

@@ -405,20 +405,20 @@ class DPSGD_Model(PrivateModel):
         ]
 
     # ----------------------------------------------------------------- training
-    def per_example_losses(self, y, y_pred):
-        """The loss of each row (mean over its non-batch axes), shape ``(rows,)``."""
-        loss = tf.keras.losses.get(self.loss)
-        fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
-        values = fn(y, y_pred)
-        rank = len(values.shape)
-        return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
-
     def clipped_gradient_sum(self, x, y):
         """``(sum_i C_i g_i, y_pred, finite)``: the clipped per-example gradients summed
-        (aligned with ``trainable_variables``), the predictions and the finite rows."""
+        (aligned with ``trainable_variables``) as the training step computes them (with the
+        adversarial rows, if any), the predictions and the finite rows."""
+        x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
         x, y, finite = _neutralised(x, y)
-        summed, y_pred = self._clipped_sum(x, y, finite)
+        summed, y_pred = self._step_sum(x, y, finite)
         return summed, y_pred, finite
+
+    def _step_sum(self, x, y, finite):
+        """The clipped sum of a training step on rows already neutralised (S9)."""
+        if self.adversarial is None:
+            return self._clipped_sum(x, y, finite)
+        return self._adversarial_clipped_sum(x, y, finite)
 
     def _clipped_sum(self, x, y, finite):
         """:meth:`clipped_gradient_sum` of rows already neutralised (S9)."""
@@ -426,7 +426,30 @@ class DPSGD_Model(PrivateModel):
             return self._at_dp_sat_point(lambda: self._clipped_sum_at(x, y, finite))
         return self._clipped_sum_at(x, y, finite)
 
-    def _clipped_sum_at(self, x, y, finite):
+    def _adversarial_clipped_sum(self, x, y, finite):
+        """The clipped sum of adversarial training (:mod:`lipdp.adversarial`): rows
+        replaced by their adversarial versions (``mix = 1``), or clean and adversarial
+        rows clipped separately and weighted ``1 - mix`` and ``mix`` (``||.|| <= R``).
+        Returns ``(sum, predictions on the adversarial rows)``."""
+        x_adv = self.adversarial_examples(x, y)
+        w = self.adversarial.mix
+        if w == 1.0:
+            return self._clipped_sum(x_adv, y, finite)
+        rows = tf.shape(finite)[0]
+        weights = tf.concat([tf.fill([rows], 1.0 - w), tf.fill([rows], w)], axis=0)
+        both = (tf.concat([x, x_adv], 0), tf.concat([y, y], 0), tf.concat([finite, finite], 0))
+        summed, y_pred = self._clipped_sum_weighted(*both, weights)
+        return summed, y_pred[rows:]
+
+    def _clipped_sum_weighted(self, x, y, finite, weights):
+        if self.ascent is not None and self.ascent.mode == "dp-sat":
+            compute = lambda: self._clipped_sum_at(x, y, finite, weights)  # noqa: E731
+            return self._at_dp_sat_point(compute)
+        return self._clipped_sum_at(x, y, finite, weights)
+
+    def _clipped_sum_at(self, x, y, finite, row_weights=None):
+        """``(sum_i w_i C_i g_i, y_pred)``; ``row_weights`` ``w_i`` (default 1)."""
+
         def losses(y_pred):
             return self.per_example_losses(y, y_pred)
 
@@ -439,6 +462,8 @@ class DPSGD_Model(PrivateModel):
             scales = tf.where(usable, self.ascent.radius / safe, tf.zeros_like(norms))
             facts = per_example_gradients(self, x, losses, "ghost", Ascent(facts, scales))
         factors = self.clipping.layer_factors(facts.sq_norms)
+        if row_weights is not None:
+            factors = [c * tf.cast(row_weights, c.dtype) for c in factors]
         keep = finite & tf.math.is_finite(tf.add_n(facts.sq_norms))
         sums = facts.clipped_sums(factors, keep)
         summed = [
@@ -465,7 +490,7 @@ class DPSGD_Model(PrivateModel):
     def train_step(self, data):
         x, y, _ = self._checked_batch(data)
         x, y, finite = _neutralised(x, y)
-        summed, y_pred = self._clipped_sum(x, y, finite)
+        summed, y_pred = self._step_sum(x, y, finite)
         self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
         normalizer = float(self.dataset_metadata.loss_normalizer)
         gradients = [s / normalizer for s in summed]

@@ -256,24 +256,53 @@ class DP_Model(PrivateModel):
         # zero loss; here they are only counted.
         finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
         self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
+        x_adv = None if self.adversarial is None else self.adversarial_examples(x, y)
         with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            self._refuse_extra_losses()
-            loss = self.compute_loss(x, y, y_pred)
-            # The training loss is the sum of per-row losses / the loss normaliser, the
-            # number the sensitivities and the clip layers are computed for (rule S5).
-            # compute_loss divided by the actual rows (0 if the batch is empty): equal for
-            # fixed-size batches (asserted above), the expected size q N under Poisson.
-            normalizer = float(self.dataset_metadata.loss_normalizer)
-            loss = loss * tf.cast(batch_rows, loss.dtype) / normalizer
+            if x_adv is None:
+                loss, y_pred = self._clean_loss(x, y, batch_rows)
+            else:
+                loss, y_pred = self._adversarial_loss(x, x_adv, y)
         variables = self.trainable_variables
         gradients = tape.gradient(loss, variables)
         gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
         self.optimizer.apply_gradients(zip(self.noisify(gradients, variables), variables))
         self.noisy_steps.assign_add(1)
         self.project()
+        if x_adv is not None:
+            self.compute_loss(x_adv, y, y_pred)  # the loss tracker (training logs) only
         logs = self.compute_metrics(x, y, y_pred, None)
         return {**logs, "non_finite_examples": self._non_finite.result()}
+
+    def _clean_loss(self, x, y, batch_rows):
+        """``(sum_i loss_i / n, predictions)``, ``n`` the loss normaliser."""
+        y_pred = self(x, training=True)
+        self._refuse_extra_losses()
+        loss = self.compute_loss(x, y, y_pred)
+        # The training loss is the sum of per-row losses / the loss normaliser, the
+        # number the sensitivities and the clip layers are computed for (rule S5).
+        # compute_loss divided by the actual rows (0 if the batch is empty): equal for
+        # fixed-size batches (asserted above), the expected size q N under Poisson.
+        normalizer = float(self.dataset_metadata.loss_normalizer)
+        return loss * tf.cast(batch_rows, loss.dtype) / normalizer, y_pred
+
+    def adversarial_loss_rows(self, x, x_adv, y):
+        """Each row's share of the adversarial training loss,
+        ``((1 - w) loss(x_i) + w loss(x'_i)) / n`` (``w``: the PGD's ``mix``), and the
+        predictions on ``x'``. Each pass runs with its weight, so that cotangent clipping
+        clips it at its share of the clip value (:mod:`lipdp.adversarial`)."""
+        w = self.adversarial.mix
+        normalizer = float(self.dataset_metadata.loss_normalizer)
+        y_adv = self.forward(x_adv, training=True, loss_weight=w)
+        self._refuse_extra_losses()
+        rows = w * self.per_example_losses(y, y_adv)
+        if w < 1.0:
+            y_clean = self.forward(x, training=True, loss_weight=1.0 - w)
+            rows += (1.0 - w) * self.per_example_losses(y, y_clean)
+        return rows / normalizer, y_adv
+
+    def _adversarial_loss(self, x, x_adv, y):
+        rows, y_adv = self.adversarial_loss_rows(x, x_adv, y)
+        return tf.reduce_sum(rows), y_adv
 
 
 class DP_Sequential(DP_Model):

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from lipdp import noise, validation
 from lipdp.accounting.plan import PrivacyPlan
+from lipdp.adversarial import PGD
 from lipdp.dynamic import DynamicClippingSpec
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
@@ -100,6 +101,10 @@ class PrivateModel(tf.keras.Model):
         dp_parameters: :class:`DPParameters`.
         dataset_metadata: :class:`lipdp.metadata.DatasetMetadata` (the batch size
             ``b`` and ``N``); required for training.
+        adversarial: a :class:`lipdp.adversarial.PGD` (or its config): train on each
+            row's adversarial version (or a mix), computed in the step from the current
+            weights; same sensitivity and privacy (:mod:`lipdp.adversarial`). ``None``
+            (default): clean training.
         debug: run eagerly and log every step's sensitivities and noise levels.
     """
 
@@ -110,9 +115,19 @@ class PrivateModel(tf.keras.Model):
         """Refuse layers the family cannot bound (with the fix in the message)."""
         raise NotImplementedError
 
-    def __init__(self, dp_layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
+    def __init__(
+        self,
+        dp_layers,
+        *,
+        dp_parameters,
+        dataset_metadata=None,
+        adversarial=None,
+        debug=False,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self._check_layers(dp_layers)
+        self.adversarial = adversarial
         if not isinstance(dp_parameters, DPParameters):
             raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
         if dataset_metadata is not None and not isinstance(dataset_metadata, DatasetMetadata):
@@ -144,11 +159,26 @@ class PrivateModel(tf.keras.Model):
     def call(self, inputs, training=None):
         return self.forward(inputs, training=training)
 
-    def forward(self, inputs, training=None, observe=None, apply=None):
+    @property
+    def adversarial(self) -> PGD | None:
+        """The adversarial training (:class:`lipdp.adversarial.PGD`) or ``None``; may be
+        set after construction (the next ``fit`` traces a new training step)."""
+        return self._adversarial
+
+    @adversarial.setter
+    def adversarial(self, value):
+        self._adversarial = PGD.coerce(value)
+        self.train_function = None  # a step traced without (or with another) attack
+
+    def forward(self, inputs, training=None, observe=None, apply=None, loss_weight=1.0):
         """The one forward loop over ``dp_layers``.
 
         Layers that clip cotangents receive the loss normaliser of the model's metadata
-        (:attr:`loss_normalizer`). ``observe(index, output)``, if given, is called after
+        (:attr:`loss_normalizer`), divided by ``loss_weight`` when the pass's loss is
+        weighted (adversarial training's mix): its cotangents are then clipped at the
+        pass's share ``loss_weight * C`` of the clip value.
+
+        ``observe(index, output)``, if given, is called after
         every layer and returns the tensor to continue with (e.g. after ``tape.watch``):
         how diagnostics and dynamic clipping look inside the network without a second
         copy of this loop. ``apply(layer, h, kwargs)``, if given, replaces the call
@@ -156,7 +186,11 @@ class PrivateModel(tf.keras.Model):
         each layer's pre-activation output).
         """
         h = inputs
-        normalizer = {"loss_normalizer": self.loss_normalizer}
+        normalizer = self.loss_normalizer
+        if loss_weight != 1.0:
+            rows = normalizer if normalizer is not None else tf.shape(tf.nest.flatten(h)[0])[0]
+            normalizer = tf.cast(rows, tf.float32) / loss_weight
+        normalizer = {"loss_normalizer": normalizer}
         for index, layer in enumerate(self.dp_layers):
             kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
             if apply is None:
@@ -252,7 +286,25 @@ class PrivateModel(tf.keras.Model):
         return ()
 
     # --------------------------------------------------------------- training
-    # --------------------------------------------------------------- training
+    def per_example_losses(self, y, y_pred):
+        """The loss of each row (mean over its non-batch axes), shape ``(rows,)``."""
+        loss = tf.keras.losses.get(self.loss)
+        fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
+        values = fn(y, y_pred)
+        rank = len(values.shape)
+        return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
+
+    def adversarial_examples(self, x, y):
+        """Each row's adversarial version by the model's :class:`~lipdp.adversarial.PGD`
+        (ascending its own loss at the current weights, inference mode)."""
+        if self.adversarial is None:
+            raise ValueError("The model has no adversarial=PGD(...) option.")
+
+        def row_losses(inputs):
+            return self.per_example_losses(y, self(inputs, training=False))
+
+        return self.adversarial.perturb(row_losses, x)
+
     def noisify(self, gradients, variables):
         """Add the calibrated Gaussian noise to ``gradients`` (aligned with ``variables``)."""
         entries = self.sensitivities()
@@ -431,6 +483,7 @@ class PrivateModel(tf.keras.Model):
             "dataset_metadata": (
                 None if self.dataset_metadata is None else self.dataset_metadata.to_config()
             ),
+            "adversarial": None if self.adversarial is None else self.adversarial.to_config(),
             "debug": self.debug,
             "name": self.name,
         }

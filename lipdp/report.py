@@ -95,6 +95,14 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
             "current weights; every step's noise followed the weights of that step, a "
             "function of earlier released iterates (post-processing, no privacy cost)."
         )
+    adversarial = getattr(model, "adversarial", None)
+    if adversarial is not None:
+        notes.append(
+            f"adversarial training ({adversarial.describe()}): each example's adversarial "
+            "version is computed from that example and the current (released) weights, a "
+            "per-example transformation; sensitivities and epsilon are those of clean "
+            "training (lipdp.adversarial)."
+        )
     if is_approximate(accountant):
         notes.append(
             f"APPROXIMATE EPSILON: the {accountant!r} accountant is a central-limit "

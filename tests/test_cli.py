@@ -43,6 +43,14 @@ MISUSES = [
     (["train", "--clip-norm", "0"], "argument --clip-norm: must be a finite number > 0"),
     (["train", "--bam", "0.1", "--dp-sat", "0.1"], "argument --dp-sat: not allowed with"),
     (["train", "--bam", "0"], "argument --bam: must be a finite number > 0"),
+    (
+        ["train", "--adversarial-radius", "0"],
+        "argument --adversarial-radius: must be a finite number > 0",
+    ),
+    (["train", "--adversarial-mix", "0"], "argument --adversarial-mix: must be a number in (0, 1]"),
+    (["train", "--adversarial-norm", "l1"], "argument --adversarial-norm: invalid choice: 'l1'"),
+    (["evaluate", "--attack-steps", "-1"], "argument --attack-steps: must be an integer >= 0"),
+    (["evaluate", "--attack-norms", "l3"], "argument --attack-norms: invalid choice: 'l3'"),
 ]
 
 
@@ -142,6 +150,24 @@ def test_cli_trains_dp_sgd_with_bam_and_per_layer_clipping(capsys):
     assert out.count("(per-layer clipping): 0.01105") == 2
 
 
+def test_cli_trains_adversarially_in_both_families(capsys):
+    """--adversarial-*: the PGD of the run is stated, kept in the data's range, and the
+    report notes it; epsilon is that of the same run without the attack."""
+    common = ["--dataset", "breast_cancer", "--quiet", "--epochs", "1", "--delta", "0.002"]
+    attack = ["--adversarial-radius", "0.1", "--adversarial-norm", "linf"]
+    attack += ["--adversarial-steps", "3", "--adversarial-mix", "0.5"]
+    for method in ("lipdp", "dp-sgd"):
+        assert cli.main(["train", "--method", method, *common, *attack]) == 0
+        out = capsys.readouterr().out
+        described = "adversarial PGD linf radius 0.1, 3 steps of 0.0833, random start, mix 0.5"
+        assert described in out and "box (-1.0, 1.0)" in out
+        assert "note: adversarial training (PGD linf radius 0.1" in out
+        assert cli.main(["train", "--method", method, *common]) == 0
+        plain = capsys.readouterr().out
+        epsilon = [line for line in out.splitlines() if line.startswith("(epsilon")]
+        assert epsilon == [line for line in plain.splitlines() if line.startswith("(epsilon")]
+
+
 def test_cli_model_follows_the_method_flags():
     from lipdp import datasets
     from lipdp import layers as L
@@ -209,6 +235,7 @@ def test_cli_evaluate_trains_saves_and_loads(tmp_path, capsys):
     trained_output = capsys.readouterr().out
     for text in ("epsilon", "test accuracy", "certified accuracy", "ECE", "AUROC"):
         assert text in trained_output
+    assert "radius | pgd l2 | certified l2" in trained_output
     assert cli.main(["evaluate", "--model", str(path), "--radii", "0", "0.1", "--bins", "10"]) == 0
     loaded_output = capsys.readouterr().out
     tail = trained_output[trained_output.index("test accuracy") :]

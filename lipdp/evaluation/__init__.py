@@ -50,14 +50,22 @@ from lipdp.evaluation.robustness import (
     certified_radius,
     empirical_lipschitz,
     lipschitz_constant,
+    pgd_attack,
     pgd_l2_attack,
+    plot_robustness_curves,
+    robust_accuracy,
+    robustness_curves,
 )
 
 __all__ = [
     "lipschitz_constant",
     "certified_radius",
     "certified_accuracy",
+    "pgd_attack",
     "pgd_l2_attack",
+    "robust_accuracy",
+    "robustness_curves",
+    "plot_robustness_curves",
     "empirical_lipschitz",
     "ScaledAUC",
     "CertifiableAUROC",

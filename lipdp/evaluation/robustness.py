@@ -47,10 +47,14 @@ clean accuracy at ``r = 0``.
 
 Attacks
 -------
-:func:`pgd_l2_attack` (projected gradient ascent on the margin loss over the
-``l2`` ball, several random restarts) and :func:`empirical_lipschitz` (gradient
-ascent on ``||f(x) - f(x')|| / ||x - x'||``) give *lower* bounds: they are used to
-check that the certificates hold, never to certify anything.
+:func:`pgd_attack` (projected gradient ascent on the margin loss over the ``l2`` or
+``linf`` ball, several random restarts; the steps of :mod:`lipdp.adversarial`, which
+adversarial training uses too) and :func:`empirical_lipschitz` (gradient ascent on
+``||f(x) - f(x')|| / ||x - x'||``) give *lower* bounds on what an attacker can do:
+they check that the certificates hold, never certify anything.
+:func:`robust_accuracy` and :func:`robustness_curves` turn the attack into accuracy
+against radius (next to the certified accuracy), :func:`plot_robustness_curves` draws
+them.
 
 Keras metrics
 -------------
@@ -64,6 +68,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from lipdp import adversarial, validation
 from lipdp.bounds import bound_pass
 
 SQRT2 = math.sqrt(2.0)
@@ -163,63 +168,180 @@ def _margin_loss(logits, labels):
     return other - true
 
 
-def _project_l2(delta, radius):
-    axes = list(range(1, len(delta.shape)))
-    norms = tf.sqrt(tf.reduce_sum(tf.square(delta), axis=axes, keepdims=True))
-    factor = tf.minimum(1.0, radius / tf.maximum(norms, 1e-12))
-    return delta * factor
+def _as_row_radius(radius, n, rank):
+    """``radius`` (a scalar or one per example) as a ``(n, 1, ..., 1)`` float32 tensor."""
+    values = np.broadcast_to(np.asarray(radius, dtype=np.float32), (n,))
+    if np.any(values < 0) or not np.all(np.isfinite(values)):
+        raise ValueError(f"radius must be finite and >= 0, got {radius!r}.")
+    return tf.reshape(tf.constant(values), (n,) + (1,) * (rank - 1))
+
+
+def pgd_attack(
+    model,
+    x,
+    y,
+    radius,
+    norm: str = "l2",
+    steps: int = 50,
+    step_size=None,
+    restarts: int = 5,
+    seed: int = 0,
+    clip_values=None,
+    batch_size: int = 512,
+):
+    """Untargeted PGD within the ``norm`` ball of ``radius`` around each example.
+
+    Maximises the margin loss ``max_{j != y} f_j(x') - f_y(x')`` by the steps of
+    :func:`lipdp.adversarial.pgd_step` (normalised gradient for ``"l2"``, its sign for
+    ``"linf"``), projected onto ``||x' - x|| <= radius`` and, with ``clip_values=(lo,
+    hi)``, onto the box (default: none; the certificates hold on the whole space). The
+    first restart starts at ``x``, the others at a uniformly random point of the ball; the
+    iterate with the largest margin loss over all steps and restarts is kept for each
+    example (the attack is evaluated after every step, so more steps never weaken it).
+
+    Args:
+        radius: a scalar or one radius per example.
+        norm: ``"l2"`` or ``"linf"``.
+        step_size: default ``2.5 * radius / steps``.
+        batch_size: examples attacked at once.
+
+    Returns:
+        ``(x_adv, margin)``: the adversarial examples (numpy) and their margin loss;
+        ``margin >= 0`` means the attack changed the decision (or made a tie).
+    """
+    validation.choice("norm", norm, adversarial.NORMS)
+    steps = validation.count("steps", steps, minimum=1)
+    restarts = validation.count("restarts", restarts, minimum=1)
+    x = np.asarray(x, dtype=np.float32)
+    labels = _labels(y)
+    radius = np.broadcast_to(np.asarray(radius, dtype=np.float32), (len(x),))
+    rng = tf.random.Generator.from_seed(seed)
+
+    @tf.function(reduce_retracing=True)
+    def margin_and_gradient(points, labels):
+        with tf.GradientTape() as tape:
+            tape.watch(points)
+            margin = _margin_loss(model(points, training=False), labels)
+            total = tf.reduce_sum(margin)
+        return margin, tape.gradient(total, points)
+
+    out_x, out_margin = [], []
+    for i in range(0, len(x), batch_size):
+        xb = tf.constant(x[i : i + batch_size])
+        lb = tf.constant(labels[i : i + batch_size])
+        rb = _as_row_radius(radius[i : i + batch_size], xb.shape[0], len(xb.shape))
+        alpha = 2.5 * rb / steps if step_size is None else tf.cast(step_size, tf.float32)
+        best_x, best = _attack_batch(
+            margin_and_gradient, xb, lb, rb, norm, steps, alpha, restarts, rng, clip_values
+        )
+        out_x.append(best_x.numpy())
+        out_margin.append(best.numpy())
+    return np.concatenate(out_x), np.concatenate(out_margin)
+
+
+def _attack_batch(margin_and_gradient, x, labels, radius, norm, steps, alpha, restarts, rng, box):
+    shape = (x.shape[0],) + (1,) * (len(x.shape) - 1)
+    best, _ = margin_and_gradient(x, labels)
+    best_x = x
+    for restart in range(restarts):
+        if restart == 0:
+            delta = tf.zeros_like(x)
+        else:
+            delta = adversarial.random_start(x, norm, radius, generator=rng)
+        delta = adversarial.in_box(x, delta, box)
+        for _ in range(steps):
+            _, grad = margin_and_gradient(x + delta, labels)
+            delta = adversarial.pgd_step(delta, grad, norm, radius, alpha)
+            delta = adversarial.in_box(x, delta, box)
+            margin, _ = margin_and_gradient(x + delta, labels)
+            better = margin > best
+            best = tf.where(better, margin, best)
+            best_x = tf.where(tf.reshape(better, shape), x + delta, best_x)
+    return best_x, best
 
 
 def pgd_l2_attack(
     model, x, y, radius, steps: int = 50, step_size=None, restarts: int = 5, seed: int = 0
 ):
-    """Untargeted PGD within the ``l2`` ball of ``radius`` around each example.
+    """:func:`pgd_attack` with ``norm="l2"`` (the name of earlier releases)."""
+    return pgd_attack(model, x, y, radius, "l2", steps, step_size, restarts, seed)
 
-    Maximises the margin loss ``max_{j != y} f_j(x') - f_y(x')`` by normalised
-    gradient steps projected onto ``||x' - x|| <= radius`` (no box constraint: the
-    certificates hold on the whole space). The first restart starts at ``x``, the
-    others at a uniformly random point of the ball; the iterate with the largest
-    margin loss over all steps and restarts is kept for each example.
 
-    Args:
-        radius: a scalar or one radius per example.
-        step_size: default ``2.5 * radius / steps``.
+def robust_accuracy(
+    model, x, y, radii, norm="l2", steps=50, restarts=1, seed=0, clip_values=None
+) -> np.ndarray:
+    """Fraction of ``(x, y)`` still correctly classified after :func:`pgd_attack` at each
+    radius (clean accuracy at ``r = 0``). An *upper* bound on the true robust accuracy
+    (a stronger attack can only lower it); for a Lipschitz model the certified accuracy
+    is a lower bound, so ``certified <= robust`` at every ``l2`` radius."""
+    radii = np.atleast_1d(np.asarray(radii, dtype=np.float64))
+    if np.any(radii < 0):
+        raise ValueError("radii must be >= 0.")
+    labels = _labels(y)
+    result = []
+    for r in radii:
+        if r == 0:
+            result.append(float(np.mean(_predictions(predict_logits(model, x)) == labels)))
+            continue
+        _, margin = pgd_attack(
+            model, x, labels, r, norm, steps, None, restarts, seed, clip_values=clip_values
+        )
+        result.append(float(np.mean(margin < 0)))
+    return np.array(result)
 
-    Returns:
-        ``(x_adv, margin)``: the adversarial examples (numpy) and their margin loss;
-        ``margin > 0`` means the attack changed the decision.
+
+def robustness_curves(
+    model, x, y, radii, norms=("l2", "linf"), steps=50, restarts=1, seed=0, certified=None
+) -> dict:
+    """Clean, PGD-robust and (Lipschitz models) certified accuracy at each radius.
+
+    Returns ``{"radii": [...], "pgd_l2": [...], "pgd_linf": [...], "certified_l2": [...],
+    "certified_linf": [...]}`` (PGD keys for the ``norms`` asked). ``certified``: ``True``
+    for a lipdp (Lipschitz) model, ``False`` otherwise; default: whether the model has a
+    bound pass (``bounds``). The ``linf`` certificate uses the ``l2`` ball of radius ``r
+    sqrt(d)`` that contains the ``linf`` ball (:func:`lipdp.adversarial.matching_l2_radius`).
     """
-    x = tf.convert_to_tensor(np.asarray(x, dtype=np.float32))
-    labels = tf.convert_to_tensor(_labels(y))
-    n = x.shape[0]
-    shape = (n,) + (1,) * (len(x.shape) - 1)
-    radius = tf.reshape(tf.cast(np.broadcast_to(radius, (n,)), tf.float32), shape)
-    alpha = 2.5 * radius / steps if step_size is None else tf.cast(step_size, tf.float32)
-    rng = tf.random.Generator.from_seed(seed)
-    best_x = tf.identity(x)
-    best = _margin_loss(model(x, training=False), labels)
-    axes = list(range(1, len(x.shape)))
-    for restart in range(restarts):
-        if restart == 0:
-            delta = tf.zeros_like(x)
-        else:
-            direction = rng.normal(x.shape)
-            direction /= tf.sqrt(tf.reduce_sum(tf.square(direction), axis=axes, keepdims=True))
-            dim = float(np.prod(x.shape[1:]))
-            scale = tf.reshape(rng.uniform((n,)) ** (1.0 / dim), shape)
-            delta = direction * scale * radius
-        for _ in range(steps):
-            with tf.GradientTape() as tape:
-                tape.watch(delta)
-                total = tf.reduce_sum(_margin_loss(model(x + delta, training=False), labels))
-            grad = tape.gradient(total, delta)
-            norm = tf.sqrt(tf.reduce_sum(tf.square(grad), axis=axes, keepdims=True))
-            delta = _project_l2(delta + alpha * grad / tf.maximum(norm, 1e-12), radius)
-            loss = _margin_loss(model(x + delta, training=False), labels)
-            better = loss > best
-            best = tf.where(better, loss, best)
-            best_x = tf.where(tf.reshape(better, shape), x + delta, best_x)
-    return best_x.numpy(), best.numpy()
+    radii = [float(r) for r in np.atleast_1d(radii)]
+    curves = {"radii": radii}
+    for norm in norms:
+        curves[f"pgd_{norm}"] = robust_accuracy(
+            model, x, y, radii, norm, steps, restarts, seed
+        ).tolist()
+    if certified is None:
+        certified = callable(getattr(model, "bounds", None))
+    if certified:
+        lipschitz = lipschitz_constant(model)
+        logits = predict_logits(model, x)
+        dim = int(np.prod(np.asarray(x).shape[1:]))
+        curves["certified_l2"] = certified_accuracy_from_logits(
+            logits, y, radii, lipschitz
+        ).tolist()
+        if "linf" in norms:
+            wide = [adversarial.matching_l2_radius(r, dim) if r > 0 else 0.0 for r in radii]
+            curves["certified_linf"] = certified_accuracy_from_logits(
+                logits, y, wide, lipschitz
+            ).tolist()
+    return curves
+
+
+def plot_robustness_curves(curves: dict, ax=None, label: str | None = None):
+    """Accuracy against radius, one line per entry of :func:`robustness_curves` (PGD
+    solid, certified dashed). Returns the Axes."""
+    from lipdp.evaluation.calibration import new_figure
+
+    if ax is None:
+        ax = new_figure().add_subplot()
+    prefix = f"{label}: " if label else ""
+    for key, values in curves.items():
+        if key == "radii":
+            continue
+        style = "--" if key.startswith("certified") else "-"
+        ax.plot(curves["radii"], values, style, marker="o", label=prefix + key.replace("_", " "))
+    ax.set_xlabel("radius")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0.0, 1.0)
+    ax.legend()
+    return ax
 
 
 def empirical_lipschitz(
@@ -354,7 +476,11 @@ __all__ = [
     "certified_radius",
     "certified_accuracy",
     "certified_accuracy_from_logits",
+    "pgd_attack",
     "pgd_l2_attack",
+    "robust_accuracy",
+    "robustness_curves",
+    "plot_robustness_curves",
     "empirical_lipschitz",
     "ScaledAUC",
     "CertifiableAUROC",
