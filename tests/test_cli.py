@@ -152,7 +152,7 @@ def test_cli_trains_dp_sgd_with_bam_and_per_layer_clipping(capsys):
 
 def test_cli_trains_adversarially_in_both_families(capsys):
     """--adversarial-*: the PGD of the run is stated, kept in the data's range, and the
-    report notes it; epsilon is that of the same run without the attack."""
+    report notes it (epsilon unchanged: tests/test_adversarial.py)."""
     common = ["--dataset", "breast_cancer", "--quiet", "--epochs", "1", "--delta", "0.002"]
     attack = ["--adversarial-radius", "0.1", "--adversarial-norm", "linf"]
     attack += ["--adversarial-steps", "3", "--adversarial-mix", "0.5"]
@@ -162,10 +162,6 @@ def test_cli_trains_adversarially_in_both_families(capsys):
         described = "adversarial PGD linf radius 0.1, 3 steps of 0.0833, random start, mix 0.5"
         assert described in out and "box (-1.0, 1.0)" in out
         assert "note: adversarial training (PGD linf radius 0.1" in out
-        assert cli.main(["train", "--method", method, *common]) == 0
-        plain = capsys.readouterr().out
-        epsilon = [line for line in out.splitlines() if line.startswith("(epsilon")]
-        assert epsilon == [line for line in plain.splitlines() if line.startswith("(epsilon")]
 
 
 def test_cli_model_follows_the_method_flags():
