@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from lipdp import noise, validation
 from lipdp.accounting.plan import PrivacyPlan
+from lipdp.accounting.tuning import RandomSearch
 from lipdp.adversarial import PGD
 from lipdp.dynamic import DynamicClippingSpec
 from lipdp.metadata import DatasetMetadata
@@ -50,6 +51,11 @@ class DPParameters:
             training so that every privacy plan counts them (rule S11): a callback of
             :mod:`lipdp.dynamic` (e.g. ``LaplaceAdaptiveLossGradientClipping(ds, epsilon=
             0.5)``), its ``spec``, or ``None`` (no ``DP_ClipGradient(mode="dynamic")``).
+        hyperparameter_search: the :class:`~lipdp.accounting.tuning.RandomSearch` this run
+            was selected by (a random number of runs, the best kept; every run with these
+            parameters or fewer steps): its epsilon includes the search (RDP accountant).
+            ``None`` (default): the run alone (a search on the same data is then not
+            accounted for).
 
     Immutable (the model, its plan and its training step read the same values); use
     ``dataclasses.replace`` for a variant.
@@ -60,11 +66,13 @@ class DPParameters:
     delta: float
     non_private: bool = False
     dynamic_clipping: DynamicClippingSpec | None = None
+    hyperparameter_search: RandomSearch | None = None
 
     def __post_init__(self):
         validation.choice("noisify_strategy", self.noisify_strategy, NOISIFY_STRATEGIES)
         set_field = object.__setattr__  # normalisation of a frozen dataclass
         set_field(self, "dynamic_clipping", DynamicClippingSpec.coerce(self.dynamic_clipping))
+        set_field(self, "hyperparameter_search", RandomSearch.coerce(self.hyperparameter_search))
         sigma = validation.non_negative("noise_multiplier", self.noise_multiplier)
         set_field(self, "noise_multiplier", sigma)
         set_field(self, "non_private", bool(self.non_private))
@@ -89,6 +97,8 @@ class DPParameters:
         }
         if self.dynamic_clipping is not None:
             config["dynamic_clipping"] = self.dynamic_clipping.to_config()
+        if self.hyperparameter_search is not None:
+            config["hyperparameter_search"] = self.hyperparameter_search.to_config()
         return config
 
 
@@ -279,6 +289,7 @@ class PrivateModel(tf.keras.Model):
             other_releases=self._other_releases(metadata),
             non_private=params.non_private,
             noise_multiplier=params.noise_multiplier if not params.non_private else None,
+            search=params.hyperparameter_search,
         )
 
     def _other_releases(self, metadata) -> tuple:

@@ -95,6 +95,13 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
             "current weights; every step's noise followed the weights of that step, a "
             "function of earlier released iterates (post-processing, no privacy cost)."
         )
+    if plan.search is not None:
+        notes.append(
+            f"hyper-parameter search included: this run was selected by a "
+            f"{plan.search.describe()} (Papernot & Steinke, Theorem 2); valid if K was drawn "
+            "from that law, every run had these parameters (or fewer steps) and only the "
+            "selected run is released."
+        )
     adversarial = getattr(model, "adversarial", None)
     if adversarial is not None:
         notes.append(

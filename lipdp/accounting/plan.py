@@ -33,6 +33,7 @@ from lipdp.accounting.mechanisms import (
     noise_multiplier_list,
 )
 from lipdp.accounting.registry import get_accountant
+from lipdp.accounting.tuning import RandomSearch, search_epsilon
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class PrivacyPlan:
             variable for the ``"per-layer"`` strategy), for reports.
         noise_multiplier: the user's ``sigma`` they derive from (``sigma * nm_coef``).
         non_private: a reference run without noise (``epsilon = inf`` after any step).
+        search: a :class:`~lipdp.accounting.tuning.RandomSearch`: the run is the one
+            selected by a private hyper-parameter search of that many runs, each of these
+            releases; ``epsilon`` is the search's (RDP accountant only).
     """
 
     releases: tuple
@@ -61,8 +65,10 @@ class PrivacyPlan:
     noise_multiplier: float | None = None
     non_private: bool = False
     notes: tuple = field(default_factory=tuple)
+    search: RandomSearch | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "search", RandomSearch.coerce(self.search))
         object.__setattr__(self, "delta", validation.delta(self.delta))
         object.__setattr__(self, "releases", tuple(self.releases))
         object.__setattr__(self, "noise_multipliers", tuple(self.noise_multipliers))
@@ -79,12 +85,14 @@ class PrivacyPlan:
         other_releases=(),
         non_private=False,
         noise_multiplier=None,
+        search=None,
     ) -> PrivacyPlan:
         """The plan of DP-SGD: ``steps_per_epoch`` subsampled Gaussian steps per epoch
         (``sigma_eff`` of :func:`~lipdp.accounting.mechanisms.effective_noise_multiplier`
         of ``noise_multipliers``, rate ``sampling_rate``) and ``other_releases``.
         ``noise_multiplier``: the ``sigma`` the multipliers are proportional to (default:
-        the single multiplier)."""
+        the single multiplier). ``search``: the :class:`RandomSearch` the run was selected
+        by, if any."""
         steps_per_epoch = validation.count("steps_per_epoch", steps_per_epoch, 1)
         rate = validation.probability("sampling_rate", sampling_rate)
         if non_private:
@@ -97,7 +105,7 @@ class PrivacyPlan:
                 raise ValueError("noise_multiplier is needed with several noise multipliers.")
             noise_multiplier = sigmas[0]
         sigma = validation.positive("noise_multiplier", noise_multiplier)
-        return cls((steps, *other_releases), delta, tuple(sigmas), sigma)
+        return cls((steps, *other_releases), delta, tuple(sigmas), sigma, search=search)
 
     def with_noise_multiplier(self, sigma: float) -> PrivacyPlan:
         """The same plan with the user's ``sigma`` replaced (every multiplier of the
@@ -139,6 +147,14 @@ class PrivacyPlan:
             return 0.0
         if self.non_private:
             return math.inf
+        if self.search is not None:
+            if getattr(engine, "name", None) != "rdp":
+                raise ValueError(
+                    f"The cost of a hyper-parameter search is computed in RDP (Papernot & "
+                    f"Steinke); accountant={accountant!r} cannot account for it: use "
+                    "accountant='rdp'."
+                )
+            return search_epsilon(self.terms(epochs), self.delta, self.search)
         return float(engine.epsilon(self.terms(epochs), self.delta))
 
     def steps(self, epochs: int) -> int:
@@ -214,6 +230,8 @@ class PrivacyPlan:
         parts = [f"delta={self.delta:g}"]
         for r in self.releases:
             parts.append(f"{r.label}: {r.mechanism.describe()}")
+        if self.search is not None:
+            parts.append(self.search.describe())
         return "; ".join(parts)
 
 

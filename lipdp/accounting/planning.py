@@ -81,6 +81,7 @@ def calibrate_noise_multiplier(
     sigma_bounds=(0.1, 1000.0),
     dynamic_clipping=None,
     model=None,
+    search=None,
 ):
     """Smallest noise multiplier whose ``epsilon`` after ``epochs`` epochs is ``<= target``.
 
@@ -90,7 +91,9 @@ def calibrate_noise_multiplier(
     ``batch_size / nb_samples``, plus the ``dynamic_clipping`` releases, a legacy config
     dict or a :class:`~lipdp.dynamic.DynamicClippingSpec` for one dynamic clip layer), or
     from ``model=``: the model's own plan with its noise multiplier(s) rescaled (the
-    ``"per-layer"`` coefficients kept), dynamic clipping included. ``epsilon`` decreases
+    ``"per-layer"`` coefficients kept), dynamic clipping and a declared hyper-parameter
+    search included. ``search``: a :class:`~lipdp.accounting.tuning.RandomSearch` (numbers
+    only): the target is then the epsilon of the whole search. ``epsilon`` decreases
     with ``sigma``: the search brackets the answer by doubling/halving from ``sigma = 1``
     within ``sigma_bounds``, then bisects until the bracket is narrower than ``tol``.
 
@@ -109,7 +112,12 @@ def calibrate_noise_multiplier(
     tol = validation.positive("tol", tol)
     sigma_min = validation.positive("sigma_bounds[0]", sigma_bounds[0])
     sigma_max = validation.real("sigma_bounds[1]", sigma_bounds[1], low=sigma_min)
-    plan_for = _plan_family(model, batch_size, nb_samples, delta, dynamic_clipping)
+    if model is not None and search is not None:
+        raise ValueError(
+            "search= is for the numbers form; a model declares its search in "
+            "DPParameters(hyperparameter_search=...)."
+        )
+    plan_for = _plan_family(model, batch_size, nb_samples, delta, dynamic_clipping, search)
 
     def epsilon(sigma):
         return plan_for(sigma).epsilon(epochs, accountant)
@@ -126,7 +134,7 @@ def calibrate_noise_multiplier(
     return _smallest_sigma(epsilon, target, sigma_min, sigma_max, tol, unreachable)
 
 
-def _plan_family(model, batch_size, nb_samples, delta, dynamic_clipping):
+def _plan_family(model, batch_size, nb_samples, delta, dynamic_clipping, search=None):
     """``sigma -> PrivacyPlan`` for the calibration search."""
     if model is not None:
         return privacy_plan_of(model).with_noise_multiplier
@@ -148,6 +156,7 @@ def _plan_family(model, batch_size, nb_samples, delta, dynamic_clipping):
             steps_per_epoch=per_epoch,
             delta=delta,
             other_releases=others,
+            search=search,
         )
 
     return plan_for
