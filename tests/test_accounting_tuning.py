@@ -135,3 +135,55 @@ def test_model_report_and_calibration_include_the_search():
     )
     assert plan.epsilon(5) <= 3.0
     assert plan.terms(5) == ((SubsampledGaussian(whole, 256 / 60_000), 5 * (60_000 // 256)),)
+
+
+# ------------------------------------------------------------------ the search driver
+def _trained(sigma, lr, rng):
+    """A small clipped model trained for one epoch (8 steps) on random data."""
+    from tests.test_dpsgd import _batch
+
+    model = _model(sigma=sigma, n=64, lr=lr)
+    x, y = _batch(rng, n=64)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    return model
+
+
+def test_private_random_search_selects_the_best_run_and_declares_the_search(rng):
+    """K comes from the law (the same seeded draw), every run is trained, the best score
+    wins, and the selected model's epsilon and report are those of the whole search."""
+    from lipdp.accounting import get_eps_delta
+    from lipdp.tuning import private_random_search
+
+    search = RandomSearch(3.0)
+    expected_runs = search.sample(np.random.default_rng(5))
+    rates = [0.01, 0.1, 0.5, 1.0]
+
+    def sample(generator):
+        return float(generator.choice(rates))
+
+    def train(lr):
+        return _trained(1.0, lr, rng), -abs(lr - 0.1)  # a public score: closest to 0.1
+
+    result = private_random_search(train, sample, search, np.random.default_rng(5))
+    assert result.runs == expected_runs == len(result.scores)
+    assert result.score == max(score for _, score in result.scores)
+    assert result.config == max(result.scores, key=lambda item: item[1])[0]
+    assert result.model.dp_parameters.hyperparameter_search == search
+    alone = _trained(1.0, 0.1, rng)
+    assert get_eps_delta(result.model, 1)[0] > get_eps_delta(alone, 1)[0]
+    assert "hyper-parameter search included" in str(privacy_report(result.model))
+
+
+def test_private_random_search_refuses_runs_of_another_mechanism(rng):
+    """A configuration that changes the noise multiplier is another mechanism: refused."""
+    from lipdp.tuning import private_random_search
+
+    sigmas = iter([1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+
+    def train(_):
+        return _trained(next(sigmas), 0.1, rng), 0.0
+
+    search = RandomSearch(50.0)
+    assert search.sample(np.random.default_rng(0)) >= 2  # the second run happens
+    with pytest.raises(ValueError, match="same mechanism"):
+        private_random_search(train, lambda g: None, search, np.random.default_rng(0))
