@@ -19,7 +19,8 @@ the ball, ``steps`` ascent steps on the row's loss ``ell(f(x_i + delta), y_i)``,
 ``g`` the gradient of the row's loss with respect to its input, ``alpha`` the step size
 (``2.5 r / steps`` by default). With ``clip_values=(lo, hi)`` the point is also kept in
 the box: ``delta <- clip(x + delta, lo, hi) - x``, which never moves a coordinate farther
-from ``x`` (for ``x`` in the box), so the result stays in the ball.
+from ``x`` (for ``x`` in the box), so the result stays in the ball (for ``x`` outside the
+box, the ball projection that follows keeps ``||delta|| <= r``).
 
 Why adversarial training keeps the privacy guarantee
 ----------------------------------------------------
@@ -115,12 +116,15 @@ def random_start(x, norm, radius, generator=None):
     return direction * scale * radius
 
 
-def in_box(x, delta, clip_values):
-    """``delta`` such that ``x + delta`` lies in the box ``clip_values`` (if any)."""
+def in_box(x, delta, clip_values, norm, radius):
+    """``delta`` moved so that ``x + delta`` lies in the box ``clip_values`` (if any), then
+    projected on the ball. For ``x`` in the box the box step never lengthens ``delta`` and
+    the projection does nothing; for ``x`` outside it (data outside its declared range)
+    the ball wins: ``||delta|| <= radius`` always holds."""
     if clip_values is None:
         return delta
     low, high = clip_values
-    return tf.clip_by_value(x + delta, low, high) - x
+    return project(tf.clip_by_value(x + delta, low, high) - x, norm, radius)
 
 
 def pgd_step(delta, grad, norm, radius, step_size):
@@ -232,7 +236,7 @@ class PGD:
         clean = tf.where(mask, x, tf.zeros_like(x))
         delta = random_start(clean, self.norm, self.radius) if self.random_start else None
         delta = tf.zeros_like(clean) if delta is None else delta
-        delta = in_box(clean, delta, self.clip_values)
+        delta = in_box(clean, delta, self.clip_values, self.norm, self.radius)
 
         def step(i, delta):
             with tf.GradientTape() as tape:
@@ -242,7 +246,7 @@ class PGD:
             grad = tf.zeros_like(delta) if grad is None else grad
             grad = tf.where(tf.math.is_finite(grad), grad, tf.zeros_like(grad))
             delta = pgd_step(delta, grad, self.norm, self.radius, self.alpha)
-            return i + 1, in_box(clean, delta, self.clip_values)
+            return i + 1, in_box(clean, delta, self.clip_values, self.norm, self.radius)
 
         _, delta = tf.while_loop(
             lambda i, _: i < self.steps, step, (tf.constant(0), delta), parallel_iterations=1

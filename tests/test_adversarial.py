@@ -66,6 +66,16 @@ def test_training_attack_stays_in_the_ball_and_the_box(norm, rng):
         assert np.all((x_adv >= 0) & (x_adv <= 1))
     direction = w.numpy() / np.linalg.norm(w) if norm == "l2" else np.sign(w.numpy())
     np.testing.assert_allclose(moved, np.tile(-r * direction, (n, 1)), atol=1e-5)
+    # Data outside its declared range: the ball still holds (the box cannot).
+    outside = x + 2.0
+    moved = (
+        PGD(r, norm, steps=5, clip_values=(0.0, 1.0))
+        .perturb(_linear_row_losses(w, y), outside)
+        .numpy()
+        - outside
+    )
+    sizes = np.abs(moved).max(1) if norm == "linf" else np.linalg.norm(moved, axis=1)
+    assert np.all(sizes <= r * (1 + 1e-5)) and np.all(sizes > 0.5 * r)
 
 
 def test_attack_of_a_row_does_not_depend_on_the_other_rows(rng):

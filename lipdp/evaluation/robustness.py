@@ -248,11 +248,11 @@ def _attack_batch(margin_and_gradient, x, labels, radius, norm, steps, alpha, re
             delta = tf.zeros_like(x)
         else:
             delta = adversarial.random_start(x, norm, radius, generator=rng)
-        delta = adversarial.in_box(x, delta, box)
+        delta = adversarial.in_box(x, delta, box, norm, radius)
         for _ in range(steps):
             _, grad = margin_and_gradient(x + delta, labels)
             delta = adversarial.pgd_step(delta, grad, norm, radius, alpha)
-            delta = adversarial.in_box(x, delta, box)
+            delta = adversarial.in_box(x, delta, box, norm, radius)
             margin, _ = margin_and_gradient(x + delta, labels)
             better = margin > best
             best = tf.where(better, margin, best)
