@@ -153,6 +153,13 @@ class PGD:
             and backward pass.
         clip_values: ``(low, high)``: keep ``x'`` in this box (e.g. ``(0, 1)`` for
             pixels); ``None`` (default): no box.
+        trades_beta: ``beta > 0`` for the TRADES loss of Zhang et al. (2019), row ``i``'s
+            loss ``ell(f(x_i), y_i) + beta KL(p(x_i) || p(x'_i))`` (``p``: softmax of the
+            logits), ``x'_i`` maximising the KL term (random start required) — clipped
+            family only, with ``gradient_method="jacobian"`` (the loss couples two
+            forward passes of the row); ``mix`` is then unused. The clipless family
+            refuses it: the KL term's gradient with respect to the clean logits, ``p_k
+            (log p_k - log q_k - KL)``, has no bound. ``None`` (default): no TRADES.
     """
 
     radius: float
@@ -162,6 +169,7 @@ class PGD:
     random_start: bool = True
     mix: float = 1.0
     clip_values: tuple | None = None
+    trades_beta: float | None = None
 
     def __post_init__(self):
         set_field = object.__setattr__  # normalisation of a frozen dataclass
@@ -181,6 +189,12 @@ class PGD:
                     f"{self.clip_values!r}."
                 )
             set_field(self, "clip_values", (low, high))
+        if self.trades_beta is not None:
+            set_field(self, "trades_beta", validation.positive("PGD trades_beta", self.trades_beta))
+            if not self.random_start:
+                raise ValueError(
+                    "TRADES needs random_start=True: the KL term and its gradient are 0 at x."
+                )
 
     @property
     def alpha(self) -> float:
@@ -207,14 +221,16 @@ class PGD:
             "random_start": self.random_start,
             "mix": self.mix,
             "clip_values": None if self.clip_values is None else list(self.clip_values),
+            "trades_beta": self.trades_beta,
         }
 
     def describe(self) -> str:
         """One line for logs and reports."""
         box = "" if self.clip_values is None else f", box {self.clip_values}"
+        loss = f"TRADES beta {self.trades_beta:g}" if self.trades_beta else f"mix {self.mix:g}"
         return (
             f"PGD {self.norm} radius {self.radius:g}, {self.steps} steps of {self.alpha:.3g}"
-            f"{', random start' if self.random_start else ''}, mix {self.mix:g}{box}"
+            f"{', random start' if self.random_start else ''}, {loss}{box}"
         )
 
     def perturb(self, row_losses, x):
@@ -254,6 +270,13 @@ class PGD:
         return tf.stop_gradient(tf.where(mask, clean + delta, x))
 
 
+def softmax_kl(clean_logits, adversarial_logits):
+    """``KL(p || q)`` per row, ``p`` and ``q`` the softmax of the two logits (TRADES)."""
+    log_p = tf.nn.log_softmax(clean_logits, axis=-1)
+    log_q = tf.nn.log_softmax(adversarial_logits, axis=-1)
+    return tf.reduce_sum(tf.exp(log_p) * (log_p - log_q), axis=-1)
+
+
 def matching_l2_radius(linf_radius: float, dim: int) -> float:
     """``r sqrt(d)``: the ``l2`` ball that contains the ``linf`` ball of radius ``r`` in
     ``d`` dimensions (a Lipschitz certificate at that ``l2`` radius covers every ``linf``
@@ -272,4 +295,5 @@ __all__ = [
     "pgd_step",
     "project",
     "random_start",
+    "softmax_kl",
 ]

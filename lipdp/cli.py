@@ -252,6 +252,14 @@ def _add_run_arguments(parser) -> None:
         "(default 1: adversarial examples only)",
     )
     parser.add_argument(
+        "--trades",
+        type=_positive_float,
+        default=None,
+        metavar="BETA",
+        help="with --adversarial-radius, dp-sgd and --gradient-method jacobian only: the "
+        "TRADES loss CE(x) + BETA KL(p(x) || p(x')) (replaces --adversarial-mix)",
+    )
+    parser.add_argument(
         "--seed",
         type=_seed,
         default=0,
@@ -547,6 +555,8 @@ def _adversarial(args):
     from lipdp.adversarial import PGD
 
     if args.adversarial_radius is None:
+        if args.trades is not None:
+            raise ValueError("--trades needs --adversarial-radius R (the ball of its attack).")
         return None
     return PGD(
         args.adversarial_radius,
@@ -554,6 +564,7 @@ def _adversarial(args):
         steps=args.adversarial_steps,
         mix=args.adversarial_mix,
         clip_values=FEATURE_RANGES[args.dataset],
+        trades_beta=args.trades,
     )
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from lipdp import noise, validation
+from lipdp.adversarial import softmax_kl
 from lipdp.bounds import ROUNDOFF_SLACK
 from lipdp.per_example import (
     GRADIENT_METHODS,
@@ -332,6 +333,14 @@ class DPSGD_Model(PrivateModel):
 
     _check_layers = staticmethod(check_keras_layers)
 
+    def _check_adversarial(self, pgd) -> None:
+        if pgd.trades_beta is not None and self.gradient_method != "jacobian":
+            raise ValueError(
+                "TRADES couples two forward passes of each example (its KL term): it needs "
+                "DPSGD_Sequential(..., gradient_method='jacobian'); ghost norms cover losses "
+                "of one row."
+            )
+
     # ----------------------------------------------------------------- sensitivity
     def weighted_layers(self) -> list:
         """The layers with trainable variables, forward order (one clip radius each under
@@ -420,38 +429,51 @@ class DPSGD_Model(PrivateModel):
             return self._clipped_sum(x, y, finite)
         return self._adversarial_clipped_sum(x, y, finite)
 
-    def _clipped_sum(self, x, y, finite):
-        """:meth:`clipped_gradient_sum` of rows already neutralised (S9)."""
+    def _clipped_sum(self, x, y, finite, row_weights=None, losses=None):
+        """:meth:`clipped_gradient_sum` of rows already neutralised (S9), at DP-SAT's
+        ascent point if asked (arguments of :meth:`_clipped_sum_at`)."""
+
+        def compute():
+            return self._clipped_sum_at(x, y, finite, row_weights, losses)
+
         if self.ascent is not None and self.ascent.mode == "dp-sat":
-            return self._at_dp_sat_point(lambda: self._clipped_sum_at(x, y, finite))
-        return self._clipped_sum_at(x, y, finite)
+            return self._at_dp_sat_point(compute)
+        return compute()
 
     def _adversarial_clipped_sum(self, x, y, finite):
         """The clipped sum of adversarial training (:mod:`lipdp.adversarial`): rows
-        replaced by their adversarial versions (``mix = 1``), or clean and adversarial
-        rows clipped separately and weighted ``1 - mix`` and ``mix`` (``||.|| <= R``).
-        Returns ``(sum, predictions on the adversarial rows)``."""
+        replaced by their adversarial versions (``mix = 1``), clean and adversarial rows
+        clipped separately and weighted ``1 - mix`` and ``mix`` (``||.|| <= R``), or one
+        TRADES loss per example over both (clipped as one row). Returns ``(sum,
+        predictions on the adversarial rows)``."""
         x_adv = self.adversarial_examples(x, y)
+        rows = tf.shape(finite)[0]
+        both = tf.concat([x, x_adv], 0)
+        beta = self.adversarial.trades_beta
+        if beta is not None:
+
+            def trades(y_pred):
+                clean, adversarial = y_pred[:rows], y_pred[rows:]
+                return self.per_example_losses(y, clean) + beta * softmax_kl(clean, adversarial)
+
+            summed, y_pred = self._clipped_sum(both, y, finite, losses=trades)
+            return summed, y_pred[rows:]
         w = self.adversarial.mix
         if w == 1.0:
             return self._clipped_sum(x_adv, y, finite)
-        rows = tf.shape(finite)[0]
         weights = tf.concat([tf.fill([rows], 1.0 - w), tf.fill([rows], w)], axis=0)
-        both = (tf.concat([x, x_adv], 0), tf.concat([y, y], 0), tf.concat([finite, finite], 0))
-        summed, y_pred = self._clipped_sum_weighted(*both, weights)
+        labels, keep = tf.concat([y, y], 0), tf.concat([finite, finite], 0)
+        summed, y_pred = self._clipped_sum(both, labels, keep, row_weights=weights)
         return summed, y_pred[rows:]
 
-    def _clipped_sum_weighted(self, x, y, finite, weights):
-        if self.ascent is not None and self.ascent.mode == "dp-sat":
-            compute = lambda: self._clipped_sum_at(x, y, finite, weights)  # noqa: E731
-            return self._at_dp_sat_point(compute)
-        return self._clipped_sum_at(x, y, finite, weights)
+    def _clipped_sum_at(self, x, y, finite, row_weights=None, losses=None):
+        """``(sum_i w_i C_i g_i, y_pred)``; ``row_weights`` ``w_i`` (default 1);
+        ``losses(y_pred)``: the per-example losses (default: the compiled loss of each
+        row; TRADES pairs the rows of ``x``, jacobian method only)."""
+        if losses is None:
 
-    def _clipped_sum_at(self, x, y, finite, row_weights=None):
-        """``(sum_i w_i C_i g_i, y_pred)``; ``row_weights`` ``w_i`` (default 1)."""
-
-        def losses(y_pred):
-            return self.per_example_losses(y, y_pred)
+            def losses(y_pred):
+                return self.per_example_losses(y, y_pred)
 
         facts = per_example_gradients(self, x, losses, self.gradient_method)
         y_pred = facts.y_pred

@@ -166,6 +166,14 @@ class DP_Model(PrivateModel):
     def _check_loss(self, loss) -> None:
         check_loss(loss)
 
+    def _check_adversarial(self, pgd) -> None:
+        if pgd.trades_beta is not None:
+            raise ValueError(
+                "TRADES is not available for clipless models: the gradient of its KL term with "
+                "respect to the clean logits, p_k (log p_k - log q_k - KL), has no bound. Use "
+                "PGD(..., mix=w) (adversarial loss), or the clipped family (DPSGD_Sequential)."
+            )
+
     # ------------------------------------------------------------------ bounds
     def bounds(self):
         """The one bound pass (:func:`lipdp.bounds.bound_pass`) from the compiled loss."""

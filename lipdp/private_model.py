@@ -28,7 +28,7 @@ import tensorflow as tf
 from lipdp import noise, validation
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.tuning import RandomSearch
-from lipdp.adversarial import PGD
+from lipdp.adversarial import PGD, softmax_kl
 from lipdp.dynamic import DynamicClippingSpec
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
@@ -177,8 +177,14 @@ class PrivateModel(tf.keras.Model):
 
     @adversarial.setter
     def adversarial(self, value):
-        self._adversarial = PGD.coerce(value)
+        value = PGD.coerce(value)
+        if value is not None:
+            self._check_adversarial(value)
+        self._adversarial = value
         self.train_function = None  # a step traced without (or with another) attack
+
+    def _check_adversarial(self, pgd) -> None:
+        """Refuse an attack the family cannot bound (hook; everything by default)."""
 
     def forward(self, inputs, training=None, observe=None, apply=None, loss_weight=1.0):
         """The one forward loop over ``dp_layers``.
@@ -311,8 +317,16 @@ class PrivateModel(tf.keras.Model):
         if self.adversarial is None:
             raise ValueError("The model has no adversarial=PGD(...) option.")
 
-        def row_losses(inputs):
-            return self.per_example_losses(y, self(inputs, training=False))
+        if self.adversarial.trades_beta is not None:  # TRADES: ascend KL(p(x) || p(x'))
+            clean = tf.stop_gradient(self(x, training=False))
+
+            def row_losses(inputs):
+                return softmax_kl(clean, self(inputs, training=False))
+
+        else:
+
+            def row_losses(inputs):
+                return self.per_example_losses(y, self(inputs, training=False))
 
         return self.adversarial.perturb(row_losses, x)
 

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from lipdp.accounting import get_eps_delta
-from lipdp.adversarial import PGD, matching_l2_radius
+from lipdp.adversarial import PGD, matching_l2_radius, softmax_kl
 from lipdp.bounds import ROUNDOFF_SLACK
 from lipdp.dpsgd import Clipping
 from lipdp.evaluation import robustness
@@ -359,3 +359,70 @@ def test_certified_accuracy_never_exceeds_pgd_accuracy(trained, digits, tmp_path
     ax = robustness.plot_robustness_curves(curves, label="digits")
     ax.figure.savefig(tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------ TRADES
+def _trades_reference(model, x, x_adv, y, beta, clip):
+    """One GradientTape per example on CE(f(x_i)) + beta KL(p(x_i) || p(x'_i)), clipped to
+    ``clip``, summed (numpy softmax and KL: no lipdp code)."""
+    total = [np.zeros(v.shape) for v in model.trainable_variables]
+    for xi, ai, yi in zip(x, x_adv, y):
+        with tf.GradientTape() as tape:
+            clean, adv = model(xi[None]), model(ai[None])
+            log_p, log_q = tf.nn.log_softmax(clean), tf.nn.log_softmax(adv)
+            ce = -tf.reduce_sum(yi[None] * log_p)
+            kl = tf.reduce_sum(tf.exp(log_p) * (log_p - log_q))
+            loss = ce + beta * kl
+        grads = [
+            g.numpy().astype("float64") for g in tape.gradient(loss, model.trainable_variables)
+        ]
+        norm = np.sqrt(sum(np.sum(g**2) for g in grads))
+        total = [t + min(1.0, clip / norm) * g for t, g in zip(total, grads)]
+    return total
+
+
+def test_trades_sum_equals_a_naive_loop_and_stays_within_r(rng):
+    """Clipped TRADES: the model's clipped sum equals a per-example loop over the coupled
+    loss (adversarial points fixed), and one example's contribution stays within R as its
+    input grows."""
+    clip, beta = 0.3, 6.0
+    model = _model(clip=clip, method="jacobian")
+    model.adversarial = PGD(0.5, steps=3, trades_beta=beta)
+    x, y = _batch(rng)
+    x_adv = x + rng.normal(scale=0.3, size=x.shape).astype("float32")
+    model.adversarial_examples = lambda inputs, labels: inputs + (x_adv - x)[: len(inputs)]
+    summed, _, _ = model.clipped_gradient_sum(x, y)
+    expected = _trades_reference(model, x, x_adv, y, beta, clip)
+    for got, want in zip(summed, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=2e-4, atol=2e-6)
+    worst = 0.0
+    for scale in (1.0, 10.0, 100.0):
+        row = scale * x[:1]
+        with_row, _, _ = model.clipped_gradient_sum(np.concatenate([row, x[1:]]), y)
+        without = _trades_reference(model, x[1:], x_adv[1:], y[1:], beta, clip)
+        change = np.sqrt(sum(np.sum((a.numpy() - b) ** 2) for a, b in zip(with_row, without)))
+        worst = max(worst, change)
+        assert change <= clip * (1 + 1e-4)
+    assert worst > 0.25
+
+
+def test_trades_attack_ascends_the_kl_and_is_refused_where_unbounded(rng):
+    """The TRADES attack raises KL(p(x) || p(x')) above that of a random point of the same
+    ball; clipless models, ghost norms and a fixed start are refused with the fix."""
+    model = _model(method="jacobian")
+    model.adversarial = PGD(1.0, steps=10, trades_beta=1.0)
+    x, y = _batch(rng, n=64)
+    clean = model(x)
+    attacked = model.adversarial_examples(x, y)
+    noise = rng.normal(size=x.shape).astype("float32")
+    noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+    assert np.mean(softmax_kl(clean, model(attacked))) > 3 * np.mean(
+        softmax_kl(clean, model(x + noise))
+    )
+    clipless, _, _ = cases.LAYER_CASES["ClipGradient(tail)"]()
+    with pytest.raises(ValueError, match="no bound"):
+        clipless.adversarial = PGD(0.5, trades_beta=1.0)
+    with pytest.raises(ValueError, match="gradient_method='jacobian'"):
+        _model().adversarial = PGD(0.5, trades_beta=1.0)
+    with pytest.raises(ValueError, match="random_start=True"):
+        PGD(0.5, trades_beta=1.0, random_start=False)

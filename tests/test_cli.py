@@ -76,6 +76,15 @@ def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
             "--clipping global needs --clip-threshold Z",
         ),
         (["train", "--bam", "0.1"], "--bam applies to --method dp-sgd only"),
+        (["train", "--trades", "2"], "--trades needs --adversarial-radius R"),
+        (
+            ["train", "--adversarial-radius", "0.1", "--trades", "2"],
+            "TRADES is not available for clipless models",
+        ),
+        (
+            ["train", "--method", "dp-sgd", "--adversarial-radius", "0.1", "--trades", "2"],
+            "TRADES couples two forward passes",
+        ),
     ],
 )
 def test_runtime_errors_are_one_line(argv, message, capsys):
