@@ -20,6 +20,7 @@ from lipdp.layers.residual import (
     DP_WrappedResidual,
     make_residuals,
 )
+from lipdp.layers.scattering import DP_ScatteringTransform
 from lipdp.layers.shapes import DP_Flatten, DP_Permute, DP_Reshape
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "DP_Permute",
     "DP_LayerCentering",
     "DP_GroupNormalization",
+    "DP_ScatteringTransform",
     "DP_AddBias",
     "DP_ClipGradient",
     "DP_Lambda",
