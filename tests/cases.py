@@ -94,6 +94,20 @@ LAYER_CASES = {
         ],
         VEC,
     ),
+    # Scattering: no weights; the layers after it see its certified constant as their input
+    # bound and their cotangents flow back through it.
+    "ScatteringTransform(reflect,J1)+conv": lambda: build(
+        [L.DP_ScatteringTransform(J=1, L=4, padding="reflect")] + conv_stem() + dense_head(), IMG
+    ),
+    "ScatteringTransform(zeros,J2)+GN": lambda: build(
+        [
+            L.DP_ScatteringTransform(J=2, L=3, padding="zeros"),
+            L.DP_GroupNormalization(groups=4, alpha=0.05),
+            L.DP_Flatten(),
+            L.DP_QuickSpectralDense(NB_CLASSES),
+        ],
+        (8, 8, 1),
+    ),
     "ScaledL2NormPooling2D(same)": lambda: build(
         conv_stem() + [L.DP_ScaledL2NormPooling2D(2, padding="same")] + dense_head(), (5, 5, 2)
     ),

@@ -29,6 +29,7 @@ SMALL = {
     "mlp_mixer": ((8, 8, 1), 5.0, 10, {"channels": 8}),
     "lip_mlp": ((9,), 3.0, 2, {"width": 8}),
     "lip_convnet": ((8, 8, 1), 5.0, 10, {"widths": (4, 8), "dense": 8}),
+    "scattering_net": ((12, 12, 1), 5.0, 10, {"J": 2, "L": 4, "groups": None, "widths": (4,)}),
 }
 
 
@@ -86,6 +87,7 @@ def test_registry_holds_every_builder():
         "mlp_mixer": zoo.mlp_mixer,
         "lip_mlp": zoo.lip_mlp,
         "lip_convnet": zoo.lip_convnet,
+        "scattering_net": zoo.scattering_net,
     }
 
 
@@ -106,12 +108,14 @@ def test_every_registry_entry_builds_a_1_lipschitz_classifier(name):
     # output norm is at most the input bound (a bias adds its radius: tabular_mlp).
     # (lip_*: norm-adaptive, orthogonal initial kernels projected into the spectral ball
     # of radius 1 with its 1e-3 margin: each kernel's norm is 1 / 1.001.)
+    # scattering_net: the scattering transform's certified constant, the rest 1-Lipschitz.
     tolerance = 5e-3 if name.startswith("lip_") else 1e-6
-    assert lipschitz_constant(model) == pytest.approx(1.0, rel=tolerance)
-    assert lipschitz_constant(model) <= 1.0 + 1e-6
+    lip = model.dp_layers[1].lipschitz if name == "scattering_net" else 1.0
+    assert lipschitz_constant(model) == pytest.approx(lip, rel=tolerance)
+    assert lipschitz_constant(model) <= lip * (1.0 + 1e-6)
     output_bound = model.input_bounds()[1]
     extra = 2 * 1.0 if name == "tabular_mlp" else 0.0  # two bias balls of radius 1
-    assert float(output_bound) == pytest.approx(bound + extra, rel=tolerance)
+    assert float(output_bound) == pytest.approx(lip * bound + extra, rel=tolerance)
 
 
 def test_build_model_refuses_an_unknown_name():

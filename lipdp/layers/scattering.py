@@ -23,6 +23,13 @@ def _modulus(z):
     return tf.where(positive, tf.sqrt(safe), tf.zeros_like(squared))
 
 
+def _as_complex(x):
+    """``x + 0i`` (``tf.cast`` to complex warns in its gradient, which drops the
+    imaginary part; ``tf.complex`` has the same gradient without the warning)."""
+    x = tf.cast(x, tf.float32)
+    return tf.complex(x, tf.zeros_like(x))
+
+
 def _decimate(z, k):
     """Spatial decimation by ``k`` of ``z`` (rows, n, m) given in the Fourier domain:
     the mean of the ``k^2`` aliases of each frequency."""
@@ -135,7 +142,7 @@ class DP_ScatteringTransform(tf.keras.layers.Layer, DPLayer):
         images = tf.reshape(tf.transpose(inputs, [0, 3, 1, 2]), [-1, height, width])
         mode = "REFLECT" if self.padding == "reflect" else "CONSTANT"
         images = tf.pad(images, [[0, 0], list(self._pads[0]), list(self._pads[1])], mode=mode)
-        spectrum = tf.signal.fft2d(tf.cast(images, tf.complex64))
+        spectrum = tf.signal.fft2d(_as_complex(images))
         coefficients = self._scatter(spectrum)  # (batch * channels, K, h', w')
         per_channel = wavelets.coefficients_per_channel(self.J, self.L, self.max_order)
         per_example = tf.reshape(
@@ -152,7 +159,7 @@ class DP_ScatteringTransform(tf.keras.layers.Layer, DPLayer):
         """``FFT |(u * psi_{j, .}) down 2^(j - res)|`` for a signal at resolution ``res``:
         (rows * L, n, m), row ``r * L + theta``."""
         filtered = _decimate(_filter_rows(spectrum, self._psi[j][res]), 2 ** (j - res))
-        return tf.signal.fft2d(tf.cast(_modulus(tf.signal.ifft2d(filtered)), tf.complex64))
+        return tf.signal.fft2d(_as_complex(_modulus(tf.signal.ifft2d(filtered))))
 
     def _scatter(self, spectrum):
         rows = tf.shape(spectrum)[0]
