@@ -208,6 +208,14 @@ def _add_run_arguments(parser) -> None:
         help="alpha of the group normalisation (the layer is 1/alpha-Lipschitz; default 1)",
     )
     parser.add_argument(
+        "--scattering",
+        action="store_true",
+        help="images: a scattering front-end (Kymatio's J=2, L=8, no weights, certified "
+        "Lipschitz constant), a group normalisation (--group-norm groups, default 27 per "
+        "channel; alpha 1e-4) and a linear head (zoo.scattering_net; with dp-sgd the same "
+        "layers and a Dense head)",
+    )
+    parser.add_argument(
         "--averaging",
         type=_decay,
         default=None,
@@ -343,9 +351,26 @@ def _load(name, data_dir):
     return datasets.load_fashion_mnist(data_dir)
 
 
-def _architecture(dataset, method, weight_norm_bound, group_norm, alpha):
+#: alpha of the group normalisation after the scattering front-end (--scattering): its
+#: coefficients are small, and every group should be scaled to unit variance.
+SCATTERING_ALPHA = 1e-4
+
+
+def _scattering_groups(group_norm, channels) -> int:
+    return group_norm or 27 * channels  # 81 coefficients per channel: groups of 3
+
+
+def _architecture(dataset, method, weight_norm_bound, group_norm, alpha, scattering=False):
     """``(zoo name, builder options)`` of the CLI's network for these options."""
     adaptive = method == "lip-dp-sgd"
+    if scattering:
+        return "scattering_net", dict(
+            weight_norm_bound=weight_norm_bound,
+            adaptive_norm=adaptive,
+            constraint="spectral",
+            groups=_scattering_groups(group_norm, 1),
+            alpha=SCATTERING_ALPHA,
+        )
     ball = dict(
         weight_norm_bound=weight_norm_bound,
         adaptive_norm=adaptive,
@@ -363,10 +388,24 @@ def _architecture(dataset, method, weight_norm_bound, group_norm, alpha):
     )
 
 
-def _keras_layers(dataset, input_shape, nb_classes):
+def _keras_layers(dataset, input_shape, nb_classes, scattering=False, group_norm=None):
     """The network of ``--method dp-sgd``: ordinary Keras layers of the same size as the
-    Lipschitz networks (tanh, as the tempered-sigmoid CNNs of DP-SGD; no batch norm)."""
+    Lipschitz networks (tanh, as the tempered-sigmoid CNNs of DP-SGD; no batch norm), or
+    with ``scattering`` the weightless scattering front-end and a Dense head."""
     import tensorflow as tf
+
+    if scattering:
+        from lipdp import layers
+
+        return [
+            tf.keras.layers.InputLayer(input_shape=input_shape),
+            layers.DP_ScatteringTransform(padding="zeros", name="scattering"),
+            layers.DP_GroupNormalization(
+                _scattering_groups(group_norm, input_shape[-1]), SCATTERING_ALPHA
+            ),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(nb_classes),
+        ]
 
     if dataset == "breast_cancer":
         return [
@@ -398,6 +437,7 @@ def cli_model(
     ascent=None,
     gradient_method="ghost",
     adversarial=None,
+    scattering=False,
 ):
     """The compiled model of ``lipdp train`` / ``evaluate`` and its training arrays.
 
@@ -410,8 +450,9 @@ def cli_model(
     the remainder (rule S5). ``method="dp-sgd"``: :func:`_keras_layers` trained by
     :class:`lipdp.dpsgd.DPSGD_Sequential` with ``clipping``, ``ascent`` and
     ``gradient_method``. ``adversarial``: a :class:`lipdp.adversarial.PGD` for adversarial
-    training (either method). Returns ``(model, x_train, y_train)``. Benchmarks and tests that
-    study "the CLI's model" build it here.
+    training (either method). ``scattering``: :func:`lipdp.zoo.scattering_net` (or its
+    Keras counterpart for dp-sgd) on images. Returns ``(model, x_train, y_train)``.
+    Benchmarks and tests that study "the CLI's model" build it here.
     """
     import numpy as np
     import tensorflow as tf
@@ -436,7 +477,7 @@ def cli_model(
         from lipdp.dpsgd import Clipping, DPSGD_Sequential
 
         model = DPSGD_Sequential(
-            _keras_layers(dataset, metadata.input_shape, data.nb_classes),
+            _keras_layers(dataset, metadata.input_shape, data.nb_classes, scattering, group_norm),
             dp_parameters=dp_parameters,
             clipping=clipping or Clipping(),
             dataset_metadata=metadata,
@@ -446,7 +487,9 @@ def cli_model(
         )
         loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
     else:
-        architecture, options = _architecture(dataset, method, weight_norm_bound, group_norm, alpha)
+        architecture, options = _architecture(
+            dataset, method, weight_norm_bound, group_norm, alpha, scattering
+        )
         model = zoo.build_model(architecture, metadata, dp_parameters, **options)
         model.adversarial = adversarial
         loss = losses.DP_TauCategoricalCrossentropy(tau=8.0)
@@ -492,6 +535,7 @@ def _train_private_model(args, data, verb):
         ascent=_ascent(args),
         gradient_method=args.gradient_method,
         adversarial=_adversarial(args),
+        scattering=_scattering(args),
     )
     epochs = args.epochs
     if epochs is None:
@@ -524,6 +568,12 @@ def _train_private_model(args, data, verb):
             callbacks=callbacks,
         )
     return model, x_train, y_train, time.perf_counter() - start
+
+
+def _scattering(args) -> bool:
+    if args.scattering and args.dataset == "breast_cancer":
+        raise ValueError("--scattering needs images; breast_cancer is tabular.")
+    return args.scattering
 
 
 def _clipping(args):

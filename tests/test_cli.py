@@ -76,6 +76,7 @@ def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
             "--clipping global needs --clip-threshold Z",
         ),
         (["train", "--bam", "0.1"], "--bam applies to --method dp-sgd only"),
+        (["train", "--dataset", "breast_cancer", "--scattering"], "--scattering needs images"),
         (["train", "--trades", "2"], "--trades needs --adversarial-radius R"),
         (
             ["train", "--adversarial-radius", "0.1", "--trades", "2"],
@@ -171,6 +172,26 @@ def test_cli_trains_adversarially_in_both_families(capsys):
         described = "adversarial PGD linf radius 0.1, 3 steps of 0.0833, random start, mix 0.5"
         assert described in out and "box (-1.0, 1.0)" in out
         assert "note: adversarial training (PGD linf radius 0.1" in out
+
+
+def test_cli_trains_scattering_models_in_both_families(capsys):
+    from lipdp import datasets
+    from lipdp.layers import DP_ScatteringTransform
+    from lipdp.model import DPParameters
+
+    for method in ("lipdp", "dp-sgd"):
+        model, _, _ = cli.cli_model(
+            datasets.load_digits(),
+            "digits",
+            256,
+            DPParameters("global", 2.0, 1e-3),
+            method=method,
+            scattering=True,
+        )
+        assert any(isinstance(layer, DP_ScatteringTransform) for layer in model.layers)
+        argv = ["train", "--method", method, "--scattering", "--quiet", "--epochs", "1"]
+        assert cli.main(argv) == 0
+        assert "epsilon" in capsys.readouterr().out
 
 
 def test_cli_model_follows_the_method_flags():
