@@ -14,7 +14,9 @@ on ScatterNet features (Kymatio, J = 2, L = 8) trained by DP-SGD. Here, with lip
   ``sqrt(3969) = 63`` (every group is scaled to unit variance, so every image nearly
   reaches it);
 * **lipdp** (the clipless family): ``DP_BoundedInput(63)`` -> ``DP_Flatten`` ->
-  ``DP_QuickSpectralDense(10, weight_norm_bound=16)`` -> ``DP_ClipGradient(c)``,
+  ``DP_QuickSpectralDense(10, constraint="spectral", weight_norm_bound=16)`` (a ball: an
+  orthogonal kernel, the layer's default, pins all 10 singular values at 16) ->
+  ``DP_ClipGradient(c)``,
   ``DP_TauCategoricalCrossentropy(1)``: the kernel gradient of one example is at most
   ``63 c`` by the bound pass, no per-example clipping;
 * **dp-sgd** (lipdp's clipped family, ``DPSGD_Sequential``): ``Flatten`` -> ``Dense(10)``,
@@ -140,7 +142,7 @@ def head(method, config, sigma, n, shape):
             [
                 L.DP_BoundedInput(input_shape=shape, upper_bound=bound),
                 L.DP_Flatten(),
-                L.DP_QuickSpectralDense(10, weight_norm_bound=16.0),
+                L.DP_QuickSpectralDense(10, constraint="spectral", weight_norm_bound=16.0),
                 L.DP_ClipGradient(config["clip"]),
             ],
             dp_parameters=params,
