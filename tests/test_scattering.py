@@ -101,6 +101,16 @@ def test_coset_bound_is_the_exact_norm_on_complex_inputs():
     assert wavelets.real_bank_norm(spectra, filters, factors, weights) <= bound * (1 + 1e-9)
 
 
+def test_large_grids_fall_back_to_the_complex_coset_bound(monkeypatch):
+    """Above DENSE_LIMIT pixels each node uses the coset bound times the padding's norm:
+    never below the exact real-input constant."""
+    bank = wavelets.morlet_filter_bank((16, 16), 2, 4)
+    dense = wavelets.scattering_lipschitz(bank, (9, 9), 2, "reflect")
+    monkeypatch.setattr(wavelets, "DENSE_LIMIT", 0)
+    fallback = wavelets.scattering_lipschitz(bank, (9, 9), 2, "reflect")
+    assert dense <= fallback <= 2.5 * dense
+
+
 def test_padding_norm_counts_copies():
     # Reflecting 3 pixels of a 5-pixel axis copies pixels 1..3 twice; 2 x 2 = 4 copies max.
     assert wavelets.padding_norm((5, 5), [(3, 0), (0, 3)], "reflect") == pytest.approx(2.0)
@@ -241,7 +251,9 @@ def test_channels_are_transformed_separately_and_shapes_agree():
 
 def test_bad_configurations_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="padding='zeros'"):
-        _layer((3, 3, 1), J=2, padding="reflect")
+        _layer((4, 4, 1), J=2, padding="reflect")
+    with pytest.raises(ValueError, match="output would be empty"):
+        _layer((3, 8, 1), J=2, padding="zeros")
     with pytest.raises(ValueError, match="height, width, channels"):
         _layer((16,), J=1)
     with pytest.raises(ValueError, match="padding"):

@@ -108,6 +108,11 @@ class DP_ScatteringTransform(tf.keras.layers.Layer, DPLayer):
             )
         height, width = int(input_shape[1]), int(input_shape[2])
         for axis, length in (("height", height), ("width", width)):
+            if wavelets.output_length(length, self.J) < 1:
+                raise ValueError(
+                    f"{self.name}: {axis} {length} is smaller than 2^J = {2**self.J}: the "
+                    "output would be empty; use a smaller J."
+                )
             before, after = wavelets.padding_amounts(length, self.J)
             if self.padding == "reflect" and max(before, after) >= length:
                 raise ValueError(
