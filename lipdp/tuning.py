@@ -22,6 +22,10 @@ the private data without noise is a release the plan does not count. The other r
 models, their scores and ``K`` are not part of the release (:class:`SearchResult` keeps
 them for the data owner, like the training logs).
 
+:func:`optuna_random_search` runs the same search with the configurations drawn by
+Optuna's ``RandomSampler`` (search spaces written with ``trial.suggest_*``); adaptive
+samplers are refused.
+
 The alternative with no privacy cost: tune on public or stand-in data and train once.
 """
 
@@ -93,6 +97,70 @@ def private_random_search(
     return SearchResult(model, config, score, runs, scores)
 
 
+def optuna_random_search(
+    objective, search: RandomSearch, rng: np.random.Generator | None = None, study=None
+) -> SearchResult:
+    """:func:`private_random_search` with the configurations drawn by Optuna.
+
+    ``objective(trial) -> (model, score)`` declares its search space with Optuna's
+    ``trial.suggest_*`` calls (conditional spaces included) and trains one lipdp model.
+    Every trial is asked from a study whose sampler is Optuna's ``RandomSampler``: each
+    configuration is drawn from the same fixed law, independently of earlier scores,
+    which is what the theorem behind the accounting needs. Adaptive samplers (TPE, CMA-ES,
+    GP) choose the next configuration from earlier scores computed on the private data:
+    they are refused. Scores are told to the study, so that its dashboards and
+    ``study.trials`` work as usual; ``SearchResult.config`` is the selected trial's
+    ``params``.
+
+    Args:
+        objective: ``trial -> (model, score)``.
+        search: the law of the number of runs ``K``.
+        rng: numpy generator for ``K`` and for the sampler's seed (default: fresh entropy).
+        study: an Optuna study to ask the trials from (``direction="maximize"``, a
+            ``RandomSampler``); default: a new in-memory one.
+    """
+    try:
+        import optuna
+    except ImportError as error:
+        raise ImportError("optuna_random_search needs Optuna: `pip install optuna`.") from error
+    rng = np.random.default_rng() if rng is None else rng
+    if study is None:
+        seed = int(rng.integers(2**31))
+        study = optuna.create_study(
+            direction="maximize", sampler=optuna.samplers.RandomSampler(seed=seed)
+        )
+    _check_study(study, optuna)
+
+    def sample(_generator):
+        return study.ask()
+
+    def train(trial):
+        model, score = objective(trial)
+        study.tell(trial, float(score))
+        return model, score
+
+    result = private_random_search(train, sample, search, rng)
+    result.config = result.config.params
+    result.scores = [(trial.params, score) for trial, score in result.scores]
+    return result
+
+
+def _check_study(study, optuna) -> None:
+    sampler = study.sampler
+    if type(sampler) is not optuna.samplers.RandomSampler:
+        raise ValueError(
+            f"the study samples with {type(sampler).__name__}, which picks configurations "
+            "from earlier scores: the private search's accounting needs configurations "
+            "drawn from a fixed law. Create the study with "
+            "sampler=optuna.samplers.RandomSampler()."
+        )
+    if study.direction != optuna.study.StudyDirection.MAXIMIZE:
+        raise ValueError(
+            "the study must maximise the score (direction='maximize'): the search keeps "
+            "the run with the highest score."
+        )
+
+
 def _better(score, best) -> bool:
     """A finite score beats a non-finite one (a diverged run) and any lower score."""
     if not math.isfinite(best):
@@ -132,4 +200,4 @@ def _describe(terms) -> str:
     return "; ".join(f"{m.describe()} x {c}" for m, c in terms) or "nothing"
 
 
-__all__ = ["RandomSearch", "SearchResult", "private_random_search"]
+__all__ = ["RandomSearch", "SearchResult", "optuna_random_search", "private_random_search"]

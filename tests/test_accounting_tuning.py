@@ -187,3 +187,39 @@ def test_private_random_search_refuses_runs_of_another_mechanism(rng):
     assert search.sample(np.random.default_rng(0)) >= 2  # the second run happens
     with pytest.raises(ValueError, match="same mechanism"):
         private_random_search(train, lambda g: None, search, np.random.default_rng(0))
+
+
+def test_optuna_random_search_asks_optuna_and_declares_the_search(rng):
+    """Optuna's RandomSampler draws the configurations (suggest_* calls), K comes from the
+    law, every score is told to the study, the selected model declares the search."""
+    optuna = pytest.importorskip("optuna")
+    from lipdp.tuning import optuna_random_search
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=3))
+    search = RandomSearch(3.0)
+    expected_runs = search.sample(np.random.default_rng(5))
+
+    def objective(trial):
+        lr = trial.suggest_categorical("lr", [0.01, 0.1, 0.5, 1.0])
+        return _trained(1.0, lr, rng), -abs(lr - 0.1)
+
+    result = optuna_random_search(objective, search, np.random.default_rng(5), study=study)
+    assert result.runs == expected_runs == len(study.trials)
+    assert [t.value for t in study.trials] == [score for _, score in result.scores]
+    assert result.config == study.best_trial.params
+    assert result.score == study.best_value
+    assert result.model.dp_parameters.hyperparameter_search == search
+
+
+def test_optuna_random_search_refuses_adaptive_samplers_and_minimisation():
+    optuna = pytest.importorskip("optuna")
+    from lipdp.tuning import optuna_random_search
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    adaptive = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler())
+    with pytest.raises(ValueError, match="RandomSampler"):
+        optuna_random_search(lambda t: None, RandomSearch(2.0), study=adaptive)
+    minimising = optuna.create_study(sampler=optuna.samplers.RandomSampler())
+    with pytest.raises(ValueError, match="maximize"):
+        optuna_random_search(lambda t: None, RandomSearch(2.0), study=minimising)
