@@ -368,7 +368,7 @@ def table(results, ceilings, header):
         )
     lines += [
         "",
-        "Mean test accuracy over the seeds (method, target epsilon, E[K], seeds, mean %):",
+        "Mean test accuracy over the seeds (method, target eps, space, E[K], seeds, %):",
     ]
 
     def key(r):
