@@ -87,7 +87,7 @@ try:
 except ModuleNotFoundError:  # run as a script
     from common import dp_sgd_epsilon, machine_description
 
-DELTA, BATCH, EPOCHS, VALIDATION, ALPHA = 1e-5, 4096, 30, 5000, 1e-4
+DELTA, BATCH, EPOCHS, VALIDATION = 1e-5, 4096, 30, 5000
 IMAGE_BOUND = 28.0  # pixels in [0, 1]: no 28 x 28 image is longer
 #: The default law of the number of runs (``--mean-runs`` changes its mean).
 SEARCH = RandomSearch(mean=3.0, shape=1.0)
@@ -131,7 +131,7 @@ def scattering_output(quick, seed):
 
 def normalised(coefficients, groups):
     """The front-end's last layer (per example); the norm of a row is at most 63."""
-    layer = L.DP_GroupNormalization(groups, ALPHA)
+    layer = L.DP_GroupNormalization(groups, zoo.SCATTERING_ALPHA)
     return np.concatenate(
         [layer(coefficients[i : i + 5000]).numpy() for i in range(0, len(coefficients), 5000)]
     )

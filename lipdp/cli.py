@@ -351,11 +351,6 @@ def _load(name, data_dir):
     return datasets.load_fashion_mnist(data_dir)
 
 
-#: alpha of the group normalisation after the scattering front-end (--scattering): its
-#: coefficients are small, and every group should be scaled to unit variance.
-SCATTERING_ALPHA = 1e-4
-
-
 def _scattering_groups(group_norm, channels) -> int:
     return group_norm or 27 * channels  # 81 coefficients per channel: groups of 3
 
@@ -369,7 +364,6 @@ def _architecture(dataset, method, weight_norm_bound, group_norm, alpha, scatter
             adaptive_norm=adaptive,
             constraint="spectral",
             groups=_scattering_groups(group_norm, 1),
-            alpha=SCATTERING_ALPHA,
         )
     ball = dict(
         weight_norm_bound=weight_norm_bound,
@@ -395,13 +389,13 @@ def _keras_layers(dataset, input_shape, nb_classes, scattering=False, group_norm
     import tensorflow as tf
 
     if scattering:
-        from lipdp import layers
+        from lipdp import layers, zoo
 
         return [
             tf.keras.layers.InputLayer(input_shape=input_shape),
             layers.DP_ScatteringTransform(padding="zeros", name="scattering"),
             layers.DP_GroupNormalization(
-                _scattering_groups(group_norm, input_shape[-1]), SCATTERING_ALPHA
+                _scattering_groups(group_norm, input_shape[-1]), zoo.SCATTERING_ALPHA
             ),
             tf.keras.layers.Flatten(),
             tf.keras.layers.Dense(nb_classes),

@@ -17,23 +17,23 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from lipdp.bounds import bound_pass
 from lipdp.layers import DP_BoundedInput, DPLayer
 
 
 def front_end_bound(dp_layers) -> float:
-    """Public bound on the norm of the front-end's output, propagated through its layers
-    from the :class:`~lipdp.layers.DP_BoundedInput` that must open it."""
+    """Public bound on the norm of the front-end's output: the output bound of the one
+    bound pass (:func:`lipdp.bounds.bound_pass`) from the
+    :class:`~lipdp.layers.DP_BoundedInput` that must open it."""
     if not dp_layers or not isinstance(dp_layers[0], DP_BoundedInput):
         raise ValueError(
             "a front-end must start with DP_BoundedInput: the bound on its outputs starts "
             "from the public bound on one input."
         )
-    bound = None
     for layer in dp_layers:
         if not isinstance(layer, DPLayer):
             raise ValueError(f"{layer.name} is not a DP layer: its output norm is not bounded.")
-        bound = layer.propagate_inputs(bound)
-    return float(bound)
+    return float(bound_pass(dp_layers).output_bound)
 
 
 def fixed_features(dp_layers, x, batch_size=256) -> tuple[np.ndarray, float]:

@@ -513,6 +513,12 @@ def lip_convnet(
     return stack + [layers.DP_QuickSpectralDense(classes, name="logits", **ball)]
 
 
+#: Floor of the group normalisation after the scattering transform: its coefficients are
+#: small (0.2 x the image norm, spread over thousands of values), and every group should be
+#: scaled to unit variance so that every example reaches the output bound ``sqrt(N)``.
+SCATTERING_ALPHA = 1e-4
+
+
 def scattering_net(
     metadata=None,
     *,
@@ -523,7 +529,7 @@ def scattering_net(
     L=8,
     padding="zeros",
     groups=27,
-    alpha=0.01,
+    alpha=SCATTERING_ALPHA,
     widths=(),
     weight_norm_bound=1.0,
     adaptive_norm=False,
@@ -552,7 +558,7 @@ def scattering_net(
         J, L, padding: of the scattering transform.
         groups: groups of the normalisation (must divide ``c K``; 27 for 81 channels);
             ``None``: no normalisation.
-        alpha: floor of its divisor.
+        alpha: floor of its divisor (default :data:`SCATTERING_ALPHA`).
         widths: channels of the convolution blocks of the head (``()``: linear head).
         weight_norm_bound, adaptive_norm, constraint: the kernels' balls.
     """

@@ -109,20 +109,18 @@ class DP_ScatteringTransform(tf.keras.layers.Layer, DPLayer):
                 f"{tuple(input_shape)}. Reshape the input with DP_Reshape first."
             )
         height, width = int(input_shape[1]), int(input_shape[2])
-        for axis, length in (("height", height), ("width", width)):
+        self._pads = [wavelets.padding_amounts(n, self.J) for n in (height, width)]
+        for axis, length, pads in zip(("height", "width"), (height, width), self._pads):
             if wavelets.output_length(length, self.J) < 1:
                 raise ValueError(
                     f"{self.name}: {axis} {length} is smaller than 2^J = {2**self.J}: the "
                     "output would be empty; use a smaller J."
                 )
-            before, after = wavelets.padding_amounts(length, self.J)
-            if self.padding == "reflect" and max(before, after) >= length:
+            if self.padding == "reflect" and max(pads) >= length:
                 raise ValueError(
                     f"{self.name}: {axis} {length} is too small to pad by reflection for "
-                    f"J={self.J} ({max(before, after)} pixels); use padding='zeros' or a "
-                    "smaller J."
+                    f"J={self.J} ({max(pads)} pixels); use padding='zeros' or a smaller J."
                 )
-        self._pads = [wavelets.padding_amounts(n, self.J) for n in (height, width)]
         self._bank, certified = _certified_bank(
             (height, width), self.J, self.L, self.max_order, self.padding
         )
