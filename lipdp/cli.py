@@ -232,6 +232,20 @@ def _add_run_arguments(parser) -> None:
     )
     parser.add_argument("--learning-rate", type=_positive_float, default=None)
     parser.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="adam (default) or sgd (with --momentum; Tramer & Boneh's choice for linear "
+        "heads on scattering features); the noise is added before the optimiser, so either "
+        "is post-processing",
+    )
+    parser.add_argument(
+        "--momentum",
+        type=_decay,
+        default=0.0,
+        help="heavy-ball momentum of --optimizer sgd, in [0, 1) (default 0)",
+    )
+    parser.add_argument(
         "--adversarial-radius",
         type=_positive_float,
         default=None,
@@ -432,6 +446,8 @@ def cli_model(
     gradient_method="ghost",
     adversarial=None,
     scattering=False,
+    optimizer="adam",
+    momentum=0.0,
 ):
     """The compiled model of ``lipdp train`` / ``evaluate`` and its training arrays.
 
@@ -440,8 +456,9 @@ def cli_model(
     ``weight_norm_bound`` or ``group_norm`` ask for them; on breast cancer
     :func:`lipdp.zoo.lip_mlp` (32 hidden units). Input bound :data:`INPUT_BOUNDS`, loss
     ``DP_TauCategoricalCrossentropy(8)``, Adam (learning rate the data set's default
-    unless given). Poisson batches use every training example; fixed-size batches drop
-    the remainder (rule S5). ``method="dp-sgd"``: :func:`_keras_layers` trained by
+    unless given; ``optimizer="sgd"``: SGD with ``momentum``). Poisson batches use every
+    training example; fixed-size batches drop the remainder (rule S5).
+    ``method="dp-sgd"``: :func:`_keras_layers` trained by
     :class:`lipdp.dpsgd.DPSGD_Sequential` with ``clipping``, ``ascent`` and
     ``gradient_method``. ``adversarial``: a :class:`lipdp.adversarial.PGD` for adversarial
     training (either method). ``scattering``: :func:`lipdp.zoo.scattering_net` (or its
@@ -489,7 +506,7 @@ def cli_model(
         loss = losses.DP_TauCategoricalCrossentropy(tau=8.0)
     model.compile(
         loss=loss,
-        optimizer=tf.keras.optimizers.Adam(learning_rate or _DEFAULTS[dataset][2]),
+        optimizer=_optimizer(optimizer, learning_rate or _DEFAULTS[dataset][2], momentum),
         metrics=["accuracy"],
     )
     y_train = np.eye(data.nb_classes, dtype="float32")[data.y_train[:n_train]]
@@ -530,6 +547,8 @@ def _train_private_model(args, data, verb):
         gradient_method=args.gradient_method,
         adversarial=_adversarial(args),
         scattering=_scattering(args),
+        optimizer=args.optimizer,
+        momentum=args.momentum,
     )
     epochs = args.epochs
     if epochs is None:
@@ -568,6 +587,17 @@ def _scattering(args) -> bool:
     if args.scattering and args.dataset == "breast_cancer":
         raise ValueError("--scattering needs images; breast_cancer is tabular.")
     return args.scattering
+
+
+def _optimizer(name, learning_rate, momentum):
+    """The Keras optimiser of ``--optimizer`` (momentum only for SGD: Adam has its own)."""
+    import tensorflow as tf
+
+    if name == "sgd":
+        return tf.keras.optimizers.SGD(learning_rate, momentum=momentum)
+    if momentum:
+        raise ValueError("--momentum applies to --optimizer sgd only.")
+    return tf.keras.optimizers.Adam(learning_rate)
 
 
 def _clipping(args):

@@ -29,6 +29,8 @@ MISUSES = [
     (["evaluate", "--bins", "0"], "argument --bins: must be an integer >= 1"),
     (["evaluate", "--radii", "-0.1"], "argument --radii: must be a finite number >= 0"),
     (["train", "--method", "clipping"], "argument --method: invalid choice: 'clipping'"),
+    (["train", "--momentum", "1"], "argument --momentum: must be a number in [0, 1)"),
+    (["train", "--optimizer", "rmsprop"], "argument --optimizer: invalid choice: 'rmsprop'"),
     (
         ["train", "--weight-norm-bound", "0"],
         "argument --weight-norm-bound: must be a finite number > 0",
@@ -76,6 +78,7 @@ def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
             "--clipping global needs --clip-threshold Z",
         ),
         (["train", "--bam", "0.1"], "--bam applies to --method dp-sgd only"),
+        (["train", "--momentum", "0.9"], "--momentum applies to --optimizer sgd only"),
         (["train", "--dataset", "breast_cancer", "--scattering"], "--scattering needs images"),
         (["train", "--trades", "2"], "--trades needs --adversarial-radius R"),
         (
@@ -192,6 +195,29 @@ def test_cli_trains_scattering_models_in_both_families(capsys):
         argv = ["train", "--method", method, "--scattering", "--quiet", "--epochs", "1"]
         assert cli.main(argv) == 0
         assert "epsilon" in capsys.readouterr().out
+
+
+def test_cli_trains_with_sgd_and_momentum(capsys):
+    from lipdp import datasets
+    from lipdp.model import DPParameters
+
+    for method in ("lipdp", "dp-sgd"):
+        model, _, _ = cli.cli_model(
+            datasets.load_digits(),
+            "digits",
+            256,
+            DPParameters("global", 2.0, 1e-3),
+            learning_rate=0.3,
+            method=method,
+            optimizer="sgd",
+            momentum=0.9,
+        )
+        config = model.optimizer.get_config()
+        assert config["name"] == "SGD" and config["momentum"] == pytest.approx(0.9)
+        assert config["learning_rate"] == pytest.approx(0.3)
+    argv = ["train", "--optimizer", "sgd", "--momentum", "0.9", "--quiet", "--epochs", "1"]
+    assert cli.main(argv) == 0
+    assert "epsilon" in capsys.readouterr().out
 
 
 def test_cli_model_follows_the_method_flags():
