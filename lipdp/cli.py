@@ -189,6 +189,15 @@ def _add_run_arguments(parser) -> None:
         help="dp-sgd --clipping global only: Z, examples with larger gradients are dropped",
     )
     parser.add_argument(
+        "--gradient-clip",
+        type=_positive_float,
+        default=None,
+        metavar="C",
+        help="lipdp / lip-dp-sgd: clip each example's loss gradient at the logits to norm C "
+        "(DP_ClipGradient; every bound upstream uses C instead of the loss's own bound, no "
+        "per-example parameter gradients); default: none",
+    )
+    parser.add_argument(
         "--weight-norm-bound",
         type=_positive_float,
         default=1.0,
@@ -448,6 +457,7 @@ def cli_model(
     scattering=False,
     optimizer="adam",
     momentum=0.0,
+    gradient_clip=None,
 ):
     """The compiled model of ``lipdp train`` / ``evaluate`` and its training arrays.
 
@@ -456,7 +466,8 @@ def cli_model(
     ``weight_norm_bound`` or ``group_norm`` ask for them; on breast cancer
     :func:`lipdp.zoo.lip_mlp` (32 hidden units). Input bound :data:`INPUT_BOUNDS`, loss
     ``DP_TauCategoricalCrossentropy(8)``, Adam (learning rate the data set's default
-    unless given; ``optimizer="sgd"``: SGD with ``momentum``). Poisson batches use every
+    unless given; ``optimizer="sgd"``: SGD with ``momentum``); ``gradient_clip=c`` (clipless
+    families) appends ``DP_ClipGradient(c)`` after the logits. Poisson batches use every
     training example; fixed-size batches drop the remainder (rule S5).
     ``method="dp-sgd"``: :func:`_keras_layers` trained by
     :class:`lipdp.dpsgd.DPSGD_Sequential` with ``clipping``, ``ascent`` and
@@ -469,7 +480,9 @@ def cli_model(
     import tensorflow as tf
 
     from lipdp import losses, zoo
+    from lipdp.layers import DP_ClipGradient
     from lipdp.metadata import DatasetMetadata
+    from lipdp.model import DP_Sequential
 
     n_train = len(data.x_train)
     if sampling == "shuffle":
@@ -501,7 +514,10 @@ def cli_model(
         architecture, options = _architecture(
             dataset, method, weight_norm_bound, group_norm, alpha, scattering
         )
-        model = zoo.build_model(architecture, metadata, dp_parameters, **options)
+        stack = zoo.ZOO[architecture](metadata, **options)
+        if gradient_clip is not None:
+            stack.append(DP_ClipGradient(gradient_clip))
+        model = DP_Sequential(stack, dp_parameters=dp_parameters, dataset_metadata=metadata)
         model.adversarial = adversarial
         loss = losses.DP_TauCategoricalCrossentropy(tau=8.0)
     model.compile(
@@ -549,6 +565,7 @@ def _train_private_model(args, data, verb):
         scattering=_scattering(args),
         optimizer=args.optimizer,
         momentum=args.momentum,
+        gradient_clip=_gradient_clip(args),
     )
     epochs = args.epochs
     if epochs is None:
@@ -587,6 +604,15 @@ def _scattering(args) -> bool:
     if args.scattering and args.dataset == "breast_cancer":
         raise ValueError("--scattering needs images; breast_cancer is tabular.")
     return args.scattering
+
+
+def _gradient_clip(args):
+    if args.gradient_clip is not None and args.method == "dp-sgd":
+        raise ValueError(
+            "--gradient-clip applies to the clipless methods; dp-sgd clips per-example "
+            "gradients with --clip-norm."
+        )
+    return args.gradient_clip
 
 
 def _optimizer(name, learning_rate, momentum):
@@ -658,7 +684,10 @@ def _family_detail(args) -> str:
         if args.dp_sat is not None:
             detail += f", DP-SAT rho = {args.dp_sat:g}"
         return detail
-    return f"weight norm bound {args.weight_norm_bound:g}"
+    detail = f"weight norm bound {args.weight_norm_bound:g}"
+    if args.gradient_clip is not None:
+        detail += f", logit gradients clipped at {args.gradient_clip:g}"
+    return detail
 
 
 def _epoch_lines(epochs):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lipdp import cli
@@ -79,6 +80,10 @@ def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
         ),
         (["train", "--bam", "0.1"], "--bam applies to --method dp-sgd only"),
         (["train", "--momentum", "0.9"], "--momentum applies to --optimizer sgd only"),
+        (
+            ["train", "--method", "dp-sgd", "--gradient-clip", "0.1"],
+            "--gradient-clip applies to the clipless methods",
+        ),
         (["train", "--dataset", "breast_cancer", "--scattering"], "--scattering needs images"),
         (["train", "--trades", "2"], "--trades needs --adversarial-radius R"),
         (
@@ -218,6 +223,29 @@ def test_cli_trains_with_sgd_and_momentum(capsys):
     argv = ["train", "--optimizer", "sgd", "--momentum", "0.9", "--quiet", "--epochs", "1"]
     assert cli.main(argv) == 0
     assert "epsilon" in capsys.readouterr().out
+
+
+def test_cli_gradient_clip_bounds_the_logit_gradient(capsys):
+    from lipdp import datasets
+    from lipdp.layers import DP_ClipGradient
+    from lipdp.model import DPParameters, compute_gradient_bounds
+
+    data = datasets.load_digits()
+    bounds = {}
+    for clip in (None, 0.05):
+        model, _, _ = cli.cli_model(
+            data, "digits", 256, DPParameters("global", 2.0, 1e-3), gradient_clip=clip
+        )
+        last = model.layers[-1]
+        assert isinstance(last, DP_ClipGradient) == (clip is not None)
+        bounds[clip] = list(compute_gradient_bounds(model).values())
+    # Every parameter bound is X * (clipped G): 0.05 over the loss's own bound (tau CE:
+    # sqrt(2) at the logits), the same ratio for every layer.
+    ratios = [float(c / u) for c, u in zip(bounds[0.05], bounds[None])]
+    assert ratios == pytest.approx([0.05 / np.sqrt(2)] * len(ratios), rel=1e-5)
+    argv = ["train", "--gradient-clip", "0.5", "--quiet", "--epochs", "1"]
+    assert cli.main(argv) == 0
+    assert "logit gradients clipped at 0.5" in capsys.readouterr().out
 
 
 def test_cli_model_follows_the_method_flags():
