@@ -3,7 +3,7 @@ epsilon = 3, and is it limited by the noise or by the network? (issue 15, item 2
 
     .venv/bin/python benchmarks/fmnist_architectures.py [--quick] [--only NAME ...]
         [--modes private non-private] [--seed 0] [--threads 1] [--out-dir benchmarks/data]
-        [--merge] [--time-steps K]
+        [--merge] [--time-steps K] [--budget-minutes M]
 
 Today's reference is ``fmnist_utility.py``'s lipdp CNN (``zoo.strided_cnn(widths=(16,
 64))``, 82.0 % at epsilon = 3, best of 3 trials picked on the test set), which reaches
@@ -36,11 +36,17 @@ Protocol (fixed before any run; nothing is tuned on the test set):
   ``LIPDP_TRIALS[2]``, 81.96 %): expected batch 2 000, Adam with learning rate 5e-3,
   ``DP_TauCategoricalCrossentropy(tau=128)``, ``DP_ClipGradient(0.3)`` appended after
   the logits of every network (the reference's ``clip=0.3``), global noise, no bias
-  (except what a builder puts in). The reference trains 15 epochs; the slower networks
-  train fewer epochs (their column ``epochs``, with sigma recalibrated for them) so that
-  the whole run fits in about an hour on the machine below: the epoch counts were set
-  from ``--time-steps`` measurements made before the full run (see :data:`ARCHITECTURES`).
-  One variant of the reference trains with a larger expected batch and more epochs.
+  (except what a builder puts in). The strided CNNs train the reference's 15 epochs;
+  the networks whose convolutions run at full resolution cost 50-175 s per epoch on
+  one shared thread and train 3 epochs (sigma recalibrated for 3 epochs), and the
+  reference is also run at 3 epochs to compare at equal epochs; one variant of the
+  reference trains with a 2x larger expected batch and 2x more epochs (private only).
+  The epochs were set from ``--time-steps 3`` measurements made before the full run
+  (:data:`ARCHITECTURES`) so that the whole run fits in about an hour; with
+  ``--budget-minutes M`` a run whose estimated end (measured seconds per epoch) falls
+  after ``M`` minutes is skipped. Dropped for time: ``convnet-groupnorm`` (the slowest:
+  ``--only convnet-groupnorm`` runs it), and whatever the budget skipped (the table
+  lists the default architectures without a result).
 * seeds: ``--seed`` (0) seeds the initialisations (``tf.keras.utils.set_random_seed``);
   the validation split always uses seed 0; the Poisson batches and the privacy noise are
   not reproducible (drawn from the OS). One run per (architecture, mode): differences of
@@ -97,62 +103,93 @@ REFERENCE = "strided_cnn (16, 64), fmnist_utility.py: 81.96 % at epsilon = 3 (te
 
 @dataclass(frozen=True)
 class Architecture:
-    """A zoo builder with its options, and the epochs and expected batch of its runs."""
+    """A zoo builder with its options, the epochs and expected batch of its runs, its
+    modes, and the seconds per epoch measured by ``--time-steps 3`` before the full run."""
 
     builder: str
     options: dict = field(default_factory=dict)
     epochs: int = 15
     batch: int = BATCH
+    modes: tuple = ("private", "non-private")
+    epoch_seconds: float = 0.0
+    default: bool = True
     note: str = ""
 
 
-#: The candidates, in the order they run. Epochs: 15 (the reference protocol) where one
-#: epoch is cheap; fewer for the networks whose convolutions run at full resolution,
-#: chosen from ``--time-steps 3`` (see the module docstring) to fit the hour.
+#: The candidates, in the order they run. Epochs: 15 (the reference protocol) for the
+#: strided CNNs, whose epoch is cheap; 3 for the networks whose convolutions run at full
+#: resolution (50-175 s per epoch here), and the reference at 3 epochs too for a
+#: comparison at equal epochs. ``epoch_seconds``: ``--time-steps 3`` on 2026-11-25 (one
+#: thread, 2 cores shared with two other benchmark processes), which fixed these epochs.
+#: ``default=False``: dropped from the full run for time (``--only`` runs it).
 ARCHITECTURES = {
     "strided-16-64": Architecture(
-        "strided_cnn", dict(widths=(16, 64)), note="the reference (notebook 01)"
+        "strided_cnn", dict(widths=(16, 64)), epoch_seconds=6, note="the reference (notebook 01)"
     ),
-    "strided-32-128": Architecture("strided_cnn", dict(widths=(32, 128)), note="2x wider"),
-    "strided-16-64-b8192": Architecture(
+    "strided-16-64-e3": Architecture(
         "strided_cnn",
         dict(widths=(16, 64)),
-        epochs=60,
-        batch=8192,
-        note="the reference, 4x batch, 4x epochs",
+        epochs=3,
+        epoch_seconds=6,
+        note="the reference at the slow networks' 3 epochs",
+    ),
+    "strided-32-128": Architecture(
+        "strided_cnn", dict(widths=(32, 128)), epoch_seconds=19, note="2x wider"
+    ),
+    "strided-16-64-b4096": Architecture(
+        "strided_cnn",
+        dict(widths=(16, 64)),
+        epochs=30,
+        batch=4096,
+        modes=("private",),
+        epoch_seconds=7,
+        note="the reference, 2x batch, 2x epochs (private only: same network)",
     ),
     "pooled-32-64": Architecture(
-        "pooled_cnn", dict(widths=(32, 64)), epochs=5, note="lipdp train's CNN (3x3, L2 pool)"
+        "pooled_cnn",
+        dict(widths=(32, 64)),
+        epochs=3,
+        epoch_seconds=71,
+        note="lipdp train's CNN (3x3 convs, L2-norm pooling)",
     ),
     "convnet-groupsort": Architecture(
         "lip_convnet",
         dict(widths=(32, 64), dense=128, activation="groupsort"),
-        epochs=5,
-        note="Lip-DP-SGD ConvNet (spectral balls, adaptive)",
+        epochs=3,
+        epoch_seconds=90,
+        note="Lip-DP-SGD's ConvNet (zoo defaults: spectral balls of radius 1, adaptive norms)",
     ),
     "convnet-relu": Architecture(
         "lip_convnet",
         dict(widths=(32, 64), dense=128, activation="relu"),
-        epochs=5,
+        epochs=3,
+        epoch_seconds=58,
         note="the same with ReLU",
-    ),
-    "convnet-groupnorm": Architecture(
-        "lip_convnet",
-        dict(widths=(32, 64), dense=128, activation="groupsort", group_norm=8, alpha=1.0),
-        epochs=5,
-        note="GroupSort + group norm (8 groups, alpha 1)",
     ),
     "resnet-16x2": Architecture(
         "resnet",
         dict(merge_policy="1-lip-add", blocks=2, width=16),
-        epochs=5,
-        note="1-lip-add residual blocks",
+        epochs=3,
+        epoch_seconds=139,
+        note="two 1-lip-add residual blocks at full resolution",
     ),
     "mixer-p4-64": Architecture(
         "mlp_mixer",
         dict(patch_size=4, channels=64, depth=2),
-        epochs=15,
-        note="49 tokens of 4x4 pixels",
+        epochs=3,
+        epoch_seconds=52,
+        note="MLP-Mixer, 49 tokens of 4x4 pixels, 2 blocks",
+    ),
+    # Dropped for time: 174 s per epoch; with alpha = 1 (the zoo's default) and images of
+    # norm 1, every group's standard deviation is below alpha, so the layer only centres
+    # each group (a smaller alpha multiplies the layers' cotangent bounds by 1 / alpha).
+    "convnet-groupnorm": Architecture(
+        "lip_convnet",
+        dict(widths=(32, 64), dense=128, activation="groupsort", group_norm=8, alpha=1.0),
+        epochs=3,
+        epoch_seconds=174,
+        default=False,
+        note="GroupSort + group normalisation (8 groups, alpha 1)",
     ),
 }
 MODES = ("private", "non-private")
@@ -351,6 +388,9 @@ def table(records, quick):
         "",
         "gap = non-private test % - private test %: the cost of the noise for that network.",
         f"Training wall time summed over the {len(records)} runs: {total / 60:.1f} min.",
+        "Not run (dropped or skipped for time): "
+        + (", ".join(n for n in ARCHITECTURES if n not in names) or "none")
+        + ".",
         "Notes: " + "; ".join(f"{n}: {ARCHITECTURES[n].note}" for n in names if n in ARCHITECTURES),
     ]
     return "\n".join(lines) + "\n"
@@ -373,10 +413,16 @@ def main():
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/data"))
     parser.add_argument("--merge", action="store_true", help="only rebuild the table")
     parser.add_argument("--time-steps", type=int, default=0, help="only time K steps each")
+    parser.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=None,
+        help="skip a run whose estimated time (epoch_seconds) would end past this budget",
+    )
     args = parser.parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
-    names = args.only or list(ARCHITECTURES)
+    names = args.only or [n for n, a in ARCHITECTURES.items() if a.default]
     stem = "fmnist_architectures_quick" if args.quick else "fmnist_architectures"
     runs_dir = args.out_dir / f"{stem}_runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -387,8 +433,15 @@ def main():
         data = load(args.quick)
         start = time.perf_counter()
         for name in names:
-            for mode in args.modes:
-                record = train(name, ARCHITECTURES[name], mode, data, args.seed, args.quick)
+            arch = ARCHITECTURES[name]
+            for mode in [m for m in args.modes if m in arch.modes]:
+                elapsed = time.perf_counter() - start
+                estimate = arch.epochs * arch.epoch_seconds + 20  # + tracing and evaluation
+                if args.budget_minutes and not args.quick:
+                    if elapsed + estimate > 60 * args.budget_minutes:
+                        print(f"{name} {mode}: skipped for time (~{estimate:.0f} s)", flush=True)
+                        continue
+                record = train(name, arch, mode, data, args.seed, args.quick)
                 assert mode != "private" or record["epsilon"] <= EPSILON * (1 + 1e-6)
                 path = runs_dir / f"{name}_{mode}.json"
                 path.write_text(json.dumps(record, indent=1))
