@@ -25,14 +25,18 @@ on ScatterNet features (Kymatio, J = 2, L = 8) trained by DP-SGD. Here, with lip
   clipping of Dense), shuffled fixed-size batches (its usual pipeline), the search run by
   hand with the same draws (``run_tfp_search``);
 
-all with Adam, batches of (expected) size 4 096 — Poisson for lipdp's two families, the
-sampling the accountant analyses — 30 epochs, delta = 1e-5.
+all with the protocol of the chosen space (``SPACES``): Adam, batches of (expected) size
+4 096, 30 epochs for ``first`` and ``revised``; SGD with momentum 0.9, 8 192, 40 epochs
+for ``published`` and ``published-search`` (Tramer & Boneh's) — Poisson batches for
+lipdp's two families, the sampling the accountant analyses — delta = 1e-5.
 
 **Private search** (``lipdp.tuning.private_random_search``, Papernot & Steinke 2022): the
 number of runs ``K`` is geometric with mean 3, each run draws ``lr`` in {3e-3, 1e-2,
 3e-2}, ``groups`` in {9, 27, 81} and ``c`` in {0.1, 0.3, 1} (``--space first``; ``--space
-revised``: lr in {1e-3, 3e-3}, c in {0.1, 0.3}, written after the first searches); the
-run with the best validation accuracy is released. The noise multiplier of every run is
+revised``: lr in {1e-3, 3e-3}, c in {0.1, 0.3}, written after the first searches;
+``--space published-search``: lr in {8, 16, 32}, groups as above, c = 0.1 / 63, around
+Tramer & Boneh's command; ``--space published``: their command alone, one run, no
+search, so (a) = (b)); the run with the best validation accuracy is released. The noise multiplier of every run is
 calibrated so that the **whole search** meets the target epsilon (``calibrate_noise_multiplier(...,
 search=...)``), and each selected model is reported twice: (a) the epsilon of its own
 run, as papers report, and (b) the epsilon of the search (the target; the selected
