@@ -384,13 +384,17 @@ def table(records, quick):
             f"{pct(q, 'test')} | {gap} | {secs} |"
         )
     total = sum(r["train_seconds"] for r in records)
+    missing = [n for n in ARCHITECTURES if n not in names]
+    missing[:0] = (
+        [f"{n} {m}" for n in names for m in ARCHITECTURES[n].modes if (n, m) not in by]
+        if not quick
+        else []
+    )
     lines += [
         "",
         "gap = non-private test % - private test %: the cost of the noise for that network.",
         f"Training wall time summed over the {len(records)} runs: {total / 60:.1f} min.",
-        "Not run (dropped or skipped for time): "
-        + (", ".join(n for n in ARCHITECTURES if n not in names) or "none")
-        + ".",
+        "Not run (dropped or skipped for time): " + (", ".join(missing) or "none") + ".",
         "Notes: " + "; ".join(f"{n}: {ARCHITECTURES[n].note}" for n in names if n in ARCHITECTURES),
     ]
     return "\n".join(lines) + "\n"
