@@ -46,7 +46,10 @@ Protocol (fixed before any run; nothing is tuned on the test set):
   ``--budget-minutes M`` a run whose estimated end (measured seconds per epoch) falls
   after ``M`` minutes is skipped. Dropped for time: ``convnet-groupnorm`` (the slowest:
   ``--only convnet-groupnorm`` runs it), and whatever the budget skipped (the table
-  lists the default architectures without a result).
+  lists the default architectures without a result). The full run of 2026-11-25
+  (``--budget-minutes 60``) took 62.8 min: under that run's load the epochs were about
+  1.4x slower than measured, so the budget skipped ``resnet-16x2``'s non-private run and
+  ``mixer-p4-64``.
 * seeds: ``--seed`` (0) seeds the initialisations (``tf.keras.utils.set_random_seed``);
   the validation split always uses seed 0; the Poisson batches and the privacy noise are
   not reproducible (drawn from the OS). One run per (architecture, mode): differences of
