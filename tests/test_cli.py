@@ -182,20 +182,20 @@ def test_cli_trains_adversarially_in_both_families(capsys):
         assert "note: adversarial training (PGD linf radius 0.1" in out
 
 
-def test_cli_trains_scattering_models_in_both_families(capsys):
+def _digits_model(**options):
+    """The CLI's model for digits (batch 256, sigma 2) with these ``cli_model`` options."""
     from lipdp import datasets
-    from lipdp.layers import DP_ScatteringTransform
     from lipdp.model import DPParameters
 
+    data = datasets.load_digits()
+    return cli.cli_model(data, "digits", 256, DPParameters("global", 2.0, 1e-3), **options)[0]
+
+
+def test_cli_trains_scattering_models_in_both_families(capsys):
+    from lipdp.layers import DP_ScatteringTransform
+
     for method in ("lipdp", "dp-sgd"):
-        model, _, _ = cli.cli_model(
-            datasets.load_digits(),
-            "digits",
-            256,
-            DPParameters("global", 2.0, 1e-3),
-            method=method,
-            scattering=True,
-        )
+        model = _digits_model(method=method, scattering=True)
         assert any(isinstance(layer, DP_ScatteringTransform) for layer in model.layers)
         argv = ["train", "--method", method, "--scattering", "--quiet", "--epochs", "1"]
         assert cli.main(argv) == 0
@@ -203,20 +203,8 @@ def test_cli_trains_scattering_models_in_both_families(capsys):
 
 
 def test_cli_trains_with_sgd_and_momentum(capsys):
-    from lipdp import datasets
-    from lipdp.model import DPParameters
-
     for method in ("lipdp", "dp-sgd"):
-        model, _, _ = cli.cli_model(
-            datasets.load_digits(),
-            "digits",
-            256,
-            DPParameters("global", 2.0, 1e-3),
-            learning_rate=0.3,
-            method=method,
-            optimizer="sgd",
-            momentum=0.9,
-        )
+        model = _digits_model(learning_rate=0.3, method=method, optimizer="sgd", momentum=0.9)
         config = model.optimizer.get_config()
         assert config["name"] == "SGD" and config["momentum"] == pytest.approx(0.9)
         assert config["learning_rate"] == pytest.approx(0.3)
@@ -226,16 +214,12 @@ def test_cli_trains_with_sgd_and_momentum(capsys):
 
 
 def test_cli_gradient_clip_bounds_the_logit_gradient(capsys):
-    from lipdp import datasets
     from lipdp.layers import DP_ClipGradient
-    from lipdp.model import DPParameters, compute_gradient_bounds
+    from lipdp.model import compute_gradient_bounds
 
-    data = datasets.load_digits()
     bounds = {}
     for clip in (None, 0.05):
-        model, _, _ = cli.cli_model(
-            data, "digits", 256, DPParameters("global", 2.0, 1e-3), gradient_clip=clip
-        )
+        model = _digits_model(gradient_clip=clip)
         last = model.layers[-1]
         assert isinstance(last, DP_ClipGradient) == (clip is not None)
         bounds[clip] = list(compute_gradient_bounds(model).values())
