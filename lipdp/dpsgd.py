@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from lipdp import noise, validation
+from lipdp import distribute, noise, validation
 from lipdp.adversarial import softmax_kl
 from lipdp.bounds import ROUNDOFF_SLACK
 from lipdp.per_example import (
@@ -252,6 +252,14 @@ def _neutralised(x, y):
     x = tf.nest.map_structure(lambda t: zero_rows(finite, t), x)
     y = zero_rows(finite, y) if y.dtype.is_floating else y
     return x, y, finite
+
+
+def _refuse_replicas(what) -> None:
+    if distribute.replicas_in_sync() > 1:
+        raise ValueError(
+            f"{what} is not supported under a distribution strategy with several replicas: "
+            "train on one device or use SharpnessAscent(mode='bam')."
+        )
 
 
 def check_keras_layers(layers) -> None:
@@ -510,6 +518,8 @@ class DPSGD_Model(PrivateModel):
         return result
 
     def train_step(self, data):
+        if self.ascent is not None and self.ascent.mode == "dp-sat":
+            _refuse_replicas("DP-SAT (it moves the weights inside the step)")
         x, y, _ = self._checked_batch(data)
         x, y, finite = _neutralised(x, y)
         summed, y_pred = self._step_sum(x, y, finite)
@@ -517,12 +527,10 @@ class DPSGD_Model(PrivateModel):
         normalizer = float(self.dataset_metadata.loss_normalizer)
         gradients = [s / normalizer for s in summed]
         variables = self.trainable_variables
-        noisy = self.noisify(gradients, variables)
+        released = self.release_step(gradients, variables)
         if self.ascent is not None and self.ascent.mode == "dp-sat":
-            for kept, released in zip(self.previous_noisy_gradient, noisy):
-                kept.assign(released)
-        self.optimizer.apply_gradients(zip(noisy, variables))
-        self.noisy_steps.assign_add(1)
+            for kept, value in zip(self.previous_noisy_gradient, released):
+                kept.assign(value)
         self.compute_loss(x, y, y_pred)  # the loss tracker (training logs), not the step
         logs = self.compute_metrics(x, y, y_pred, None)
         return {**logs, "non_finite_examples": self._non_finite.result()}

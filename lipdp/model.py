@@ -27,7 +27,7 @@ import logging
 import numpy as np
 import tensorflow as tf
 
-from lipdp import noise
+from lipdp import distribute, noise
 from lipdp.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
 from lipdp.dynamic import dynamic_clip_layers
 from lipdp.layers import DP_BoundedInput, DP_InputLayer, DPLayer
@@ -273,9 +273,7 @@ class DP_Model(PrivateModel):
         variables = self.trainable_variables
         gradients = tape.gradient(loss, variables)
         gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
-        self.optimizer.apply_gradients(zip(self.noisify(gradients, variables), variables))
-        self.noisy_steps.assign_add(1)
-        self.project()
+        self.release_step(gradients, variables)
         if x_adv is not None:
             self.compute_loss(x_adv, y, y_pred)  # the loss tracker (training logs) only
         logs = self.compute_metrics(x, y, y_pred, None)
@@ -288,10 +286,12 @@ class DP_Model(PrivateModel):
         loss = self.compute_loss(x, y, y_pred)
         # The training loss is the sum of per-row losses / the loss normaliser, the
         # number the sensitivities and the clip layers are computed for (rule S5).
-        # compute_loss divided by the actual rows (0 if the batch is empty): equal for
-        # fixed-size batches (asserted above), the expected size q N under Poisson.
+        # compute_loss divided by the actual rows (0 if the batch is empty) and, under a
+        # strategy, by the R replicas (Keras' scaling for its own sum of replicas): undone
+        # here, so that the replicas' gradients sum to the one of the global batch.
         normalizer = float(self.dataset_metadata.loss_normalizer)
-        return loss * tf.cast(batch_rows, loss.dtype) / normalizer, y_pred
+        scale = tf.cast(batch_rows * distribute.replicas_in_sync(), loss.dtype) / normalizer
+        return loss * scale, y_pred
 
     def adversarial_loss_rows(self, x, x_adv, y):
         """Each row's share of the adversarial training loss,

@@ -26,13 +26,18 @@ is reproducible. Switch modes before ``compile`` (a traced training step keeps t
 generator it was traced with). Caveat: like most DP libraries the Gaussian samples are
 floating-point numbers, whose low-order bits can leak information in theory (Mironov,
 CCS 2012); no snapping or discrete Gaussian is applied.
+
+**Under tf.distribute** (:mod:`lipdp.distribute`) the noise of a step is drawn once, by
+the replica of id 0, before the replicas' gradients are summed: the released sum carries
+exactly ``N(0, s^2 I)``. Each strategy has its own generator, created in its scope (a
+generator is tied to the strategy it was created under).
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from lipdp import validation
+from lipdp import distribute, validation
 
 NOISIFY_STRATEGIES = ("global", "per-layer")
 
@@ -62,7 +67,7 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs) -> list:
     return [float(sigma) * float(c) * d for d, c in zip(deltas, nm_coefs)]
 
 
-_SOURCE = {"generator": None, "seed": None}
+_SOURCE = {"generators": {}, "seed": None}
 
 
 def use_reproducible_noise(seed) -> None:
@@ -70,7 +75,7 @@ def use_reproducible_noise(seed) -> None:
     only, flagged by the privacy report. ``None``: back to operating-system entropy."""
     if seed is not None:
         seed = validation.count("seed", seed)
-    _SOURCE.update(generator=None, seed=seed)
+    _SOURCE.update(generators={}, seed=seed)
 
 
 def reproducible_noise_seed():
@@ -79,21 +84,30 @@ def reproducible_noise_seed():
 
 
 def noise_generator() -> tf.random.Generator:
-    """The generator :func:`add_noise` draws from (created on first use)."""
-    if _SOURCE["generator"] is None:
+    """The generator :func:`add_noise` draws from under the current distribution strategy
+    (created on first use, in that strategy's scope)."""
+    strategy = tf.distribute.get_strategy()
+    # Keyed by identity; the strategy is kept with its generator so its id is not reused.
+    strategy_and_generator = _SOURCE["generators"].get(id(strategy))
+    if strategy_and_generator is None:
         with tf.init_scope():  # a variable: created eagerly even when called while tracing
             seed = _SOURCE["seed"]
-            _SOURCE["generator"] = (
+            generator = (
                 tf.random.Generator.from_non_deterministic_state()
                 if seed is None
                 else tf.random.Generator.from_seed(seed)
             )
-    return _SOURCE["generator"]
+        strategy_and_generator = _SOURCE["generators"][id(strategy)] = (strategy, generator)
+    return strategy_and_generator[1]
 
 
 def add_noise(gradients, stddevs):
-    """``g + N(0, s^2 I)`` for every gradient ``g`` and its standard deviation ``s``."""
+    """``g + N(0, s^2 I)`` for every gradient ``g`` and its standard deviation ``s``; under
+    a strategy, on the replica that draws the step's noise only (the others return their
+    gradients unchanged, so the sum over replicas carries one draw)."""
     generator = noise_generator()
+    if not distribute.draws_noise():
+        return list(gradients)
     return [
         g + generator.normal(tf.shape(g), stddev=tf.cast(s, g.dtype), dtype=g.dtype)
         for g, s in zip(gradients, stddevs)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from lipdp import noise, validation
+from lipdp import distribute, noise, validation
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.tuning import RandomSearch
 from lipdp.adversarial import PGD, softmax_kl
@@ -347,6 +347,28 @@ class PrivateModel(tf.keras.Model):
         """Bring the weights back into their constraint sets (none by default)."""
         return None
 
+    def release_step(self, gradients, variables):
+        """The end of every family's training step, from the local gradients of the loss
+        ``sum_i loss_i / n`` (``n``: the global loss normaliser): noise drawn once per
+        global step, the sum over replicas, the update, then -- once, in cross-replica
+        context -- the step count and the projections (:mod:`lipdp.distribute`). Returns
+        the released gradients (identical on every replica)."""
+        released = distribute.sum_over_replicas(self.noisify(gradients, variables))
+        distribute.apply_released(self.optimizer, released, variables)
+        distribute.once_per_step(self._count_and_project)
+        return released
+
+    def _count_and_project(self):
+        self.noisy_steps.assign_add(1)
+        self.project()
+
+    def make_train_function(self, force=False):
+        # The noise generator is created here, eagerly and in the strategy's scope, on
+        # every worker in the same order -- not lazily while one replica is traced.
+        with self.distribute_strategy.scope():
+            noise.noise_generator()
+        return super().make_train_function(force)
+
     def _checked_batch(self, data):
         """``(x, y, batch_rows)`` of a training batch, refusing what changes the
         sensitivity. Python: runs when the step is traced, so every path (fit,
@@ -364,15 +386,19 @@ class PrivateModel(tf.keras.Model):
         if self.poisson_sampling:
             return
         # With augmentation multiplicity m a batch holds b originals x m copies; the
-        # loss is their mean, so one original moves it by at most G / b still.
+        # loss is their mean, so one original moves it by at most G / b still. Under a
+        # strategy each of the R replicas holds its share of the global batch.
         rows = self.dataset_metadata.rows_per_batch
+        replicas = distribute.replicas_in_sync()
+        distribute.check_replica_batches(rows)
+        share = f" ({rows // replicas} on each of {replicas} replicas)" if replicas > 1 else ""
         tf.debugging.assert_equal(
             batch_rows,
-            rows,
+            rows // replicas,
             message=(
-                f"DP training needs every batch to have exactly {rows} rows (batch_size="
-                f"{self.batch_size} x multiplicity; the sensitivity is computed for it); "
-                "drop the partial last batch (dataset.batch(b, drop_remainder=True))."
+                f"DP training needs every batch to have exactly {rows} rows{share} "
+                f"(batch_size={self.batch_size} x multiplicity; the sensitivity is computed "
+                "for it); drop the partial last batch (dataset.batch(b, drop_remainder=True))."
             ),
         )
 
@@ -438,8 +464,9 @@ class PrivateModel(tf.keras.Model):
         for unsupported in ("sample_weight", "class_weight"):
             if kwargs.get(unsupported) is not None:
                 raise ValueError(f"{unsupported} is not supported: it changes the sensitivity.")
+        _check_distributed_data(x, self.distribute_strategy)
         if self.poisson_sampling:
-            if not isinstance(x, tf.data.Dataset):
+            if not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
                 raise ValueError(
                     "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
                     "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
@@ -447,6 +474,8 @@ class PrivateModel(tf.keras.Model):
             _check_poisson_pipeline(x, self.dataset_metadata)
             return
         metadata = self.dataset_metadata
+        with self.distribute_strategy.scope():
+            distribute.check_replica_batches(metadata.rows_per_batch)
         if metadata.partial_last_batch:
             raise ValueError(
                 "dataset_metadata.partial_last_batch: the last batch of each epoch is partial "
@@ -564,6 +593,21 @@ def _check_poisson_pipeline(dataset, metadata) -> None:
             f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong number "
             "of steps. Build the batches with metadata.nb_steps_per_epochs."
         )
+
+
+def _check_distributed_data(x, strategy) -> None:
+    """Several workers each read their own pipeline: only a pipeline that partitions the
+    records between the replicas keeps every record on at most one replica per step
+    (:mod:`lipdp.distribute`)."""
+    if distribute.worker_count(strategy) == 1:
+        return
+    if getattr(x, "lipdp_partitioned", False):
+        return
+    raise ValueError(
+        "Training on several workers needs batches that never hold the same record on two "
+        "workers: pass lipdp.pipeline.distributed_poisson_batches(strategy, x, y, "
+        "sampling_rate, steps_per_epoch) with DatasetMetadata(sampling='poisson')."
+    )
 
 
 def _refuse_mixed_precision(layers) -> None:
