@@ -87,7 +87,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import tensorflow as tf
 
-from lipdp import validation
+from lipdp import distribute, validation
 from lipdp.accounting.mechanisms import Laplace, Release, SubsampledGaussian
 from lipdp.callbacks import epochs_trained
 from lipdp.layers import DP_ClipGradient
@@ -460,6 +460,13 @@ class _DynamicClipping(tf.keras.callbacks.Callback):
                 "declares the releases of one. Use a single one. (If an earlier fit with "
                 "another dynamic clipping callback was interrupted, call its on_train_end() "
                 "first.)"
+            )
+        if distribute.worker_count(model.distribute_strategy) > 1:
+            # Every worker runs the callbacks: each would release its own noisy clip value
+            # (uncounted releases, and copies of the weights that disagree).
+            raise ValueError(
+                f"{type(self).__name__} is not supported on several workers: train on one "
+                "worker (MirroredStrategy over its devices) or use fixed clip values."
             )
         model._running_dynamic_clipping = self
         loss = getattr(model, "loss", None)

@@ -419,6 +419,9 @@ class PrivateModel(tf.keras.Model):
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_fit_arguments(x, y, batch_size, kwargs)
+        if getattr(x, "lipdp_partitioned", False) and not args:
+            # An endless (distributed) stream of batches: its steps per epoch are stated.
+            kwargs.setdefault("steps_per_epoch", x.lipdp_steps_per_epoch)
         # Weights set by hand (load_weights, set_weights) are brought back in the
         # feasible set before the first bound is trusted.
         self.project()

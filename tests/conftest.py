@@ -6,6 +6,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# tests/test_distribute.py trains under MirroredStrategy over two logical CPU devices.
+# Devices can be split only before TensorFlow initialises them: here, once per process
+# (single-device code keeps running on the first one).
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+)
+
 # Session fixtures shared by the evaluation tests (the digits CNN is trained once per
 # test process, not once per test module).
 from tests.evaluation_helpers import digits, trained  # noqa: E402, F401

@@ -39,6 +39,12 @@ def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.
     """
     sampling_rate = probability("sampling_rate", sampling_rate)
     steps = count("steps_per_epoch", steps_per_epoch, minimum=1)
+    batches = _poisson_stream(x, y, sampling_rate, seed).take(steps)
+    return stating_rate(batches, sampling_rate, steps)
+
+
+def _poisson_stream(x, y, sampling_rate, seed=None) -> tf.data.Dataset:
+    """An endless sequence of Poisson batches of ``(x, y)`` (fresh randomness each)."""
     x = tf.convert_to_tensor(x)
     y = tf.convert_to_tensor(y)
     n = int(x.shape[0])
@@ -49,7 +55,51 @@ def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.
         indices = poisson_indices(n, sampling_rate, step_seed)
         return tf.gather(x, indices), tf.gather(y, indices)
 
-    return stating_rate(_step_seeds(seed).take(steps).map(draw), sampling_rate, steps)
+    return _step_seeds(seed).map(draw)
+
+
+def distributed_poisson_batches(strategy, x, y, sampling_rate, steps_per_epoch):
+    """Poisson batches for training under ``strategy`` (several devices or workers): a
+    ``tf.distribute.DistributedDataset`` for ``fit``.
+
+    The records are partitioned between the ``R`` replicas (record ``i`` to part
+    ``i mod R``, a rule that does not look at the data) and every replica draws each step
+    a Poisson sample of its part with rate ``q`` (:func:`poisson_batches`, its own seed
+    from the operating system). Why this is the mechanism the accountant analyses: a
+    Poisson sample keeps every record independently with probability ``q``, so its
+    restrictions to the parts are independent Poisson samples of the parts, and
+    conversely the union of independent Poisson samples of the parts is a Poisson sample
+    of the whole data set -- one global draw per step, sharded. A record lives on one
+    replica, so it enters at most one replica's batch in a step (:mod:`lipdp.distribute`).
+
+    Every worker calls this with the same ``x`` and ``y`` (it keeps its own replicas'
+    parts only). The batches never run out (Keras keeps one iterator of a distributed
+    dataset across epochs): ``fit`` runs ``steps_per_epoch`` of them per epoch, the number
+    the dataset states.
+    """
+    sampling_rate = probability("sampling_rate", sampling_rate)
+    steps = count("steps_per_epoch", steps_per_epoch, minimum=1)
+    x, y = np.asarray(x), np.asarray(y)
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
+    replicas = int(strategy.num_replicas_in_sync)
+
+    def worker_dataset(input_context):
+        local = replicas // input_context.num_input_pipelines
+        parts = range(
+            input_context.input_pipeline_id * local, (input_context.input_pipeline_id + 1) * local
+        )
+        batches = [
+            _poisson_stream(x[part::replicas], y[part::replicas], sampling_rate) for part in parts
+        ]
+        # The worker's replicas receive its dataset's elements in turn, one per replica
+        # and step: part after part.
+        order = tf.data.Dataset.range(local).repeat()
+        return tf.data.Dataset.choose_from_datasets(batches, order)
+
+    dataset = strategy.distribute_datasets_from_function(worker_dataset)
+    dataset.lipdp_partitioned = True  # fit accepts it on several workers
+    return stating_rate(dataset, sampling_rate, steps)
 
 
 def poisson_indices(n, sampling_rate, seed) -> tf.Tensor:
@@ -169,4 +219,4 @@ def _ordered_batches(n, batch_size, make_batch) -> tf.data.Dataset:
     return indices.map(make_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
-__all__ = ["poisson_batches", "poisson_indices"]
+__all__ = ["distributed_poisson_batches", "poisson_batches", "poisson_indices"]
