@@ -35,10 +35,10 @@ def metadata(batch_size, sampling="shuffle"):
     )
 
 
-def build(family, sigma, batch_size, sampling="shuffle", optimizer=None, ascent=None):
-    """A small bias-free model of ``family``, compiled; ``sigma = 0``: non-private;
-    ``ascent``: DP-SGD's sharpness-aware ascent. Its initial weights depend only on the
-    Keras seed (set it before calling)."""
+def build(family, sigma, batch_size, sampling="shuffle", optimizer=None, jit_compile=False, **kw):
+    """A small bias-free model of ``family``, compiled; ``sigma = 0``: non-private; ``kw``:
+    options of the model (``adversarial``; DP-SGD's ``ascent``, ``gradient_method``). Its
+    initial weights depend only on the Keras seed (set it before calling)."""
     params = DPParameters("global", sigma, 1e-5, non_private=sigma == 0)
     meta = metadata(batch_size, sampling)
     optimizer = optimizer or tf.keras.optimizers.SGD(0.5)
@@ -52,8 +52,13 @@ def build(family, sigma, batch_size, sampling="shuffle", optimizer=None, ascent=
             ],
             dp_parameters=params,
             dataset_metadata=meta,
+            **kw,
         )
-        model.compile(loss=losses.DP_TauCategoricalCrossentropy(4.0), optimizer=optimizer)
+        model.compile(
+            loss=losses.DP_TauCategoricalCrossentropy(4.0),
+            optimizer=optimizer,
+            jit_compile=jit_compile,
+        )
         return model
     model = DPSGD_Sequential(
         [
@@ -63,10 +68,12 @@ def build(family, sigma, batch_size, sampling="shuffle", optimizer=None, ascent=
         dp_parameters=params,
         clipping=Clipping("flat", 0.5),
         dataset_metadata=meta,
-        ascent=ascent,
+        **kw,
     )
     model.compile(
-        loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True), optimizer=optimizer
+        loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+        optimizer=optimizer,
+        jit_compile=jit_compile,
     )
     return model
 
