@@ -54,3 +54,15 @@ def test_xla_step_gives_the_default_result(case):
     assert np.abs(trained - initial).max() > 1e-2  # the steps moved the weights
     np.testing.assert_allclose(h.flat_weights(compiled), trained, atol=1e-5)
     assert int(compiled.noisy_steps.numpy()) == 4
+
+
+@pytest.mark.parametrize("family", h.FAMILIES)
+def test_mixed_precision_is_refused_by_both_families(family):
+    """Accelerator readiness, the other half: float16 round-off exceeds the slack of the
+    bounds, so a mixed_float16 policy is refused when compiling, with the fix."""
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with pytest.raises(ValueError, match="set_global_policy\\('float32'\\)"):
+            h.build(family, 1.0, 32)
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
