@@ -26,7 +26,8 @@ ALLOWED = {
         "lipdp.wavelets",
     ),
     "lipdp.bounds": (),
-    "lipdp.noise": ("lipdp.validation",),
+    "lipdp.distribute": (),
+    "lipdp.noise": ("lipdp.validation", "lipdp.distribute"),
     "lipdp.accounting": ("lipdp.accounting", "lipdp.validation", "lipdp.metadata"),
     "lipdp.data": ("lipdp.data", "lipdp.validation", "lipdp.metadata"),
 }

@@ -31,6 +31,7 @@ PIPELINE_HOMES = {
     "ROUNDING_MARGIN": lipdp.data.input_bounds,
     "bound_clip_value": lipdp.data.input_bounds,
     "bound_normalize": lipdp.data.input_bounds,
+    "distributed_poisson_batches": lipdp.data.sampling,
     "poisson_batches": lipdp.data.sampling,
     "poisson_indices": lipdp.data.sampling,
     "TABULAR_SCALINGS": lipdp.data.tabular,
