@@ -233,6 +233,15 @@ def _add_run_arguments(parser) -> None:
     )
     parser.add_argument("--strategy", choices=["global", "per-layer"], default="global")
     parser.add_argument(
+        "--mirrored",
+        type=_number(int, lambda v: v >= 2, "an integer >= 2"),
+        default=None,
+        metavar="R",
+        help="train under tf.distribute.MirroredStrategy over R devices: the first R GPUs, "
+        "else the CPU split into R logical devices (same global batch, same noise and "
+        "epsilon; the batch size must be divisible by R)",
+    )
+    parser.add_argument(
         "--accountant",
         choices=["rdp", "pld", "gdp"],
         default="rdp",
@@ -536,7 +545,7 @@ def _train_private_model(args, data, verb):
     """
 
     from lipdp.callbacks import ParameterAveraging
-    from lipdp.model import DP_Accountant, DPParameters
+    from lipdp.model import DP_Accountant
     from lipdp.pipeline import poisson_batches
     from lipdp.sensitivity import get_max_epochs
 
@@ -547,32 +556,16 @@ def _train_private_model(args, data, verb):
         raise ValueError(
             f"--batch-size {batch_size} exceeds the {len(data.x_train)} training examples."
         )
-    model, x_train, y_train = cli_model(
-        data,
-        args.dataset,
-        batch_size,
-        DPParameters(args.strategy, sigma, args.delta),
-        sampling=args.sampling,
-        learning_rate=args.learning_rate,
-        method=args.method,
-        weight_norm_bound=args.weight_norm_bound,
-        group_norm=args.group_norm,
-        alpha=args.group_norm_alpha,
-        clipping=_clipping(args) if args.method == "dp-sgd" else None,
-        ascent=_ascent(args),
-        gradient_method=args.gradient_method,
-        adversarial=_adversarial(args),
-        scattering=_scattering(args),
-        optimizer=args.optimizer,
-        momentum=args.momentum,
-        gradient_clip=_gradient_clip(args),
-    )
+    strategy = _distribution_strategy(args.mirrored)
+    with strategy.scope():
+        model, x_train, y_train = _built_cli_model(args, data, batch_size, sigma)
     epochs = args.epochs
     if epochs is None:
         epochs = get_max_epochs(args.epsilon, model, accountant=args.accountant)
+    devices = f", {args.mirrored} replicas" if args.mirrored else ""
     print(
-        f"lipdp {verb}: {args.dataset}, {len(x_train)} training examples, batch {batch_size}, "
-        f"method {args.method} ({_method_detail(args)}), "
+        f"lipdp {verb}: {args.dataset}, {len(x_train)} training examples, batch {batch_size}"
+        f"{devices}, method {args.method} ({_method_detail(args)}), "
         f"noise multiplier {sigma}, {args.strategy} noise, budget (epsilon = {args.epsilon}, "
         f"delta = {args.delta}) -> {epochs} epochs"
     )
@@ -598,6 +591,59 @@ def _train_private_model(args, data, verb):
             callbacks=callbacks,
         )
     return model, x_train, y_train, time.perf_counter() - start
+
+
+def _distribution_strategy(replicas):
+    """``None``: TensorFlow's default (one device). ``R``: ``MirroredStrategy`` over the
+    first ``R`` GPUs, or over ``R`` logical devices the CPU is split into (possible only
+    before TensorFlow has started its devices)."""
+    import tensorflow as tf
+
+    if replicas is None:
+        return tf.distribute.get_strategy()
+    if len(tf.config.list_physical_devices("GPU")) >= replicas:
+        devices = [d.name for d in tf.config.list_logical_devices("GPU")[:replicas]]
+        return tf.distribute.MirroredStrategy(devices)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * replicas
+        )
+    except RuntimeError:  # devices already started: use the split already made, if any
+        pass
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if len(devices) < replicas:
+        raise ValueError(
+            f"--mirrored {replicas}: only {len(devices)} device(s) available (TensorFlow had "
+            "started its devices before they could be split); run lipdp in a new process."
+        )
+    return tf.distribute.MirroredStrategy(devices[:replicas])
+
+
+def _built_cli_model(args, data, batch_size, sigma):
+    """:func:`cli_model` with the options of ``args``."""
+    from lipdp.model import DPParameters
+
+    return cli_model(
+        data,
+        args.dataset,
+        batch_size,
+        DPParameters(args.strategy, sigma, args.delta),
+        sampling=args.sampling,
+        learning_rate=args.learning_rate,
+        method=args.method,
+        weight_norm_bound=args.weight_norm_bound,
+        group_norm=args.group_norm,
+        alpha=args.group_norm_alpha,
+        clipping=_clipping(args) if args.method == "dp-sgd" else None,
+        ascent=_ascent(args),
+        gradient_method=args.gradient_method,
+        adversarial=_adversarial(args),
+        scattering=_scattering(args),
+        optimizer=args.optimizer,
+        momentum=args.momentum,
+        gradient_clip=_gradient_clip(args),
+    )
 
 
 def _scattering(args) -> bool:

@@ -304,3 +304,22 @@ def test_cli_evaluate_trains_saves_and_loads(tmp_path, capsys):
     loaded_output = capsys.readouterr().out
     tail = trained_output[trained_output.index("test accuracy") :]
     assert loaded_output[loaded_output.index("test accuracy") :] == tail
+
+
+def test_cli_mirrored_training_reports_the_single_device_epsilon(capsys):
+    """--mirrored 2 (the two logical CPU devices of conftest.py): the same epsilon per
+    epoch as one device, the replicas named; more devices than exist: a one-line error."""
+    argv = ["train", "--quiet", "--epochs", "2", "--batch-size", "512"]
+    assert cli.main([*argv, "--mirrored", "2"]) == 0
+    mirrored = capsys.readouterr().out
+    assert cli.main(argv) == 0
+    single = capsys.readouterr().out
+    assert "batch 512, 2 replicas" in mirrored and "replicas" not in single
+
+    def epsilons(out):
+        lines = [line for line in out.splitlines() if line.startswith("epoch")]
+        return [line.split("epsilon")[1].split("(")[0] for line in lines]  # not the time
+
+    assert epsilons(mirrored) == epsilons(single) and len(epsilons(single)) == 2
+    assert cli.main([*argv, "--mirrored", "3"]) == 2
+    assert "--mirrored 3: only 2 device(s)" in capsys.readouterr().err
