@@ -128,7 +128,9 @@ def _free_ports(count):
     return ports
 
 
-@pytest.mark.parametrize("family", h.FAMILIES)
+@pytest.mark.parametrize(
+    "family", ["clipless", pytest.param("dp-sgd", marks=pytest.mark.slow)]
+)  # ~30 s each: two TensorFlow processes
 def test_two_workers_match_one_device_and_draw_the_noise_once(family, tmp_path):
     """MultiWorkerMirroredStrategy, two processes on localhost (bounded in time): arrays
     are refused, the noiseless steps equal a single device's on the same global batches,

@@ -42,7 +42,14 @@ def _train(family, sampling, options, jit_compile):
     return model
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+#: In the default run; the other steps (seconds of XLA compilation each) are marked slow.
+DEFAULT_CASES = ("clipless", "dp-sgd-ghost")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)],
+)
 def test_xla_step_gives_the_default_result(case):
     family, sampling, options = CASES[case]
     default = _train(family, sampling, options, jit_compile=False)
