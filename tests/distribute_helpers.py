@@ -49,6 +49,7 @@ def build(family, sigma, batch_size, sampling="shuffle", optimizer=None, jit_com
                 L.DP_SpectralDense(32),
                 L.DP_GroupSort(2),
                 L.DP_SpectralDense(CLASSES),
+                L.DP_ClipGradient(0.2),  # clips each row's cotangent at 0.2 / n
             ],
             dp_parameters=params,
             dataset_metadata=meta,
