@@ -222,6 +222,7 @@ def test_one_row_moves_the_sum_by_at_most_the_clip_norm_under_attack(clipping, r
 _STEP = {"flat": 5.0, "per-layer": 5.0, "automatic": 5.0, "global": 0.3}
 
 
+@pytest.mark.smoke
 def test_noise_standard_deviation_measured_end_to_end(rng):
     """One step with noise minus the same step without, divided by the learning rate:
     its standard deviation is sigma * R / b."""
@@ -328,6 +329,7 @@ def test_privacy_plan_and_report_are_the_clipless_ones():
     assert "all variables (flat clipping): 0.0625" in report  # R / b = 0.5 / 8
 
 
+@pytest.mark.smoke
 def test_trains_on_poisson_batches_and_saves_its_privacy_state(tmp_path, rng):
     model = _model(sampling="poisson", n=64)
     x, y = _batch(rng, n=64)
