@@ -13,6 +13,7 @@ from lipdp.metadata import DatasetMetadata
 from lipdp.model import DPParameters
 from lipdp.pipeline import poisson_batches
 from lipdp.report import privacy_report
+from tests.reference_helpers import requires_tensorflow_privacy
 
 BATCH, FEATURES, CLASSES = 8, 6, 3
 
@@ -117,6 +118,7 @@ def _per_example_norms(model, x, y):
     return np.array(norms)
 
 
+@requires_tensorflow_privacy
 @pytest.mark.parametrize("method", ["ghost", "jacobian"])
 def test_noiseless_step_equals_tensorflow_privacy(method, rng):
     """Flat clipping, noise off: the update of DPKerasSGDOptimizer (one microbatch per
