@@ -108,11 +108,15 @@ def predicted_keras_problem(
     return None
 
 
+def _keras_package(tf) -> str:
+    """``"keras"`` or ``"tf_keras"``: the package behind ``tf.keras`` (resolves it)."""
+    return tf.keras.Model.__module__.split(".")[0]
+
+
 def loaded_keras_version(tf) -> str:
     """The version of the Keras package behind ``tf.keras`` (resolves ``tf.keras``):
     ``keras`` 2.15 on TensorFlow 2.15, ``tf_keras`` with the flag, ``keras`` 3 without."""
-    package = tf.keras.Model.__module__.split(".")[0]
-    return str(getattr(sys.modules[package], "__version__", "?"))
+    return str(getattr(sys.modules[_keras_package(tf)], "__version__", "?"))
 
 
 def keras_problem() -> str | None:
@@ -130,6 +134,14 @@ def keras_problem() -> str | None:
     except ImportError as error:  # the flag is set but tf-keras is missing
         return f"tf.keras cannot be imported ({' '.join(str(error).split())})"
     if keras_version.split(".")[0] == "2":
+        # The flag set after TensorFlow was imported routes tf.keras to tf-keras, but the
+        # ``tensorflow.keras`` import path (deel-lip's) was fixed at import: Keras 3 there.
+        # TensorFlow records the flag it was imported with (a private name: absent, no check).
+        if _keras_package(tf) == "tf_keras" and getattr(tf, "_tf_uses_legacy_keras", None) is False:
+            return (
+                f"TensorFlow {tf.__version__} was imported before {LEGACY_KERAS_FLAG}=1 was "
+                "set, so deel-lip's tensorflow.keras imports give Keras 3"
+            )
         return None
     return (
         f"tf.keras is Keras {keras_version} (TensorFlow {tf.__version__} was imported while "

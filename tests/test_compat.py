@@ -76,6 +76,18 @@ def test_keras_3_is_refused_in_one_line_naming_the_fix():
     )
 
 
+@pytest.mark.skipif(not KERAS_3_DEFAULT, reason="TensorFlow 2.15's tf.keras is always Keras 2")
+def test_the_flag_set_after_tensorflow_was_imported_is_refused():
+    """tf.keras would then be tf-keras, but deel-lip's ``tensorflow.keras`` imports Keras 3."""
+    result = _run(
+        "import os, tensorflow as tf; os.environ['TF_USE_LEGACY_KERAS'] = '1'; import lipdp"
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "was imported before TF_USE_LEGACY_KERAS=1 was set" in last
+    assert last.endswith("before importing TensorFlow.")
+
+
 @pytest.mark.skipif(KERAS_3_DEFAULT, reason="TensorFlow >= 2.16 without the flag is Keras 3")
 def test_tensorflow_2_15_imported_first_is_accepted():
     result = _run("import tensorflow as tf; import lipdp.model; print(tf.keras.Model.__module__)")
