@@ -9,8 +9,10 @@ import pytest
 from lipdp.accounting import SubsampledGaussian
 from lipdp.accounting.gdp import GDPAccountant, delta_of, epsilon_of, mu_of
 from lipdp.accounting.registry import get_accountant, is_approximate
+from tests.reference_helpers import requires_tensorflow_privacy
 
 
+@requires_tensorflow_privacy
 @pytest.mark.parametrize(
     "sigma,batch,n,epochs,delta",
     [(1.1, 256, 60000, 15, 1e-5), (0.8, 512, 50000, 60, 1e-5), (2.0, 64, 455, 30, 1 / 569)],
@@ -39,7 +41,11 @@ def test_delta_curve_inverts_and_composition_is_in_quadrature():
     assert accountant.mu([(a, 100), (b, 300)]) == pytest.approx(
         math.hypot(mu_of(a, 100), mu_of(b, 300))
     )
-    # The mu -> epsilon conversion against tensorflow-privacy's (Bu et al.'s code).
+
+
+@requires_tensorflow_privacy
+def test_mu_to_epsilon_matches_tensorflow_privacy():
+    """The mu -> epsilon conversion against tensorflow-privacy's (Bu et al.'s code)."""
     from tensorflow_privacy.privacy.analysis import gdp_accountant as reference
 
     for mu in (0.3, 1.0, 2.5):

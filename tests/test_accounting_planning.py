@@ -19,6 +19,7 @@ from lipdp.model import DP_Sequential, DPParameters
 from tests.accounting_helpers import DELTA, PUBLISHED, TUTORIAL_Q, autodp_epsilon, mnist_model
 
 
+@pytest.mark.smoke
 def test_model_reproduces_the_published_tutorial_values():
     model = mnist_model()
     assert model.dataset_metadata.nb_steps_per_epochs == 60
@@ -85,6 +86,7 @@ def test_tutorial_table():
 
 
 # ------------------------------------------------------------ calibration
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "target,epochs", [(3.0, 91), (1.0, 10), (8.0, 50)], ids=["tutorial", "strict", "loose"]
 )

@@ -23,6 +23,7 @@ def test_pld_is_tighter_than_rdp(sigma, q):
         assert 0 < pld <= rdp * (1 + 1e-6)
 
 
+@pytest.mark.smoke
 def test_pld_accountant_equals_dp_accounting_events():
     config = {"mode": "laplace", "epsilon": 0.05, "num_updates": 3}
     for dynamic in (None, config):

@@ -26,6 +26,7 @@ GRID = list(itertools.product(SIGMAS, RATES, STEPS))
 FAST_GRID = [p for p in GRID if p[0] in (0.8, 2.0, 5.0) and p[1] in (0.001, 0.1)]
 
 
+@pytest.mark.smoke
 def test_reproduces_the_published_tutorial_values():
     for epochs, published in PUBLISHED.items():
         epsilon = epsilon_for_steps(2.0, TUTORIAL_Q, epochs * 60, DELTA)
@@ -33,6 +34,7 @@ def test_reproduces_the_published_tutorial_values():
         assert epsilon == pytest.approx(autodp_epsilon(2.0, TUTORIAL_Q, epochs * 60), rel=1e-6)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "sigma,q,steps",
     [p if p in FAST_GRID else pytest.param(*p, marks=pytest.mark.slow) for p in GRID],

@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lipdp"
 
 #: module (or package prefix) -> lipdp modules it may import (prefixes).
 ALLOWED = {
+    "lipdp.compat": (),
     "lipdp.metadata": (),
     "lipdp.validation": (),
     "lipdp.records": (),

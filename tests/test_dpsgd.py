@@ -13,6 +13,7 @@ from lipdp.metadata import DatasetMetadata
 from lipdp.model import DPParameters
 from lipdp.pipeline import poisson_batches
 from lipdp.report import privacy_report
+from tests.reference_helpers import requires_tensorflow_privacy
 
 BATCH, FEATURES, CLASSES = 8, 6, 3
 
@@ -117,6 +118,7 @@ def _per_example_norms(model, x, y):
     return np.array(norms)
 
 
+@requires_tensorflow_privacy
 @pytest.mark.parametrize("method", ["ghost", "jacobian"])
 def test_noiseless_step_equals_tensorflow_privacy(method, rng):
     """Flat clipping, noise off: the update of DPKerasSGDOptimizer (one microbatch per
@@ -222,6 +224,7 @@ def test_one_row_moves_the_sum_by_at_most_the_clip_norm_under_attack(clipping, r
 _STEP = {"flat": 5.0, "per-layer": 5.0, "automatic": 5.0, "global": 0.3}
 
 
+@pytest.mark.smoke
 def test_noise_standard_deviation_measured_end_to_end(rng):
     """One step with noise minus the same step without, divided by the learning rate:
     its standard deviation is sigma * R / b."""
@@ -328,6 +331,7 @@ def test_privacy_plan_and_report_are_the_clipless_ones():
     assert "all variables (flat clipping): 0.0625" in report  # R / b = 0.5 / 8
 
 
+@pytest.mark.smoke
 def test_trains_on_poisson_batches_and_saves_its_privacy_state(tmp_path, rng):
     model = _model(sampling="poisson", n=64)
     x, y = _batch(rng, n=64)

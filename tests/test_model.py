@@ -97,6 +97,7 @@ def _bias_step_change(strategy, sigma, nm_coef=1.0):
     return model, before - bias.numpy()
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("strategy", ["global", "per-layer"])
 def test_noise_std_matches_sigma_times_sensitivity(strategy):
     sigma = 1000.0  # the gradient itself (norm <= sensitivity) is negligible next to the noise

@@ -57,6 +57,7 @@ def test_formats_that_cannot_carry_the_state_are_refused(tmp_path):
             model.save(path)
 
 
+@pytest.mark.smoke
 def test_keras_file_round_trip_keeps_the_step_count(tmp_path):
     model = make_model()
     fit(model, 2)

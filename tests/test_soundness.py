@@ -43,7 +43,27 @@ COVERED_BY_OTHER_BALLS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(set(ALL_CASES) - COVERED_BY_ZOO - COVERED_BY_OTHER_BALLS))
+#: The cases of the smoke run on the current TensorFlow (``make test-tf-current``): a dense and a
+#: strided conv layer, max-pooling (ties), a loss, a norm ball with group normalisation and a
+#: zoo CNN.
+SMOKE_CASES = {
+    "QuickSpectralDense(orthogonal)",
+    "QuickSpectralConv2D(valid,stride2)",
+    "MaxPool2D",
+    "TauCategoricalCrossentropy",
+    "Ball:GroupNormalization(dense,adaptive)",
+    "Zoo:pooled_cnn",
+    "Matrix:DP_SpectralConv2D(spectral)",
+}
+
+
+def _with_smoke_marks(cases):
+    return [pytest.param(c, marks=pytest.mark.smoke) if c in SMOKE_CASES else c for c in cases]
+
+
+@pytest.mark.parametrize(
+    "case", _with_smoke_marks(sorted(set(ALL_CASES) - COVERED_BY_ZOO - COVERED_BY_OTHER_BALLS))
+)
 def test_bounds_hold_on_random_and_adversarial_inputs(case):
     model, x, y = ALL_CASES[case]()
     random_ratios = measure(model, x, y)
@@ -63,7 +83,7 @@ def test_bounds_hold_on_random_and_adversarial_inputs(case):
     assert worst.worst_gradient <= 1 + TOLERANCE
 
 
-@pytest.mark.parametrize("case", sorted(NORM_BALL_MATRIX))
+@pytest.mark.parametrize("case", _with_smoke_marks(sorted(NORM_BALL_MATRIX)))
 def test_every_constrained_layer_and_ball_norm_on_random_inputs(case):
     """Lip-DP-SGD: every constrained layer x {spectral, Frobenius} ball, radii 2.5 / 0.6
     (dense) or 1.7 / 0.8 / 1.3 (conv), bounds from the current weights."""

@@ -76,6 +76,7 @@ def test_non_private_reference_is_an_upper_reference(digits):
     assert reference > private
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "optimizer",
     [
