@@ -41,7 +41,15 @@ def _fit(model, x, y, pipeline, strategy):
         model.fit(distributed_poisson_batches(strategy, x, y, 1.0, 1), epochs=2, verbose=0)
 
 
-@pytest.mark.parametrize("pipeline", ["arrays", "arrays-adversarial", "poisson", "partitioned"])
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        "arrays",
+        "arrays-adversarial",
+        "poisson",
+        pytest.param("partitioned", marks=pytest.mark.smoke),
+    ],
+)
 @pytest.mark.parametrize("family", h.FAMILIES)
 def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
     """Same initial weights, same global batches, no noise: two replicas and one device
@@ -68,6 +76,7 @@ def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
     assert int(replicated.noisy_steps.numpy()) == int(single.noisy_steps.numpy()) == 2
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("family", h.FAMILIES)
 def test_released_noise_has_the_standard_deviation_of_one_step(family, replicas):
@@ -133,7 +142,11 @@ def _free_ports(count):
 
 
 @pytest.mark.parametrize(
-    "family", ["clipless", pytest.param("dp-sgd", marks=pytest.mark.slow)]
+    "family",
+    [
+        pytest.param("clipless", marks=pytest.mark.smoke),
+        pytest.param("dp-sgd", marks=pytest.mark.slow),
+    ],
 )  # ~30 s each: two TensorFlow processes
 def test_two_workers_match_one_device_and_draw_the_noise_once(family, tmp_path):
     """MultiWorkerMirroredStrategy, two processes on localhost (bounded in time): arrays
