@@ -6,10 +6,11 @@ two-worker ``MultiWorkerMirroredStrategy`` on localhost (``TF_CONFIG``), then
 1. checks that ``fit`` refuses arrays (each worker would draw its own batches);
 2. trains the noiseless model two steps on the partitioned Poisson pipeline at rate 1
    (every record every step, so the global batch is the whole data set);
-3. trains the private model on all-zero inputs with a recording optimizer;
+3. trains the private model on all-zero inputs with a recording optimizer and the
+   accountant callback;
 
 and writes the initial and final weights, the recorded noise statistics, the expected
-standard deviation and the step counts to ``OUT.json``.
+standard deviation, the step counts and the epsilons per epoch to ``OUT.json``.
 """
 
 import json
@@ -27,6 +28,7 @@ def main(index, ports, family, out):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
+    from lipdp.callbacks import DP_Accountant
     from lipdp.pipeline import distributed_poisson_batches
     from tests import distribute_helpers as h
 
@@ -52,7 +54,13 @@ def main(index, ports, family, out):
     with strategy.scope():
         private = h.build(family, 1.0, 32, sampling="poisson", optimizer=recorder)
         recorder.start(private.trainable_variables)
-    private.fit(distributed_poisson_batches(strategy, zeros, y, 0.5, 2), epochs=16, verbose=0)
+    history = private.fit(
+        distributed_poisson_batches(strategy, zeros, y, 0.5, 2),
+        epochs=16,
+        verbose=0,
+        callbacks=[DP_Accountant()],
+    )
+    result["epsilons"] = history.history["epsilon"]
     result["noise_mean"], result["noise_std"] = recorder.noise_statistics()
     result["expected_std"] = h.expected_stddev(private)
     result["private_steps"] = int(private.noisy_steps.numpy())

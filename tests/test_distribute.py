@@ -151,7 +151,8 @@ def _free_ports(count):
 def test_two_workers_match_one_device_and_draw_the_noise_once(family, tmp_path):
     """MultiWorkerMirroredStrategy, two processes on localhost (bounded in time): arrays
     are refused, the noiseless steps equal a single device's on the same global batches,
-    the aggregated noise has standard deviation sigma x Delta, steps are global."""
+    the aggregated noise has standard deviation sigma x Delta, steps are global and
+    epsilon is a single device's."""
     ports = ",".join(str(p) for p in _free_ports(2))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
     outputs = [tmp_path / f"worker{i}.json" for i in range(2)]
@@ -177,6 +178,8 @@ def test_two_workers_match_one_device_and_draw_the_noise_once(family, tmp_path):
     single = h.build(family, 0.0, h.N, sampling="poisson")
     single.set_weights([np.array(w) for w in results[0]["initial"]])
     single.fit(poisson_batches(x, y, 1.0, 1), epochs=2, verbose=0)
+    private = h.build(family, 1.0, 32, sampling="poisson")
+    epsilons = [get_eps_delta(private, epoch)[0] for epoch in range(1, 17)]
     for result in results:
         assert result["replicas"] == 2
         assert "several workers" in result["arrays_refused"]
@@ -184,3 +187,4 @@ def test_two_workers_match_one_device_and_draw_the_noise_once(family, tmp_path):
         np.testing.assert_allclose(result["noiseless"], h.flat_weights(single), atol=2e-6)
         assert result["noiseless_steps"] == 2 and result["private_steps"] == 32
         assert abs(result["noise_std"] / result["expected_std"] - 1.0) < 0.05
+        assert result["epsilons"] == epsilons  # a single device's after the same steps
