@@ -40,7 +40,7 @@ demo: install
 test: install
 	$(BIN)/pytest -q -n 2
 
-# The smoke subset on the current TensorFlow (CI, before `make test`; about 2 min): training of
+# The smoke subset on the current TensorFlow (CI, before `make test`; 1-2 min): training of
 # both families, accounting, a few soundness cases, the Keras 3 check. tf.keras must be
 # tf-keras's Keras 2: TF_USE_LEGACY_KERAS=1 before TensorFlow is imported.
 test-tf-current: install-tf-current
