@@ -30,13 +30,15 @@ def mirrored():
 
 
 def _fit(model, x, y, pipeline, strategy):
-    """Two steps of a noiseless run: fixed batches of 32 in order, or Poisson at rate 1
-    (every record in every batch, one step per epoch) through the global or the
-    partitioned pipeline."""
+    """Two steps of a noiseless run: fixed batches of 32 in order, Poisson at rate 1/2
+    (seeded), or Poisson at rate 1 (every record in every batch, one step per epoch)
+    through the global or the partitioned pipeline."""
     if pipeline.startswith("arrays"):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
     elif pipeline == "poisson":
         model.fit(poisson_batches(x, y, 1.0, 1), epochs=2, verbose=0)
+    elif pipeline == "poisson-random-sizes":  # the same seeded draws for both runs
+        model.fit(poisson_batches(x, y, 0.5, 2, seed=11), epochs=1, verbose=0)
     else:
         model.fit(distributed_poisson_batches(strategy, x, y, 1.0, 1), epochs=2, verbose=0)
 
@@ -47,6 +49,7 @@ def _fit(model, x, y, pipeline, strategy):
         "arrays",
         "arrays-adversarial",
         "poisson",
+        "poisson-random-sizes",
         pytest.param("partitioned", marks=pytest.mark.smoke),
     ],
 )
@@ -57,6 +60,8 @@ def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
     once, and projected identically), also with adversarial training (its own loss)."""
     x, y = h.data()
     batch, sampling = (32, "shuffle") if pipeline.startswith("arrays") else (h.N, "poisson")
+    if pipeline == "poisson-random-sizes":  # global batches of random size, split by Keras
+        batch = 32
     options = {}
     if pipeline == "arrays-adversarial":
         options["adversarial"] = PGD(0.2, steps=3, random_start=False, mix=0.5)
