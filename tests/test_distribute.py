@@ -193,3 +193,28 @@ def test_two_workers_match_one_device_and_draw_the_noise_once(family, tmp_path):
         assert result["noiseless_steps"] == 2 and result["private_steps"] == 32
         assert abs(result["noise_std"] / result["expected_std"] - 1.0) < 0.05
         assert result["epsilons"] == epsilons  # a single device's after the same steps
+
+
+@pytest.mark.parametrize("kind", ["laplace", "quantile"])
+def test_dynamic_clipping_under_mirrored_updates_every_copy_once(kind):
+    """One process: the callback releases one clip value per update (counted by the plan)
+    and writes it to every replica's copy of the threshold."""
+    from lipdp.dynamic import AdaptiveQuantileClipping, LaplaceAdaptiveLossGradientClipping
+    from tests.test_dynamic import datasets, make_data, make_model
+
+    train, full = datasets(*make_data())
+    if kind == "laplace":
+        callback = LaplaceAdaptiveLossGradientClipping(full, patience=1, epsilon=2.0, seed=0)
+    else:
+        callback = AdaptiveQuantileClipping(
+            full, noise_multiplier=1.0, quantile=0.5, learning_rate=0.5, seed=1
+        )
+    strategy = mirrored()
+    with strategy.scope():
+        model = make_model(dynamic=callback)
+    history = model.fit(train, epochs=3, verbose=0, callbacks=[callback])
+    copies = strategy.experimental_local_results(model.dp_layers[-1].clip_value)
+    assert len(copies) == 2 and float(copies[0]) == float(copies[1])
+    assert float(copies[0]) == pytest.approx(history.history["clip_value"][-1])
+    assert float(copies[0]) != 1.0  # updated from the initial clip value
+    assert model.privacy_plan().releases[1].count(3) == callback.releases >= 1
