@@ -39,6 +39,8 @@ tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
 )
 
+from lipdp.distribute import mirrored_strategy  # noqa: E402
+
 try:
     from benchmarks import step_speed
     from benchmarks.common import machine_description
@@ -87,9 +89,7 @@ def timed_round(pairs, steps):
 def measure(batch, rounds):
     strategies = {
         "one": tf.distribute.get_strategy(),
-        "mirrored": tf.distribute.MirroredStrategy(
-            [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
-        ),
+        "mirrored": mirrored_strategy([d.name for d in tf.config.list_logical_devices("CPU")[:2]]),
     }
     functions = {
         (placement, variant): train_function(strategies[placement], variant, batch)
@@ -131,8 +131,7 @@ def table(batch, results):
     ]
     for label, other in (("noise", "lipdp-no-noise"), ("projection", "lipdp-no-project")):
         cells = [
-            median(results, lambda r, p=p, o=other: r[(p, "lipdp")] / r[(p, o)])
-            for p in PLACEMENTS
+            median(results, lambda r, p=p, o=other: r[(p, "lipdp")] / r[(p, o)]) for p in PLACEMENTS
         ]
         lines.append(f"| {label}: lipdp / {other} | {cells[0]:.3f} | {cells[1]:.3f} |")
     return "\n".join(lines)

@@ -599,11 +599,13 @@ def _distribution_strategy(replicas):
     before TensorFlow has started its devices)."""
     import tensorflow as tf
 
+    from lipdp.distribute import mirrored_strategy
+
     if replicas is None:
         return tf.distribute.get_strategy()
     if len(tf.config.list_physical_devices("GPU")) >= replicas:
         devices = [d.name for d in tf.config.list_logical_devices("GPU")[:replicas]]
-        return tf.distribute.MirroredStrategy(devices)
+        return mirrored_strategy(devices)
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(
@@ -617,7 +619,7 @@ def _distribution_strategy(replicas):
             f"--mirrored {replicas}: only {len(devices)} device(s) available (TensorFlow had "
             "started its devices before they could be split); run lipdp in a new process."
         )
-    return tf.distribute.MirroredStrategy(devices[:replicas])
+    return mirrored_strategy(devices[:replicas])
 
 
 def _built_cli_model(args, data, batch_size, sigma):

@@ -110,6 +110,23 @@ def worker_count(strategy=None) -> int:
     return sum(spec.num_tasks(job) for job in jobs if job in ("chief", "worker")) or 1
 
 
+_MIRRORED = {}
+
+
+def mirrored_strategy(devices) -> tf.distribute.MirroredStrategy:
+    """One ``MirroredStrategy`` per set of ``devices`` in this process, reused.
+
+    Why: TensorFlow 2.15 numbers the collective all-reduces of each new
+    ``MirroredStrategy`` from the same key, so a second strategy over the same devices in
+    one process fails on its first step with "Shape mismatch in the collective instance"
+    when its model differs (plain Keras models too). Reusing the strategy avoids it.
+    """
+    key = tuple(devices)
+    if key not in _MIRRORED:
+        _MIRRORED[key] = tf.distribute.MirroredStrategy(list(key))
+    return _MIRRORED[key]
+
+
 def check_replica_batches(rows_per_batch) -> None:
     """A fixed batch of ``rows_per_batch`` rows must split evenly between the replicas:
     every replica then checks that it holds ``rows_per_batch / R`` (rule S5)."""
@@ -125,6 +142,7 @@ __all__ = [
     "apply_released",
     "check_replica_batches",
     "draws_noise",
+    "mirrored_strategy",
     "once_per_step",
     "replica_context",
     "replicas_in_sync",

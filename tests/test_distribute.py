@@ -16,6 +16,7 @@ import tensorflow as tf
 from lipdp.accounting import get_eps_delta
 from lipdp.adversarial import PGD
 from lipdp.callbacks import DP_Accountant
+from lipdp.distribute import mirrored_strategy
 from lipdp.dpsgd import SharpnessAscent
 from lipdp.pipeline import distributed_poisson_batches, poisson_batches
 from tests import distribute_helpers as h
@@ -24,9 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def mirrored():
+    """The process's one MirroredStrategy over the two logical CPU devices (a second
+    strategy would fail in TensorFlow itself: lipdp.distribute.mirrored_strategy)."""
     devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
     assert len(devices) == 2, "conftest.py splits the CPU into two logical devices"
-    return tf.distribute.MirroredStrategy(devices)
+    return mirrored_strategy(devices)
 
 
 def _fit(model, x, y, pipeline, strategy):
