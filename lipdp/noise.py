@@ -105,7 +105,7 @@ def add_noise(gradients, stddevs):
     """``g + N(0, s^2 I)`` for every gradient ``g`` and its standard deviation ``s``; under
     a strategy, on the replica that draws the step's noise only (the others return their
     gradients unchanged, so the sum over replicas carries one draw)."""
-    generator = noise_generator()
+    generator = noise_generator()  # on every replica: created alike on every worker
     if not distribute.draws_noise():
         return list(gradients)
     return [

@@ -477,8 +477,6 @@ class PrivateModel(tf.keras.Model):
             _check_poisson_pipeline(x, self.dataset_metadata)
             return
         metadata = self.dataset_metadata
-        with self.distribute_strategy.scope():
-            distribute.check_replica_batches(metadata.rows_per_batch)
         if metadata.partial_last_batch:
             raise ValueError(
                 "dataset_metadata.partial_last_batch: the last batch of each epoch is partial "
