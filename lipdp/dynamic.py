@@ -88,9 +88,15 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp import distribute, validation
-from lipdp.accounting.mechanisms import Laplace, Release, SubsampledGaussian
+from lipdp.accounting.mechanisms import (
+    Laplace,
+    Release,
+    SubsampledGaussian,
+    dynamic_clipping_label,
+)
 from lipdp.callbacks import epochs_trained
 from lipdp.layers import DP_ClipGradient
+from lipdp.ledger import release_row
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +188,7 @@ class DynamicClippingSpec:
         else:
             rate = training_sampling_rate if self.sampling_rate is None else self.sampling_rate
             mechanism = SubsampledGaussian(self.noise_multiplier, rate)
-        label = f"dynamic clipping ({self.mode})"
+        label = dynamic_clipping_label(self.mode)
         return Release(mechanism, label, per_round=per_round, patience=self.patience)
 
     def to_config(self) -> dict:
@@ -518,6 +524,14 @@ class _DynamicClipping(tf.keras.callbacks.Callback):
     def _update(self, epoch):
         raise NotImplementedError
 
+    def _record_release(self):
+        """One release made: counted here and in the model's privacy ledger (rule S10),
+        the record its epsilon is computed from."""
+        self.releases += 1
+        rate = self.model.dataset_metadata.sampling_rate
+        mechanism = self.spec.release(1, rate).mechanism
+        self.model.privacy_ledger.record(release_row(mechanism))
+
     def _prepare_dataset(self, ds):
         if not isinstance(ds, tf.data.Dataset):
             if isinstance(ds, (tuple, list)) and len(ds) == 2:
@@ -659,13 +673,13 @@ class LaplaceAdaptiveLossGradientClipping(_DynamicClipping):
                 released, scale = laplace_clipped_mean(
                     sums[k], upper, nb_samples, self.epsilon, self.rng
                 )
-                self.releases += 1
+                self._record_release()
                 detail = f"noisy clipped mean {released:.4g}, Laplace scale {scale:.3g}"
             else:
                 released, _ = laplace_histogram_quantile(
                     counts[k], edges[k], self.quantile, self.epsilon, self.rng
                 )
-                self.releases += 1
+                self._record_release()
                 detail = f"noisy {self.quantile:g}-quantile {released:.4g}"
             value = float(np.clip(self.multiplier * released, lower, upper))
             self._set(epoch, layer, value, f"{detail}, limits [{lower:.3g}, {upper:.3g}]")
@@ -777,7 +791,7 @@ class AdaptiveQuantileClipping(_DynamicClipping):
             for _ in range(self.steps_per_update):
                 count, _ = self.count_below(position, clip)
                 fraction = noisy_fraction(count, expected, self.noise_multiplier, self.rng)
-                self.releases += 1
+                self._record_release()
                 fractions.append(fraction)
                 clip = geometric_update(clip, fraction, self.quantile, self.learning_rate)
                 clip = float(np.clip(clip, lower, upper))

@@ -26,10 +26,12 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp import distribute, noise, validation
+from lipdp.accounting.mechanisms import effective_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.tuning import RandomSearch
 from lipdp.adversarial import PGD, softmax_kl
 from lipdp.dynamic import DynamicClippingSpec
+from lipdp.ledger import PrivacyLedger, step_row
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
 
@@ -155,6 +157,9 @@ class PrivateModel(tf.keras.Model):
         #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
         #: and survives a new optimizer; the accountant counts epochs from it.
         self.noisy_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noisy_steps")
+        #: What the steps released, mechanism by mechanism (rule S10, :mod:`lipdp.ledger`):
+        #: model variables too, saved wherever the step count is.
+        self.privacy_ledger_table, self.privacy_ledger_counts = PrivacyLedger.create_variables()
         if dataset_metadata is not None:
             if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
                 raise ValueError(
@@ -288,6 +293,7 @@ class PrivateModel(tf.keras.Model):
         metadata = self._metadata_for("privacy accounting")
         params = self.dp_parameters
         return PrivacyPlan.for_training(
+            ledger=self.privacy_ledger,
             noise_multipliers=self.noise_multipliers() if not params.non_private else 1.0,
             sampling_rate=metadata.sampling_rate,
             steps_per_epoch=metadata.nb_steps_per_epochs,
@@ -301,6 +307,35 @@ class PrivateModel(tf.keras.Model):
     def _other_releases(self, metadata) -> tuple:
         """Releases besides the noisy steps (none by default)."""
         return ()
+
+    @property
+    def privacy_ledger(self) -> PrivacyLedger:
+        """What this model has released so far (:mod:`lipdp.ledger`): its epsilon is the
+        composition of these mechanisms, whatever its configuration is now."""
+        return PrivacyLedger(self.privacy_ledger_table, self.privacy_ledger_counts)
+
+    def _step_row(self):
+        """The ledger row of one step of the current configuration: the effective noise
+        multiplier of its Gaussians (0 without noise), ``b``, ``N``, the sampling."""
+        metadata = self._metadata_for("training")
+        if self.dp_parameters.non_private:
+            sigma, gaussians = 0.0, 1
+        else:
+            sigmas = self.noise_multipliers()
+            sigma, gaussians = effective_noise_multiplier(sigmas), len(sigmas)
+        return step_row(
+            sigma,
+            metadata.batch_size,
+            metadata.nb_samples_train,
+            metadata.sampling == "poisson",
+            gaussians,
+        )
+
+    def _step_configuration(self) -> tuple:
+        """What a traced training step bakes in: the privacy parameters (noise), the
+        metadata (``b``, the sampling rate), the attack and the trainable variables."""
+        trainable = tuple(v.ref() for v in self.trainable_variables)
+        return (self.dp_parameters, self.dataset_metadata, self.adversarial, trainable)
 
     # --------------------------------------------------------------- training
     def per_example_losses(self, y, y_pred):
@@ -359,10 +394,20 @@ class PrivateModel(tf.keras.Model):
         return released
 
     def _count_and_project(self):
+        # The step records the mechanism it was traced with (the noise above was drawn
+        # from the same configuration): what ran is what the ledger holds.
         self.noisy_steps.assign_add(1)
+        self.privacy_ledger.record(self._step_row())
         self.project()
 
     def make_train_function(self, force=False):
+        # A cached step keeps the noise, batch size and trainable variables it was traced
+        # with: traced again when any of them changed (frozen layers take effect, and the
+        # ledger records the mechanism that now runs).
+        configuration = self._step_configuration()
+        if configuration != getattr(self, "_traced_configuration", None):
+            force = True
+        object.__setattr__(self, "_traced_configuration", configuration)
         # The noise generator is created here, eagerly and in the strategy's scope, on
         # every worker in the same order -- not lazily while one replica is traced.
         with self.distribute_strategy.scope():

@@ -29,6 +29,7 @@ ALLOWED = {
     "lipdp.bounds": (),
     "lipdp.distribute": (),
     "lipdp.noise": ("lipdp.validation", "lipdp.distribute"),
+    "lipdp.ledger": ("lipdp.accounting",),
     "lipdp.accounting": ("lipdp.accounting", "lipdp.validation", "lipdp.metadata"),
     "lipdp.data": ("lipdp.data", "lipdp.validation", "lipdp.metadata"),
 }

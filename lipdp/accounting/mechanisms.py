@@ -167,6 +167,11 @@ class Release:
         return epochs * self.per_epoch + (epochs // self.patience) * self.per_round + self.fixed
 
 
+def dynamic_clipping_label(mode: str) -> str:
+    """The label of the releases of a dynamic clipping mode (plans, ledgers, reports)."""
+    return f"dynamic clipping ({mode})"
+
+
 def release_from_config(config, sampling_rate) -> Release | None:
     """The legacy dynamic-clipping dict as a :class:`Release` with a fixed count.
 
@@ -202,7 +207,7 @@ def release_from_config(config, sampling_rate) -> Release | None:
         mechanism = SubsampledGaussian(config["noise_multiplier"], rate)
     if updates == 0:
         return None
-    return Release(mechanism, f"dynamic clipping ({mode})", fixed=updates)
+    return Release(mechanism, dynamic_clipping_label(mode), fixed=updates)
 
 
 __all__ = [
@@ -210,6 +215,7 @@ __all__ = [
     "Laplace",
     "Release",
     "SubsampledGaussian",
+    "dynamic_clipping_label",
     "effective_noise_multiplier",
     "noise_multiplier_list",
     "release_from_config",

@@ -57,6 +57,17 @@ class PrivacyPlan:
         search: a :class:`~lipdp.accounting.tuning.RandomSearch`: the run is the one
             selected by a private hyper-parameter search of that many runs, each of these
             releases; ``epsilon`` is the search's (RDP accountant only).
+        spent: ``((mechanism, count), ...)``: what the model has already released (its
+            :class:`~lipdp.ledger.PrivacyLedger`; ``None`` for steps without noise).
+        spent_counts: ``((label, count), ...)``: the releases already made, per label.
+
+    **Past and future.** ``epsilon(E)`` is the guarantee of the model once it has trained
+    ``E`` epochs *in total*: the releases already made (``spent``), priced as they ran,
+    composed with the releases the current configuration still has to make to reach
+    ``E`` epochs -- ``max(0, count(E) - spent)`` of each release, ``count(E)`` counted
+    from the first step (for gradient steps ``E x steps_per_epoch``). A fresh model
+    (nothing spent) gets the usual plan; a trained model never less than what it spent,
+    whatever changed since (rule S10).
     """
 
     releases: tuple
@@ -66,12 +77,16 @@ class PrivacyPlan:
     non_private: bool = False
     notes: tuple = field(default_factory=tuple)
     search: RandomSearch | None = None
+    spent: tuple = ()
+    spent_counts: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "search", RandomSearch.coerce(self.search))
         object.__setattr__(self, "delta", validation.delta(self.delta))
         object.__setattr__(self, "releases", tuple(self.releases))
         object.__setattr__(self, "noise_multipliers", tuple(self.noise_multipliers))
+        object.__setattr__(self, "spent", tuple((m, int(c)) for m, c in self.spent if c))
+        object.__setattr__(self, "spent_counts", tuple(dict(self.spent_counts).items()))
 
     # ------------------------------------------------------------------- building
     @classmethod
@@ -86,17 +101,22 @@ class PrivacyPlan:
         non_private=False,
         noise_multiplier=None,
         search=None,
+        ledger=None,
     ) -> PrivacyPlan:
         """The plan of DP-SGD: ``steps_per_epoch`` subsampled Gaussian steps per epoch
         (``sigma_eff`` of :func:`~lipdp.accounting.mechanisms.effective_noise_multiplier`
         of ``noise_multipliers``, rate ``sampling_rate``) and ``other_releases``.
         ``noise_multiplier``: the ``sigma`` the multipliers are proportional to (default:
         the single multiplier). ``search``: the :class:`RandomSearch` the run was selected
-        by, if any."""
+        by, if any. ``ledger``: the :class:`~lipdp.ledger.PrivacyLedger` of what the model
+        has already released (class docstring)."""
         steps_per_epoch = validation.count("steps_per_epoch", steps_per_epoch, 1)
         rate = validation.probability("sampling_rate", sampling_rate)
+        spent = {} if ledger is None else {"spent": ledger.terms()}
+        if ledger is not None:
+            spent["spent_counts"] = tuple(ledger.counts_by_label().items())
         if non_private:
-            return cls((), delta, (), non_private=True)
+            return cls((), delta, (), non_private=True, **spent)
         sigmas = noise_multiplier_list(noise_multipliers)
         step = SubsampledGaussian(effective_noise_multiplier(sigmas), rate)
         steps = Release(step, GRADIENT_STEPS, per_epoch=steps_per_epoch)
@@ -105,7 +125,8 @@ class PrivacyPlan:
                 raise ValueError("noise_multiplier is needed with several noise multipliers.")
             noise_multiplier = sigmas[0]
         sigma = validation.positive("noise_multiplier", noise_multiplier)
-        return cls((steps, *other_releases), delta, tuple(sigmas), sigma, search=search)
+        releases = (steps, *other_releases)
+        return cls(releases, delta, tuple(sigmas), sigma, search=search, **spent)
 
     def with_noise_multiplier(self, sigma: float) -> PrivacyPlan:
         """The same plan with the user's ``sigma`` replaced (every multiplier of the
@@ -129,23 +150,35 @@ class PrivacyPlan:
         return replace(self, releases=releases, noise_multipliers=sigmas, noise_multiplier=sigma)
 
     # ----------------------------------------------------------------- accounting
+    def future_count(self, release: Release, epochs: int) -> int:
+        """Runs of ``release`` still to come before ``epochs`` epochs in total (class
+        docstring)."""
+        return max(0, release.count(epochs) - dict(self.spent_counts).get(release.label, 0))
+
     def terms(self, epochs: int) -> tuple:
-        """``((mechanism, count), ...)`` of ``epochs`` epochs; equal mechanisms merged
-        (running one mechanism ``a`` then ``b`` times is running it ``a + b`` times)."""
-        counts = {}
+        """``((mechanism, count), ...)`` of the model after ``epochs`` epochs in total:
+        what it spent and what is still to come; equal mechanisms merged (running one
+        mechanism ``a`` then ``b`` times is running it ``a + b`` times)."""
+        epochs = validation.count("epochs", epochs)
+        counts = dict(self.spent)
         for release in self.releases:
-            n = release.count(epochs)
+            n = self.future_count(release, epochs)
             if n:
                 counts[release.mechanism] = counts.get(release.mechanism, 0) + n
         return tuple(counts.items())
 
     def epsilon(self, epochs: int, accountant="rdp") -> float:
-        """``epsilon`` after ``epochs`` epochs (0 after none; ``inf`` if non-private)."""
+        """``epsilon`` after ``epochs`` epochs in total (class docstring; 0 for a model
+        that has released nothing and trains none; ``inf`` once a step without noise
+        is run)."""
         epochs = validation.count("epochs", epochs)
         engine = get_accountant(accountant)
-        if epochs == 0:
+        if self.non_private and epochs:
+            return math.inf
+        terms = self.terms(epochs)
+        if not terms:
             return 0.0
-        if self.non_private:
+        if any(mechanism is None for mechanism, _ in terms):
             return math.inf
         if self.search is not None:
             if getattr(engine, "name", None) != "rdp":
@@ -154,12 +187,16 @@ class PrivacyPlan:
                     f"Steinke); accountant={accountant!r} cannot account for it: use "
                     "accountant='rdp'."
                 )
-            return search_epsilon(self.terms(epochs), self.delta, self.search)
-        return float(engine.epsilon(self.terms(epochs), self.delta))
+            return search_epsilon(terms, self.delta, self.search)
+        return float(engine.epsilon(terms, self.delta))
 
     def steps(self, epochs: int) -> int:
-        """Noisy gradient steps in ``epochs`` epochs."""
-        return sum(r.count(epochs) for r in self.releases if r.label == GRADIENT_STEPS)
+        """Gradient steps of the model after ``epochs`` epochs in total (spent and to
+        come)."""
+        done = dict(self.spent_counts).get(GRADIENT_STEPS, 0)
+        steps = [r for r in self.releases if r.label == GRADIENT_STEPS]
+        future = sum(self.future_count(r, epochs) for r in steps)
+        return done + future
 
     def max_epochs(
         self, epsilon_max, epochs_max=1024, safe=True, atol=1e-2, accountant="rdp"
@@ -220,9 +257,15 @@ class PrivacyPlan:
 
     # -------------------------------------------------------------------- reports
     def describe(self, epochs: int) -> list[dict]:
-        """One dict per release: label, mechanism, count after ``epochs`` epochs."""
+        """One dict per release of the current configuration: label, mechanism, count
+        after ``epochs`` epochs in total (spent under any mechanism and to come)."""
+        spent = dict(self.spent_counts)
         return [
-            {"release": r.label, "mechanism": r.mechanism.describe(), "count": r.count(epochs)}
+            {
+                "release": r.label,
+                "mechanism": r.mechanism.describe(),
+                "count": spent.get(r.label, 0) + self.future_count(r, epochs),
+            }
             for r in self.releases
         ]
 

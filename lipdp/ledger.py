@@ -1,0 +1,269 @@
+r"""The privacy ledger: what a model has released, saved with its weights (rule S10).
+
+A model's ``epsilon`` is the composition of the mechanisms that were actually run on its
+training data -- not of the mechanisms its *current* configuration would run. Freezing
+layers (fewer per-layer Gaussians), another noise multiplier, another batch size or
+sampling rate, a reload: any of these changes the mechanism of the *next* steps, never
+the price of the past ones.
+
+**What is recorded.** One row per distinct mechanism, in order of first use, with the
+number of times it ran:
+
+* noisy gradient steps: a Poisson-subsampled Gaussian of multiplier ``sigma_eff`` (the
+  effective multiplier of the step's Gaussians, :func:`~lipdp.accounting.mechanisms.
+  effective_noise_multiplier`; 0 for a non-private step, whose ``epsilon`` is infinite)
+  and rate ``q = b / N``, with ``b``, ``N``, the sampling scheme and the number of
+  Gaussians for the report;
+* dynamic-clipping releases (:mod:`lipdp.dynamic`): a Laplace mechanism of cost
+  ``epsilon``, or a subsampled Gaussian count.
+
+A training step records the mechanism it was *traced with* -- the noise multipliers and
+the sampling rate baked into its graph -- in the graph itself, next to the step counter:
+what is recorded is what ran, whatever path called the step (``fit``,
+``train_on_batch``, a custom loop). Composition is commutative (Rényi DP curves add;
+privacy loss distributions convolve), so a mechanism that runs again after a change
+adds to its own row: the rows are the segments of the history up to their order, which
+no accountant needs.
+
+**Where it lives.** Two model variables (a ``float64`` table and an ``int64`` count per
+row), saved and restored with the weights in every format that carries the step count:
+``.keras`` files, ``save_weights`` checkpoints, ``BackupAndRestore``. Its state is the
+lineage of the weights it is saved with: ``model.set_weights(other.get_weights())`` or
+``load_weights`` copy the other model's ledger with its weights (copying weights layer
+by layer does not: use the model-level calls).
+
+**Capacity.** ``CAPACITY`` rows; the last three are overflow rows, one per kind. A new
+mechanism when the regular rows are full is merged into its kind's overflow row as a
+mechanism that dominates both (smallest noise multiplier, largest sampling rate,
+largest Laplace ``epsilon``): the privacy loss of a subsampled Gaussian grows as
+``sigma`` falls and as ``q`` rises, so the merged row over-states, never under-states,
+what ran.
+
+**Adaptive choices.** When a later mechanism is chosen after looking at earlier outputs
+(a user freezes layers or lowers the noise after evaluating the model), composing the
+mechanisms that ran is the standard accounting (Opacus and TensorFlow Privacy do the
+same). Strictly, such fully adaptive composition is covered by Rényi filters (Feldman &
+Zrnic, NeurIPS 2021) when the budget is fixed in advance (``DP_Accountant(
+epsilon_budget=...)``); without one, the reading is that of a privacy odometer, which
+costs slightly more in theory (Whitehouse et al., 2023).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian, dynamic_clipping_label
+from lipdp.accounting.plan import GRADIENT_STEPS as STEPS_LABEL
+
+logger = logging.getLogger(__name__)
+
+#: Rows of the ledger (the last ``len(KINDS)`` are overflow rows).
+CAPACITY = 64
+
+#: Columns of a row.
+KIND, SCALE, RATE, BATCH, SAMPLES, POISSON, GAUSSIANS, MERGED = range(8)
+WIDTH = 8
+
+#: Kinds of release (column ``KIND``; 0 is an empty row).
+GRADIENT_STEPS, GAUSSIAN_RELEASE, LAPLACE_RELEASE = 1, 2, 3
+KINDS = (GRADIENT_STEPS, GAUSSIAN_RELEASE, LAPLACE_RELEASE)
+
+#: The labels of the privacy plan's releases (lipdp.accounting.plan and lipdp.dynamic).
+LABELS = {
+    GRADIENT_STEPS: STEPS_LABEL,
+    GAUSSIAN_RELEASE: dynamic_clipping_label("quantiles"),
+    LAPLACE_RELEASE: dynamic_clipping_label("laplace"),
+}
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One row: ``count`` runs of one mechanism.
+
+    Attributes:
+        label: what was released (a label of :data:`LABELS`).
+        mechanism: :class:`SubsampledGaussian` or :class:`Laplace`; ``None`` for
+            non-private steps (no noise: infinite ``epsilon``).
+        count: how many times it ran.
+        batch_size: ``b`` of the steps (0 for other releases).
+        nb_samples: ``N`` of the steps (0 for other releases).
+        sampling: ``"poisson"`` or ``"shuffle"`` (``""`` for other releases).
+        gaussians: Gaussian mechanisms in one step (per-layer noise: one per variable).
+        merged: an overflow row, dominating several mechanisms (module docstring).
+    """
+
+    label: str
+    mechanism: SubsampledGaussian | Laplace | None
+    count: int
+    batch_size: int = 0
+    nb_samples: int = 0
+    sampling: str = ""
+    gaussians: int = 1
+    merged: bool = False
+
+    def describe(self) -> str:
+        what = "no noise (non-private)" if self.mechanism is None else self.mechanism.describe()
+        text = f"{self.count} x {self.label}: {what}"
+        if self.label == LABELS[GRADIENT_STEPS]:
+            text += f"; b = {self.batch_size}, N = {self.nb_samples}, {self.sampling} batches"
+            if self.gaussians > 1:
+                text += f", {self.gaussians} Gaussians per step"
+        if self.merged:
+            text += " (several mechanisms merged into one that dominates them)"
+        return text
+
+
+def step_row(noise_multiplier, batch_size, nb_samples, poisson, gaussians) -> np.ndarray:
+    """The row of one noisy gradient step (``noise_multiplier = 0``: non-private)."""
+    row = np.zeros(WIDTH)
+    row[[KIND, SCALE, RATE]] = GRADIENT_STEPS, noise_multiplier, batch_size / nb_samples
+    row[[BATCH, SAMPLES, POISSON, GAUSSIANS]] = batch_size, nb_samples, poisson, gaussians
+    return row
+
+
+def release_row(mechanism) -> np.ndarray:
+    """The row of one dynamic-clipping release (a :class:`Laplace` or a
+    :class:`SubsampledGaussian` mechanism)."""
+    row = np.zeros(WIDTH)
+    if isinstance(mechanism, Laplace):
+        row[[KIND, SCALE]] = LAPLACE_RELEASE, mechanism.epsilon
+    else:
+        row[[KIND, SCALE, RATE]] = (
+            GAUSSIAN_RELEASE,
+            mechanism.noise_multiplier,
+            mechanism.sampling_rate,
+        )
+    row[GAUSSIANS] = 1
+    return row
+
+
+def _dominating(old, new, kind):
+    """A row that dominates ``old`` (an overflow row, maybe empty) and ``new``."""
+    smaller_is_worse = kind != LAPLACE_RELEASE  # a Gaussian's sigma; Laplace's epsilon
+    scale = (
+        tf.minimum(old[SCALE], new[SCALE])
+        if smaller_is_worse
+        else tf.maximum(old[SCALE], new[SCALE])
+    )
+    merged = tf.stack(
+        [
+            new[KIND],
+            scale,
+            tf.maximum(old[RATE], new[RATE]),
+            tf.maximum(old[BATCH], new[BATCH]),
+            tf.minimum(old[SAMPLES], new[SAMPLES]),
+            tf.minimum(old[POISSON], new[POISSON]),
+            tf.maximum(old[GAUSSIANS], new[GAUSSIANS]),
+            tf.constant(1.0, tf.float64),
+        ]
+    )
+    return tf.where(tf.equal(old[KIND], 0.0), new, merged)
+
+
+class PrivacyLedger:
+    """A view of a model's ledger variables (module docstring)."""
+
+    def __init__(self, table: tf.Variable, counts: tf.Variable):
+        self.table = table
+        self.counts = counts
+
+    @staticmethod
+    def create_variables(name="privacy_ledger"):
+        """The two variables of an empty ledger (create them as model attributes, so that
+        they are saved with the weights)."""
+        table = tf.Variable(
+            tf.zeros([CAPACITY, WIDTH], tf.float64), trainable=False, name=f"{name}_table"
+        )
+        counts = tf.Variable(tf.zeros([CAPACITY], tf.int64), trainable=False, name=f"{name}_counts")
+        return table, counts
+
+    # ------------------------------------------------------------------ recording
+    def record(self, row, count=1):
+        """Add ``count`` runs of the mechanism ``row`` (:func:`step_row`,
+        :func:`release_row`): to its own row if it has one, else to the first empty
+        regular row, else merged into its kind's overflow row. Graph-safe (the training
+        step calls it once per step) and eager (the dynamic-clipping callbacks)."""
+        row = np.asarray(row, np.float64)
+        kind = int(row[KIND])
+        overflow = CAPACITY - len(KINDS) + KINDS.index(kind)
+        new = tf.constant(row)
+        table = tf.convert_to_tensor(self.table)
+        regular = table[: CAPACITY - len(KINDS)]
+        same = tf.reduce_all(tf.equal(regular, new[None]), axis=1)
+        empty = tf.equal(regular[:, KIND], 0.0)
+        # The first row holding this mechanism, else the first empty row.
+        score = 2 * tf.cast(same, tf.int32) + tf.cast(empty, tf.int32)
+        best = tf.argmax(score, output_type=tf.int32)
+        found = score[best] > 0
+        target = tf.where(found, best, overflow)
+        written = tf.where(found, new, _dominating(table[overflow], new, kind))
+        # Whole-variable assignments (mirrored variables under tf.distribute support
+        # them in cross-replica context, where the step count is updated too).
+        at_target = tf.one_hot(target, CAPACITY, on_value=True, off_value=False)
+        self.table.assign(tf.where(at_target[:, None], written[None], table))
+        return self.counts.assign_add(tf.cast(at_target, tf.int64) * count)
+
+    # -------------------------------------------------------------------- reading
+    def entries(self) -> list[LedgerEntry]:
+        """The rows that ran at least once, in order of first use (overflow rows last)."""
+        table, counts = self.table.numpy(), self.counts.numpy()
+        return [_entry(row, int(c)) for row, c in zip(table, counts) if c > 0]
+
+    def terms(self) -> tuple:
+        """``((mechanism, count), ...)`` for the accountants; ``None`` mechanisms (no
+        noise) are kept, the plan turns them into an infinite epsilon."""
+        merged = {}
+        for entry in self.entries():
+            merged[entry.mechanism] = merged.get(entry.mechanism, 0) + entry.count
+        return tuple(merged.items())
+
+    def counts_by_label(self) -> dict:
+        """``{label: total runs}`` (e.g. the gradient steps recorded)."""
+        totals = {}
+        for entry in self.entries():
+            totals[entry.label] = totals.get(entry.label, 0) + entry.count
+        return totals
+
+    def describe(self) -> list[str]:
+        return [entry.describe() for entry in self.entries()]
+
+
+def _entry(row, count) -> LedgerEntry:
+    kind = int(row[KIND])
+    if kind == LAPLACE_RELEASE:
+        mechanism = Laplace(float(row[SCALE]))
+    elif row[SCALE] == 0.0:
+        mechanism = None  # a non-private step
+    else:
+        mechanism = SubsampledGaussian(float(row[SCALE]), float(row[RATE]))
+    steps = kind == GRADIENT_STEPS
+    return LedgerEntry(
+        label=LABELS[kind],
+        mechanism=mechanism,
+        count=count,
+        batch_size=int(row[BATCH]) if steps else 0,
+        nb_samples=int(row[SAMPLES]) if steps else 0,
+        sampling=("poisson" if row[POISSON] else "shuffle") if steps else "",
+        gaussians=int(row[GAUSSIANS]),
+        merged=bool(row[MERGED]),
+    )
+
+
+def is_non_private(terms) -> bool:
+    """Some recorded step had no noise."""
+    return any(mechanism is None and count > 0 for mechanism, count in terms)
+
+
+__all__ = [
+    "CAPACITY",
+    "LABELS",
+    "LedgerEntry",
+    "PrivacyLedger",
+    "is_non_private",
+    "release_row",
+    "step_row",
+]
