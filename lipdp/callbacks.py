@@ -35,7 +35,10 @@ class DP_Accountant(tf.keras.callbacks.Callback):
     converted by :meth:`lipdp.metadata.DatasetMetadata.epochs_for_steps`: a partial epoch
     counts as a whole one). ``epsilon`` is that of the model's privacy plan
     (:meth:`lipdp.model.DP_Model.privacy_plan`), the plan ``get_eps_delta`` and
-    ``get_max_epochs`` read before training.
+    ``get_max_epochs`` read before training: the composition of what the model released
+    (its privacy ledger, :mod:`lipdp.ledger`, priced as it ran, whatever changed since)
+    and of what the current configuration still has to release to complete the epoch.
+    It never decreases from one epoch to the next.
     """
 
     def __init__(self, log_fn=None, epsilon_budget=None, accountant="rdp"):

@@ -1,9 +1,10 @@
 """What both model families share: a Keras model trained privately.
 
 :class:`PrivateModel` holds the privacy parameters (:class:`DPParameters`), the dataset
-metadata (batch size ``b``, ``N``, sampling), the noisy-step counter saved with the weights
-(rule S10), the one forward loop over the layers, the privacy plan built from the model's
-noise multipliers (rule S11), the noise step (:mod:`lipdp.noise`), and the guards of
+metadata (batch size ``b``, ``N``, sampling), the noisy-step counter and the privacy
+ledger saved with the weights (rule S10, :mod:`lipdp.ledger`), the one forward loop over
+the layers, the privacy plan built from the ledger and the model's noise multipliers
+(rule S11), the noise step (:mod:`lipdp.noise`), and the guards of
 ``fit``, ``train_on_batch``, ``save``, ``set_weights`` and ``load_weights`` (rules S5, S9,
 S10, S12). A family says how its gradient is bounded:
 
@@ -404,6 +405,12 @@ class PrivateModel(tf.keras.Model):
         # A cached step keeps the noise, batch size and trainable variables it was traced
         # with: traced again when any of them changed (frozen layers take effect, and the
         # ledger records the mechanism that now runs).
+        if self.built and not self.trainable_variables:
+            raise ValueError(
+                f"{type(self).__name__} has no trainable variables (every layer is frozen): "
+                "a private step would release nothing. Unfreeze a layer (layer.trainable = "
+                "True) and compile again."
+            )
         configuration = self._step_configuration()
         if configuration != getattr(self, "_traced_configuration", None):
             force = True

@@ -41,6 +41,9 @@ class PrivacyReport:
     nb_samples_train: int
     dynamic_clipping: list | None = None
     notes: list = field(default_factory=list)
+    #: What the model has released so far, one line per mechanism (its privacy ledger,
+    #: :mod:`lipdp.ledger`).
+    released: list = field(default_factory=list)
 
     @property
     def sampling_rate(self) -> float:
@@ -62,6 +65,9 @@ class PrivacyReport:
             lines.append(
                 f"  composed: {release['release']}, {release['count']} x {release['mechanism']}"
             )
+        if self.released:
+            lines.append("  released so far (privacy ledger):")
+            lines += [f"    {line}" for line in self.released]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -70,8 +76,11 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
     """The guarantee of ``epochs`` epochs of training ``model`` and its assumptions.
 
     ``epochs=None``: the epochs the model has begun (:func:`lipdp.callbacks.epochs_trained`).
-    Every number comes from the model's privacy plan, bound pass and noise rule, the same
-    objects training and ``get_eps_delta`` use.
+    ``epochs`` counts epochs in total: what the model released so far (its privacy
+    ledger) is priced as it ran, the rest with the current configuration
+    (:class:`~lipdp.accounting.plan.PrivacyPlan`). Every number comes from the model's
+    privacy plan, bound pass and noise rule, the same objects training and
+    ``get_eps_delta`` use.
     """
     from lipdp.callbacks import epochs_trained
     from lipdp.model import compute_gradient_bounds
@@ -139,4 +148,5 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
         nb_samples_train=metadata.nb_samples_train,
         dynamic_clipping=releases or None,
         notes=notes,
+        released=model.privacy_ledger.describe(),
     )

@@ -231,10 +231,11 @@ class PrivacyPlan:
         if first > epsilon_max:
             if not safe and first <= epsilon_max + atol:
                 return 1
+            spent = " (with what the model has already released)" if self.spent else ""
             raise ValueError(
-                f"One epoch already costs epsilon={first:.5g} > epsilon_max={epsilon_max:g} "
-                f"({self.describe_short()}). Use a larger noise multiplier, a smaller batch "
-                "size or a larger budget."
+                f"One epoch already costs epsilon={first:.5g}{spent} > epsilon_max="
+                f"{epsilon_max:g} ({self.describe_short()}). Use a larger noise multiplier, a "
+                "smaller batch size or a larger budget."
             )
         if epochs_max is None:
             epochs_max = _first_over_budget(epsilon, epsilon_max)
