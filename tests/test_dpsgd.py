@@ -235,12 +235,11 @@ def test_noise_standard_deviation_measured_end_to_end(rng):
         quiet = _model(sigma=0.0, clip=clip, lr=1.0)
         quiet.set_weights(noisy.get_weights())
         x, y = _batch(rng)
-        start = noisy.get_weights()
+        start = [v.numpy() for v in noisy.trainable_variables]
         noisy.train_on_batch(x, y)
         quiet.train_on_batch(x, y)
-        difference = np.concatenate(
-            [(a - b).ravel() for a, b in zip(noisy.get_weights(), quiet.get_weights())]
-        )
+        pairs = zip(noisy.trainable_variables, quiet.trainable_variables)
+        difference = np.concatenate([(a.numpy() - b.numpy()).ravel() for a, b in pairs])
         expected = sigma * clip * (1 + ROUNDOFF_SLACK) / BATCH
         assert difference.size == sum(w.size for w in start)
         assert np.std(difference) == pytest.approx(expected, rel=0.08)
