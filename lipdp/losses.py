@@ -9,11 +9,14 @@ bound (derivation in each class docstring), tight unless noted.
 
 Two rules hold for every loss of this module:
 
-* **mean reduction** (S1): the minibatch loss is the mean over the batch of per-example
-  terms, so each example contributes ``get_L() / batch_size`` to the gradient.
-  Reductions other than ``SUM_OVER_BATCH_SIZE`` (or ``AUTO``, which resolves to it) are
-  refused, and so are sample weights outside ``[0, 1]`` and Keras masks (which rescale
-  the per-example weights by ``batch_size / number_of_valid_entries``).
+* **mean reduction** (S1): the minibatch loss a DP model trains on is the mean over the
+  batch of per-example terms, so each example contributes ``get_L() / batch_size`` to the
+  gradient. A loss accepts every Keras reduction when it is built (``NONE`` gives the
+  per-example values, ``SUM`` their sum: useful outside training), but a DP model refuses
+  at ``compile`` a loss whose reduction is not ``SUM_OVER_BATCH_SIZE`` (or ``AUTO``,
+  which resolves to it). Sample weights outside ``[0, 1]`` and Keras masks (which
+  rescale the per-example weights by ``batch_size / number_of_valid_entries``) are
+  refused.
 * **per-example terms** (S2): ``call(y_true, y_pred)`` returns a tensor of shape
   ``(batch,)`` whose entry ``i`` depends on example ``i`` only. Inputs of rank > 2 are
   reduced over every non-batch axis by a mean, which can only shrink the gradient norm:
@@ -73,7 +76,6 @@ __all__ = [
 ]
 
 Reduction = tf.keras.losses.Reduction
-_ACCEPTED_REDUCTIONS = (Reduction.SUM_OVER_BATCH_SIZE, Reduction.AUTO)
 
 
 # --------------------------------------------------------------------------------------
@@ -81,21 +83,6 @@ _ACCEPTED_REDUCTIONS = (Reduction.SUM_OVER_BATCH_SIZE, Reduction.AUTO)
 # --------------------------------------------------------------------------------------
 def _nb_classes_or_none(value) -> int | None:
     return None if value is None else validation.count("`nb_classes`", value, minimum=2)
-
-
-def _check_reduction(owner: str, reduction) -> None:
-    if reduction in _ACCEPTED_REDUCTIONS:
-        return
-    raise ValueError(
-        f"{owner} got reduction={reduction!r}, which lipdp does not allow. The "
-        "sensitivity of the minibatch gradient is computed assuming the loss is the MEAN "
-        "over the batch of per-example terms (each example then moves the gradient by at "
-        "most get_L() / batch_size); reduction 'sum' would multiply every example's "
-        "contribution by batch_size, and 'none' leaves the reduction unspecified, so the "
-        "privacy guarantee would not hold. Fix: use "
-        "reduction=tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE (the default) or "
-        "tf.keras.losses.Reduction.AUTO."
-    )
 
 
 def _prepare(y_true, y_pred, min_classes: int = 1):
@@ -210,24 +197,16 @@ class DP_Loss(tf.keras.losses.Loss, metaclass=abc.ABCMeta):
     ``(batch,)`` (entry ``i`` depending on example ``i`` only) and ``get_L()``, an upper
     bound on ``||d loss_i / d y_pred_i||_2`` for any logits and any admissible label.
 
-    Only the reductions ``SUM_OVER_BATCH_SIZE`` and ``AUTO`` (which Keras ``fit`` resolves
-    to ``SUM_OVER_BATCH_SIZE``) are accepted, at construction and on any later assignment
-    of ``self.reduction``: the sensitivity assumes the batch loss is the mean of the
-    per-example terms. For the same reason ``__call__`` refuses sample weights outside
-    ``[0, 1]`` and Keras masks on ``y_pred``.
+    Every Keras reduction is accepted (``NONE``: per-example values, ``SUM``: their sum,
+    e.g. to study the losses outside training); a DP model's ``compile`` accepts only
+    ``SUM_OVER_BATCH_SIZE`` and ``AUTO`` (which Keras ``fit`` resolves to
+    ``SUM_OVER_BATCH_SIZE``): the sensitivity assumes the batch loss is the mean of the
+    per-example terms (:func:`lipdp.private_model.check_reduction`). For the same reason
+    ``__call__`` refuses sample weights outside ``[0, 1]`` and Keras masks on ``y_pred``.
     """
 
     def __init__(self, reduction=Reduction.SUM_OVER_BATCH_SIZE, name=None):
         super().__init__(reduction=reduction, name=name)
-
-    @property
-    def reduction(self):
-        return self._dp_reduction
-
-    @reduction.setter
-    def reduction(self, value):
-        _check_reduction(type(self).__name__, value)
-        self._dp_reduction = value
 
     @abc.abstractmethod
     def get_L(self) -> float:

@@ -374,6 +374,7 @@ class PrivateModel(tf.keras.Model):
         sensitivity. Python: runs when the step is traced, so every path (fit,
         train_on_batch, custom loops) is checked at no per-step cost."""
         _refuse_mixed_precision(self._all_layers())
+        check_reduction(self.loss)  # also a reduction set on the loss after compile
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
