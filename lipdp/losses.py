@@ -24,7 +24,9 @@ Two rules hold for every loss of this module:
   ``L / sqrt(T)``-Lipschitz.
 
 Labels are mapped into the admissible set inside ``call`` (identity on admissible
-labels), so that the bound holds whatever tensor is passed as ``y_true``.
+labels), so that the bound holds whatever tensor is passed as ``y_true``. An example
+whose label holds a NaN or an infinity -- or, for a subclass taking class indices, an
+index outside ``[0, K)`` -- has loss 0 and gradient 0 (rule S9, :meth:`DP_Loss.call`).
 
 Table of constants (``K`` = number of classes / outputs of one example, ``tau`` =
 temperature, ``a`` = ``alpha``, ``m`` = ``min_margin``):
@@ -62,7 +64,7 @@ import math
 import tensorflow as tf
 
 from lipdp import validation
-from lipdp.records import finite_rows, zero_rows
+from lipdp.records import neutralised_losses
 
 __all__ = [
     "DP_Loss",
@@ -214,19 +216,22 @@ class DP_Loss(tf.keras.losses.Loss, metaclass=abc.ABCMeta):
 
     @abc.abstractmethod
     def per_example_loss(self, y_true, y_pred):
-        """The loss of each example, shape ``(batch,)``, for finite labels."""
+        """The loss of each example, shape ``(batch,)``, for usable labels (finite, and
+        class indices in range)."""
 
     def call(self, y_true, y_pred):
-        """Per-example losses; an example whose label has a NaN or an infinity counts 0.
+        """Per-example losses; an example whose label has a NaN or an infinity, or is a
+        class index out of range, counts 0.
 
-        Rule S9: such a label would make the example's gradient NaN, i.e. unbounded. Its
-        label is replaced by zeros (finite, so the loss and its gradient are finite) and
-        its loss by 0 (so its gradient is exactly 0, within every bound).
+        Rule S9 (:func:`lipdp.records.neutralised_losses`): a NaN label would make the
+        example's gradient NaN, i.e. unbounded, and an out-of-range index would make a
+        sparse loss fail. Its label is replaced by zeros (finite, so the loss and its
+        gradient are finite) and its loss by 0 (so its gradient is exactly 0, within every
+        bound). The losses of this module take labels of ``y_pred``'s shape, never class
+        indices; a subclass that takes indices (``(batch,)`` for ``(batch, K)``) gets them
+        checked against ``[0, K)``.
         """
-        y_true = tf.convert_to_tensor(y_true)
-        finite = finite_rows(y_true)
-        losses = self.per_example_loss(zero_rows(finite, y_true), y_pred)
-        return tf.where(finite, losses, tf.zeros_like(losses))
+        return neutralised_losses(self.per_example_loss, y_true, tf.convert_to_tensor(y_pred))
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         if getattr(y_pred, "_keras_mask", None) is not None:
