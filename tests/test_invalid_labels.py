@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from lipdp import layers as L
 from lipdp import losses
+from lipdp.adversarial import PGD
 from lipdp.dpsgd import DPSGD_Sequential
 from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Sequential, DPParameters
@@ -160,28 +161,47 @@ def assert_released_as_without_the_bad_rows(model, x, y_bad, labels=BAD_LABELS):
 
 
 # ------------------------------------------------------------------- the released step
+#: Adversarial training (its attack ascends each row's own loss): no random start, so
+#: that the kept rows' attacks are the same with and without the bad rows.
+ATTACK = PGD(0.2, steps=2, random_start=False, mix=0.5)
+
+
 @pytest.mark.parametrize(
-    "method, column, dtype",
-    [("ghost", False, "int32"), ("ghost", True, "float32"), ("jacobian", False, "float32")],
+    "method, column, dtype, adversarial",
+    [
+        ("ghost", False, "int32", None),
+        ("ghost", True, "float32", None),
+        ("jacobian", False, "float32", None),
+        ("ghost", False, "float32", ATTACK),
+    ],
 )
-def test_clipped_step_releases_the_gradient_without_out_of_range_rows(method, column, dtype, rng):
+def test_clipped_step_releases_the_gradient_without_out_of_range_rows(
+    method, column, dtype, adversarial, rng
+):
     x, y = batch(rng, column=column, dtype=dtype)
     labels = BAD_LABELS if dtype == "float32" else [K, -1, K + 7]
     model = clipped(method=method)
+    model.adversarial = adversarial
     assert_released_as_without_the_bad_rows(model, x, with_bad_labels(y, labels), labels)
 
 
 @pytest.mark.parametrize(
-    "loss",
-    [SparseTauCrossentropy(), LipschitzSparseCrossentropy()],
-    ids=["dp_loss_subclass", "keras_sparse_crossentropy"],
+    "loss, adversarial",
+    [
+        (SparseTauCrossentropy(), None),
+        (LipschitzSparseCrossentropy(), None),
+        (LipschitzSparseCrossentropy(), ATTACK),
+    ],
+    ids=["dp_loss_subclass", "keras_sparse_crossentropy", "adversarial"],
 )
-def test_clipless_step_releases_the_gradient_without_out_of_range_rows(loss, rng):
+def test_clipless_step_releases_the_gradient_without_out_of_range_rows(loss, adversarial, rng):
     """The clipless family accepts any loss with get_L(): lipdp's own losses take labels of
     the predictions' shape (class indices are refused when the step is traced), a user's
     loss may take indices, through DP_Loss or as a Keras loss."""
     x, y = batch(rng, dtype="float32")
-    assert_released_as_without_the_bad_rows(clipless(loss), x, with_bad_labels(y))
+    model = clipless(loss)
+    model.adversarial = adversarial
+    assert_released_as_without_the_bad_rows(model, x, with_bad_labels(y))
 
 
 def test_lipdp_losses_refuse_class_indices_when_traced(rng):
