@@ -2,7 +2,8 @@
 
 One training step (``DP_Model.train_step``):
 
-1. forward and backward pass on the batch (loss = mean of per-example losses);
+1. forward and backward pass on the batch (loss = sum of the per-example losses divided
+   by the loss normaliser of the metadata; a row with an unusable label counts 0, S9);
 2. sensitivities ``Delta_v`` of the averaged gradient of every trainable variable,
    from the one bound pass of :mod:`lipdp.bounds` (in-graph: the Python loop runs once,
    at tracing time, and leaves a handful of scalar ops);
