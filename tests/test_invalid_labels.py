@@ -174,6 +174,7 @@ ATTACK = PGD(0.2, steps=2, random_start=False, mix=0.5)
         ("jacobian", False, "float32", None),
         ("ghost", False, "float32", ATTACK),
     ],
+    ids=["ghost-int", "ghost-float-column", "jacobian-float", "ghost-adversarial"],
 )
 def test_clipped_step_releases_the_gradient_without_out_of_range_rows(
     method, column, dtype, adversarial, rng
