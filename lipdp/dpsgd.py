@@ -15,7 +15,8 @@ and the noise generator of :mod:`lipdp.noise`.
    examples: batch normalisation is refused, rule S2);
 2. clipping factor ``C_i`` from ``||g_i||`` (over all variables), e.g.
    ``min(1, R / ||g_i||)``, or one per layer (:class:`Clipping` and its modes); rows with
-   a NaN or an infinity, in the data or in their gradient, get ``C_i = 0`` (rule S9);
+   a NaN or an infinity, in the data or in their gradient, and rows whose class-index
+   label is out of range get ``C_i = 0`` (rule S9, :mod:`lipdp.records`);
 3. ``g = sum_i C_i g_i / b`` with ``b`` the loss normaliser of the metadata (the batch
    size, or its expectation under Poisson sampling);
 4. Gaussian noise of standard deviation ``sigma * Delta`` on every coordinate, the
@@ -247,7 +248,9 @@ class ClippedGradientBound:
 
 
 def _neutralised(x, y):
-    """``(x, y, finite)`` with the rows holding a NaN or an infinity zeroed (rule S9)."""
+    """``(x, y, finite)`` with the rows holding a NaN or an infinity zeroed (rule S9).
+    Rows whose class label is out of range need the predictions' shape: their loss is 0
+    (:meth:`PrivateModel.per_example_losses`) and they are masked with the clipping."""
     finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
     x = tf.nest.map_structure(lambda t: zero_rows(finite, t), x)
     y = zero_rows(finite, y) if y.dtype.is_floating else y
@@ -494,7 +497,10 @@ class DPSGD_Model(PrivateModel):
         factors = self.clipping.layer_factors(facts.sq_norms)
         if row_weights is not None:
             factors = [c * tf.cast(row_weights, c.dtype) for c in factors]
-        keep = finite & tf.math.is_finite(tf.add_n(facts.sq_norms))
+        # Rows with an out-of-range label already have loss 0 (per_example_losses): their
+        # gradient is 0; masking them too keeps S9 independent of that.
+        labelled = self.class_labels_in_range(y, y_pred)
+        keep = finite & labelled & tf.math.is_finite(tf.add_n(facts.sq_norms))
         sums = facts.clipped_sums(factors, keep)
         summed = [
             sums[v.ref()] if v.ref() in sums else tf.zeros_like(v) for v in self.trainable_variables
@@ -523,7 +529,7 @@ class DPSGD_Model(PrivateModel):
         x, y, _ = self._checked_batch(data)
         x, y, finite = _neutralised(x, y)
         summed, y_pred = self._step_sum(x, y, finite)
-        self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
+        labelled = self.class_labels_in_range(y, y_pred)
         normalizer = float(self.dataset_metadata.loss_normalizer)
         gradients = [s / normalizer for s in summed]
         variables = self.trainable_variables
@@ -531,9 +537,12 @@ class DPSGD_Model(PrivateModel):
         if self.ascent is not None and self.ascent.mode == "dp-sat":
             for kept, value in zip(self.previous_noisy_gradient, released):
                 kept.assign(value)
-        self.compute_loss(x, y, y_pred)  # the loss tracker (training logs), not the step
-        logs = self.compute_metrics(x, y, y_pred, None)
-        return {**logs, "non_finite_examples": self._non_finite.result()}
+        # The training logs (not the step): a label out of range would make a sparse loss
+        # or metric fail, it is logged as class 0.
+        y_logged = zero_rows(labelled, y)
+        self.compute_loss(x, y_logged, y_pred)
+        logs = self.compute_metrics(x, y_logged, y_pred, None)
+        return {**logs, **self._count_neutralised(finite, labelled)}
 
     # ------------------------------------------------------------- serialisation
     def get_config(self):

@@ -263,7 +263,7 @@ class CotangentNorms:
 
     ``CotangentNorms(model, indices)(x, y)`` returns one ``(batch,)`` tensor per index in
     ``indices`` (positions in ``model.layers_forward_order()``): for example ``i``, the
-    norm of the gradient of its own loss ``model.loss.call(y, f(x))[i]`` w.r.t. the
+    norm of the gradient of its own loss ``model.per_example_losses(y, f(x))[i]`` w.r.t. the
     layer's output.
 
     Differentiating w.r.t. the *output* of a ``DP_ClipGradient`` gives its cotangent
@@ -297,7 +297,8 @@ class CotangentNorms:
                     outputs[index] = output
                 return output
 
-            losses = self.model.loss.call(y, self.model.forward(x, observe=watch))
+            # As in training: a row with an unusable label has loss 0 (rule S9).
+            losses = self.model.per_example_losses(y, self.model.forward(x, observe=watch))
             batch = tf.shape(losses)[0]
             normalizer = self.model.loss_normalizer
             if normalizer is None:

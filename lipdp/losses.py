@@ -9,11 +9,14 @@ bound (derivation in each class docstring), tight unless noted.
 
 Two rules hold for every loss of this module:
 
-* **mean reduction** (S1): the minibatch loss is the mean over the batch of per-example
-  terms, so each example contributes ``get_L() / batch_size`` to the gradient.
-  Reductions other than ``SUM_OVER_BATCH_SIZE`` (or ``AUTO``, which resolves to it) are
-  refused, and so are sample weights outside ``[0, 1]`` and Keras masks (which rescale
-  the per-example weights by ``batch_size / number_of_valid_entries``).
+* **mean reduction** (S1): the minibatch loss a DP model trains on is the mean over the
+  batch of per-example terms, so each example contributes ``get_L() / batch_size`` to the
+  gradient. A loss accepts every Keras reduction when it is built (``NONE`` gives the
+  per-example values, ``SUM`` their sum: useful outside training), but a DP model refuses
+  at ``compile`` a loss whose reduction is not ``SUM_OVER_BATCH_SIZE`` (or ``AUTO``,
+  which resolves to it). Sample weights outside ``[0, 1]`` and Keras masks (which
+  rescale the per-example weights by ``batch_size / number_of_valid_entries``) are
+  refused.
 * **per-example terms** (S2): ``call(y_true, y_pred)`` returns a tensor of shape
   ``(batch,)`` whose entry ``i`` depends on example ``i`` only. Inputs of rank > 2 are
   reduced over every non-batch axis by a mean, which can only shrink the gradient norm:
@@ -21,7 +24,9 @@ Two rules hold for every loss of this module:
   ``L / sqrt(T)``-Lipschitz.
 
 Labels are mapped into the admissible set inside ``call`` (identity on admissible
-labels), so that the bound holds whatever tensor is passed as ``y_true``.
+labels), so that the bound holds whatever tensor is passed as ``y_true``. An example
+whose label holds a NaN or an infinity -- or, for a subclass taking class indices, an
+index outside ``[0, K)`` -- has loss 0 and gradient 0 (rule S9, :meth:`DP_Loss.call`).
 
 Table of constants (``K`` = number of classes / outputs of one example, ``tau`` =
 temperature, ``a`` = ``alpha``, ``m`` = ``min_margin``):
@@ -59,7 +64,7 @@ import math
 import tensorflow as tf
 
 from lipdp import validation
-from lipdp.records import finite_rows, zero_rows
+from lipdp.records import neutralised_losses
 
 __all__ = [
     "DP_Loss",
@@ -73,7 +78,6 @@ __all__ = [
 ]
 
 Reduction = tf.keras.losses.Reduction
-_ACCEPTED_REDUCTIONS = (Reduction.SUM_OVER_BATCH_SIZE, Reduction.AUTO)
 
 
 # --------------------------------------------------------------------------------------
@@ -81,21 +85,6 @@ _ACCEPTED_REDUCTIONS = (Reduction.SUM_OVER_BATCH_SIZE, Reduction.AUTO)
 # --------------------------------------------------------------------------------------
 def _nb_classes_or_none(value) -> int | None:
     return None if value is None else validation.count("`nb_classes`", value, minimum=2)
-
-
-def _check_reduction(owner: str, reduction) -> None:
-    if reduction in _ACCEPTED_REDUCTIONS:
-        return
-    raise ValueError(
-        f"{owner} got reduction={reduction!r}, which lipdp does not allow. The "
-        "sensitivity of the minibatch gradient is computed assuming the loss is the MEAN "
-        "over the batch of per-example terms (each example then moves the gradient by at "
-        "most get_L() / batch_size); reduction 'sum' would multiply every example's "
-        "contribution by batch_size, and 'none' leaves the reduction unspecified, so the "
-        "privacy guarantee would not hold. Fix: use "
-        "reduction=tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE (the default) or "
-        "tf.keras.losses.Reduction.AUTO."
-    )
 
 
 def _prepare(y_true, y_pred, min_classes: int = 1):
@@ -210,24 +199,16 @@ class DP_Loss(tf.keras.losses.Loss, metaclass=abc.ABCMeta):
     ``(batch,)`` (entry ``i`` depending on example ``i`` only) and ``get_L()``, an upper
     bound on ``||d loss_i / d y_pred_i||_2`` for any logits and any admissible label.
 
-    Only the reductions ``SUM_OVER_BATCH_SIZE`` and ``AUTO`` (which Keras ``fit`` resolves
-    to ``SUM_OVER_BATCH_SIZE``) are accepted, at construction and on any later assignment
-    of ``self.reduction``: the sensitivity assumes the batch loss is the mean of the
-    per-example terms. For the same reason ``__call__`` refuses sample weights outside
-    ``[0, 1]`` and Keras masks on ``y_pred``.
+    Every Keras reduction is accepted (``NONE``: per-example values, ``SUM``: their sum,
+    e.g. to study the losses outside training); a DP model's ``compile`` accepts only
+    ``SUM_OVER_BATCH_SIZE`` and ``AUTO`` (which Keras ``fit`` resolves to
+    ``SUM_OVER_BATCH_SIZE``): the sensitivity assumes the batch loss is the mean of the
+    per-example terms (:func:`lipdp.private_model.check_reduction`). For the same reason
+    ``__call__`` refuses sample weights outside ``[0, 1]`` and Keras masks on ``y_pred``.
     """
 
     def __init__(self, reduction=Reduction.SUM_OVER_BATCH_SIZE, name=None):
         super().__init__(reduction=reduction, name=name)
-
-    @property
-    def reduction(self):
-        return self._dp_reduction
-
-    @reduction.setter
-    def reduction(self, value):
-        _check_reduction(type(self).__name__, value)
-        self._dp_reduction = value
 
     @abc.abstractmethod
     def get_L(self) -> float:
@@ -235,19 +216,22 @@ class DP_Loss(tf.keras.losses.Loss, metaclass=abc.ABCMeta):
 
     @abc.abstractmethod
     def per_example_loss(self, y_true, y_pred):
-        """The loss of each example, shape ``(batch,)``, for finite labels."""
+        """The loss of each example, shape ``(batch,)``, for usable labels (finite, and
+        class indices in range)."""
 
     def call(self, y_true, y_pred):
-        """Per-example losses; an example whose label has a NaN or an infinity counts 0.
+        """Per-example losses; an example whose label has a NaN or an infinity, or is a
+        class index out of range, counts 0.
 
-        Rule S9: such a label would make the example's gradient NaN, i.e. unbounded. Its
-        label is replaced by zeros (finite, so the loss and its gradient are finite) and
-        its loss by 0 (so its gradient is exactly 0, within every bound).
+        Rule S9 (:func:`lipdp.records.neutralised_losses`): a NaN label would make the
+        example's gradient NaN, i.e. unbounded, and an out-of-range index would make a
+        sparse loss fail. Its label is replaced by zeros (finite, so the loss and its
+        gradient are finite) and its loss by 0 (so its gradient is exactly 0, within every
+        bound). The losses of this module take labels of ``y_pred``'s shape, never class
+        indices; a subclass that takes indices (``(batch,)`` for ``(batch, K)``) gets them
+        checked against ``[0, K)``.
         """
-        y_true = tf.convert_to_tensor(y_true)
-        finite = finite_rows(y_true)
-        losses = self.per_example_loss(zero_rows(finite, y_true), y_pred)
-        return tf.where(finite, losses, tf.zeros_like(losses))
+        return neutralised_losses(self.per_example_loss, y_true, tf.convert_to_tensor(y_pred))
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         if getattr(y_pred, "_keras_mask", None) is not None:

@@ -2,7 +2,8 @@
 
 One training step (``DP_Model.train_step``):
 
-1. forward and backward pass on the batch (loss = mean of per-example losses);
+1. forward and backward pass on the batch (loss = sum of the per-example losses divided
+   by the loss normaliser of the metadata; a row with an unusable label counts 0, S9);
 2. sensitivities ``Delta_v`` of the averaged gradient of every trainable variable,
    from the one bound pass of :mod:`lipdp.bounds` (in-graph: the Python loop runs once,
    at tracing time, and leaves a handful of scalar ops);
@@ -27,7 +28,7 @@ import logging
 import numpy as np
 import tensorflow as tf
 
-from lipdp import distribute, noise
+from lipdp import noise
 from lipdp.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
 from lipdp.dynamic import dynamic_clip_layers
 from lipdp.layers import DP_BoundedInput, DP_InputLayer, DPLayer
@@ -39,7 +40,7 @@ from lipdp.private_model import (  # noqa: F401  (DPParameters and the guards: p
     _refuse_non_finite,
     check_reduction,
 )
-from lipdp.records import finite_rows
+from lipdp.records import finite_rows, zero_rows
 
 logger = logging.getLogger(__name__)
 
@@ -259,39 +260,40 @@ class DP_Model(PrivateModel):
 
     # --------------------------------------------------------------- training
     def train_step(self, data):
-        x, y, batch_rows = self._checked_batch(data)
-        # Rule S9: DP_BoundedInput zeroes such inputs and the losses give such labels a
-        # zero loss; here they are only counted.
+        x, y, _ = self._checked_batch(data)
+        # Rule S9: DP_BoundedInput zeroes inputs with a NaN or an infinity, and
+        # per_example_losses gives unusable labels (non-finite, class index out of range)
+        # a zero loss; here they are only counted.
         finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
-        self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
         x_adv = None if self.adversarial is None else self.adversarial_examples(x, y)
         with tf.GradientTape() as tape:
             if x_adv is None:
-                loss, y_pred = self._clean_loss(x, y, batch_rows)
+                loss, y_pred = self._clean_loss(x, y)
             else:
                 loss, y_pred = self._adversarial_loss(x, x_adv, y)
         variables = self.trainable_variables
         gradients = tape.gradient(loss, variables)
         gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
         self.release_step(gradients, variables)
-        if x_adv is not None:
-            self.compute_loss(x_adv, y, y_pred)  # the loss tracker (training logs) only
-        logs = self.compute_metrics(x, y, y_pred, None)
-        return {**logs, "non_finite_examples": self._non_finite.result()}
+        # The training logs (not the step): a label out of range would make a sparse loss
+        # or metric fail, it is logged as class 0.
+        labelled = self.class_labels_in_range(y, y_pred)
+        y_logged = zero_rows(labelled, y)
+        self.compute_loss(x if x_adv is None else x_adv, y_logged, y_pred)  # the loss tracker
+        logs = self.compute_metrics(x, y_logged, y_pred, None)
+        return {**logs, **self._count_neutralised(finite, labelled)}
 
-    def _clean_loss(self, x, y, batch_rows):
-        """``(sum_i loss_i / n, predictions)``, ``n`` the loss normaliser."""
+    def _clean_loss(self, x, y):
+        """``(sum_i loss_i / n, predictions)``, ``n`` the loss normaliser: the number the
+        sensitivities and the clip layers are computed for (rule S5). Summed over the
+        local rows and divided by the global ``n``, so that the replicas' gradients sum
+        to the one of the global batch; an empty batch gives 0. Each row's loss is the
+        loss's per-example value (whatever its reduction), 0 for an unusable label
+        (:meth:`per_example_losses`, rule S9)."""
         y_pred = self(x, training=True)
         self._refuse_extra_losses()
-        loss = self.compute_loss(x, y, y_pred)
-        # The training loss is the sum of per-row losses / the loss normaliser, the
-        # number the sensitivities and the clip layers are computed for (rule S5).
-        # compute_loss divided by the actual rows (0 if the batch is empty) and, under a
-        # strategy, by the R replicas (Keras' scaling for its own sum of replicas): undone
-        # here, so that the replicas' gradients sum to the one of the global batch.
-        normalizer = float(self.dataset_metadata.loss_normalizer)
-        scale = tf.cast(batch_rows * distribute.replicas_in_sync(), loss.dtype) / normalizer
-        return loss * scale, y_pred
+        rows = self.per_example_losses(y, y_pred)
+        return tf.reduce_sum(rows) / float(self.dataset_metadata.loss_normalizer), y_pred
 
     def adversarial_loss_rows(self, x, x_adv, y):
         """Each row's share of the adversarial training loss,

@@ -22,10 +22,13 @@ computed: the model's training step, the diagnostics and the privacy report read
 regenerate the noise and subtract it. Its state is never saved with a model (a saved
 counter-based state would let a reader regenerate past noise). For debugging only,
 :func:`use_reproducible_noise` seeds it explicitly; the privacy report then says the noise
-is reproducible. Switch modes before ``compile`` (a traced training step keeps the
-generator it was traced with). Caveat: like most DP libraries the Gaussian samples are
-floating-point numbers, whose low-order bits can leak information in theory (Mironov,
-CCS 2012); no snapping or discrete Gaussian is applied.
+is reproducible. The seed is hashed (SHA-256) into the generator's Philox key and counter
+(:func:`seeded_generator`), so that different seeds give unrelated streams:
+``Generator.from_seed(s)`` puts ``s`` in the counter, and the normal samples of seed
+``s + 1`` are those of seed ``s`` without the first four. Switch modes before ``compile``
+(a traced training step keeps the generator it was traced with). Caveat: like most DP
+libraries the Gaussian samples are floating-point numbers, whose low-order bits can leak
+information in theory (Mironov, CCS 2012); no snapping or discrete Gaussian is applied.
 
 **Under tf.distribute** (:mod:`lipdp.distribute`) the noise of a step is drawn once, by
 the replica of id 0, before the replicas' gradients are summed: the released sum carries
@@ -35,6 +38,9 @@ generator is tied to the strategy it was created under).
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import tensorflow as tf
 
 from lipdp import distribute, validation
@@ -78,6 +84,22 @@ def use_reproducible_noise(seed) -> None:
     _SOURCE.update(generators={}, seed=seed)
 
 
+def seeded_generator(seed: int) -> tf.random.Generator:
+    """A Philox generator whose key and counter are the SHA-256 digest of ``seed``.
+
+    Philox's stream is ``philox_key(counter), philox_key(counter + 1), ...``: two
+    generators share values only if their keys are equal and their counters close.
+    Hashing the seed makes both unrelated for different seeds (a collision of the
+    192 bits taken from the digest is as unlikely as a SHA-256 collision), whereas
+    ``Generator.from_seed`` uses the seed as the counter with key 0.
+    """
+    digest = hashlib.sha256(f"lipdp.noise:{seed}".encode()).digest()
+    key, counter_low, counter_high = np.frombuffer(digest[:24], dtype="<i8").tolist()
+    return tf.random.Generator.from_key_counter(
+        key=key, counter=[counter_low, counter_high], alg="philox"
+    )
+
+
 def reproducible_noise_seed():
     """The seed set by :func:`use_reproducible_noise`, or ``None`` (secure noise)."""
     return _SOURCE["seed"]
@@ -95,7 +117,7 @@ def noise_generator() -> tf.random.Generator:
             generator = (
                 tf.random.Generator.from_non_deterministic_state()
                 if seed is None
-                else tf.random.Generator.from_seed(seed)
+                else seeded_generator(seed)
             )
         strategy_and_generator = _SOURCE["generators"][id(strategy)] = (strategy, generator)
     return strategy_and_generator[1]
@@ -121,5 +143,6 @@ __all__ = [
     "noise_multipliers",
     "noise_stddevs",
     "reproducible_noise_seed",
+    "seeded_generator",
     "use_reproducible_noise",
 ]

@@ -35,6 +35,7 @@ from lipdp.dynamic import DynamicClippingSpec
 from lipdp.ledger import PrivacyLedger, step_row
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
+from lipdp.records import labels_in_range, neutralised_losses
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +150,13 @@ class PrivateModel(tf.keras.Model):
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
         self.debug = bool(debug)
-        # Training examples with a NaN or an infinity (input or label), per epoch, in the
-        # training logs. Like the loss and the accuracy there, a statistic of the private
-        # data for its owner, not part of the DP release. Kept out of Keras' metric list
+        # Training examples neutralised by rule S9, per epoch, in the training logs: with a
+        # NaN or an infinity (input or label), and finite ones whose class label is out of
+        # range. Like the loss and the accuracy there, statistics of the private data for
+        # its owner, not part of the DP release. Kept out of Keras' metric list
         # (object.__setattr__) so that evaluate() returns what it always did.
         object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
+        object.__setattr__(self, "_invalid_labels", tf.keras.metrics.Sum(name="invalid_labels"))
         #: Noisy steps taken (rule S10): a model variable, so it is saved and restored with
         #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
         #: and survives a new optimizer; the accountant counts epochs from it.
@@ -340,12 +343,42 @@ class PrivateModel(tf.keras.Model):
 
     # --------------------------------------------------------------- training
     def per_example_losses(self, y, y_pred):
-        """The loss of each row (mean over its non-batch axes), shape ``(rows,)``."""
+        """The loss of each row (mean over its non-batch axes), shape ``(rows,)``; a row
+        whose label is unusable -- a NaN or an infinity, a class index out of range --
+        counts 0 whatever the loss (rule S9, :func:`lipdp.records.neutralised_losses`)."""
         loss = tf.keras.losses.get(self.loss)
         fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
-        values = fn(y, y_pred)
-        rank = len(values.shape)
-        return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
+
+        def rows(labels, predictions):
+            values = fn(labels, predictions)
+            rank = len(values.shape)
+            return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
+
+        return neutralised_losses(rows, y, y_pred, self._ignored_class())
+
+    def class_labels_in_range(self, y, y_pred):
+        """``(rows,)`` booleans: the row's label is not a class index out of range
+        (:func:`lipdp.records.labels_in_range`, with the loss's ``ignore_class``)."""
+        return labels_in_range(y, y_pred, self._ignored_class())
+
+    def _ignored_class(self):
+        """The ``ignore_class`` of a Keras sparse cross-entropy (its entries have loss 0
+        by the loss itself: not out of range), or ``None``."""
+        loss = tf.keras.losses.get(self.loss)
+        config = loss.get_config() if isinstance(loss, tf.keras.losses.Loss) else {}
+        return config.get("ignore_class")
+
+    def _count_neutralised(self, finite, labelled) -> dict:
+        """Rule S9's counts for the training logs, each neutralised row counted once:
+        ``non_finite_examples`` (a NaN or an infinity in the input or the label) and
+        ``invalid_labels`` (finite rows whose class label is out of range)."""
+        self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
+        invalid = tf.reduce_sum(tf.cast(finite & ~labelled, tf.float32))
+        self._invalid_labels.update_state(invalid)
+        return {
+            "non_finite_examples": self._non_finite.result(),
+            "invalid_labels": self._invalid_labels.result(),
+        }
 
     def adversarial_examples(self, x, y):
         """Each row's adversarial version by the model's :class:`~lipdp.adversarial.PGD`
@@ -426,6 +459,7 @@ class PrivateModel(tf.keras.Model):
         sensitivity. Python: runs when the step is traced, so every path (fit,
         train_on_batch, custom loops) is checked at no per-step cost."""
         _refuse_mixed_precision(self._all_layers())
+        check_reduction(self.loss)  # also a reduction set on the loss after compile
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
@@ -457,6 +491,7 @@ class PrivateModel(tf.keras.Model):
     def reset_metrics(self):
         super().reset_metrics()
         self._non_finite.reset_state()
+        self._invalid_labels.reset_state()
 
     @property
     def poisson_sampling(self) -> bool:
@@ -512,6 +547,28 @@ class PrivateModel(tf.keras.Model):
             self.project()
         return status
 
+    def _refuse_invalid_labels(self, x, y) -> None:
+        """Rule S9 for arrays: refuse class-index labels out of range (:func:`lipdp.records.
+        labels_in_range`, ``K`` the model's outputs), naming their rows. (Pipelines are
+        neutralised in-graph instead: such rows count zero.)"""
+        labels = tf.nest.flatten(y)
+        if len(labels) != 1 or labels[0] is None:
+            return
+        labels = tf.convert_to_tensor(labels[0])
+        input_shape = tf.nest.map_structure(lambda a: (None,) + np.shape(a)[1:], x)
+        output_shape = tf.TensorShape(self.compute_output_shape(input_shape))
+        classes = output_shape[-1] or self._metadata_for("training").nb_classes
+        # Only the rank and the last dimension of the predictions matter.
+        predictions = tf.zeros([1] * (output_shape.rank - 1) + [classes])
+        usable = labels_in_range(labels, predictions, self._ignored_class()).numpy()
+        bad = np.flatnonzero(~usable)
+        if bad.size:
+            raise ValueError(
+                f"y has {bad.size} example(s) whose class label is not a whole number in "
+                f"[0, {classes}) (rows {_shown(bad)}): the model has {classes} outputs. "
+                "Remove or repair these rows before fit."
+            )
+
     def _check_fit_arguments(self, x, y, batch_size, kwargs):
         if self.compiled_loss is None:
             raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
@@ -551,6 +608,7 @@ class PrivateModel(tf.keras.Model):
         if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
             return
         _refuse_non_finite(x, y)
+        self._refuse_invalid_labels(x, y)
         n = len(tf.nest.flatten(x)[0])
         if batch_size is not None and batch_size != b:
             raise ValueError(
@@ -694,12 +752,16 @@ def _refuse_non_finite(x, y) -> None:
                 continue
             bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
             if bad.size:
-                shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
                 raise ValueError(
                     f"{name} has {bad.size} example(s) with NaN or infinite values (rows "
-                    f"{shown}): such a record has no bounded contribution. Remove or repair "
-                    "these rows before fit."
+                    f"{_shown(bad)}): such a record has no bounded contribution. Remove or "
+                    "repair these rows before fit."
                 )
+
+
+def _shown(rows) -> str:
+    """The first ten row indices, for an error message."""
+    return ", ".join(str(i) for i in rows[:10]) + (", ..." if len(rows) > 10 else "")
 
 
 __all__ = ["DPParameters", "PrivateModel", "check_reduction"]

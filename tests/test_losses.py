@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import math  # noqa: E402
+import re  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -474,17 +475,28 @@ ALL_CLASSES = [
 
 
 @pytest.mark.parametrize("make", ALL_CLASSES)
-def test_reduction_refused(make):
-    for bad in (Reduction.SUM, Reduction.NONE):
-        with pytest.raises(ValueError) as err:
-            make(reduction=bad)
-        message = str(err.value)
-        assert repr(bad) in message
-        assert "mean" in message.lower() and "SUM_OVER_BATCH_SIZE" in message
+def test_every_reduction_accepted_at_construction(make):
+    """NONE gives the per-example values, SUM their sum (the mean times the batch), and
+    get_config / from_config keep the reduction: what a sensitivity study outside
+    training builds (the original package's test uses reduction=NONE)."""
+    rng = np.random.default_rng(12)
+    y = onehot_labels(rng, 5, 3)
+    z = _random_logits(rng, 5, 3, 1.0)
+    mean = make()(y, z).numpy()
+    per_example = make(reduction=Reduction.NONE)(y, z).numpy()
+    assert per_example.shape == (5,)
+    np.testing.assert_allclose(per_example, make().call(y, z).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(per_example.sum(), 5 * mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(make(reduction=Reduction.SUM)(y, z).numpy(), 5 * mean, 1e-5)
+    for reduction in (Reduction.NONE, Reduction.SUM):
+        loss = make(reduction=reduction)
+        restored = type(loss).from_config(loss.get_config())
+        assert restored.reduction == reduction == loss.get_config()["reduction"]
+        again = tf.keras.losses.deserialize(tf.keras.losses.serialize(loss))
+        assert again.get_config() == loss.get_config()
     loss = make()
-    with pytest.raises(ValueError, match="reduction"):
-        loss.reduction = Reduction.SUM
-    assert loss.reduction == Reduction.SUM_OVER_BATCH_SIZE
+    loss.reduction = Reduction.SUM  # a plain attribute now, as in Keras
+    np.testing.assert_allclose(loss(y, z).numpy(), 5 * mean, rtol=1e-5)
 
 
 @pytest.mark.parametrize("make", ALL_CLASSES)
@@ -496,6 +508,59 @@ def test_reduction_accepted_and_is_the_mean(make):
         loss = make(reduction=good)
         assert loss.reduction == good
         np.testing.assert_allclose(loss(y, z).numpy(), loss.call(y, z).numpy().mean(), 1e-6)
+
+
+def _dp_model(family):
+    """A small model of either family (4 features, 3 classes)."""
+    from lipdp import layers as L
+    from lipdp.dpsgd import DPSGD_Sequential
+    from lipdp.metadata import DatasetMetadata
+    from lipdp.model import DP_Sequential, DPParameters
+
+    params = DPParameters("global", 1.0, 1e-5)
+    metadata = DatasetMetadata(input_shape=(4,), nb_classes=3, nb_samples_train=40, batch_size=5)
+    if family == "clipless":
+        layers = [L.DP_BoundedInput(input_shape=(4,), upper_bound=1.0), L.DP_QuickSpectralDense(3)]
+        return DP_Sequential(layers, dp_parameters=params, dataset_metadata=metadata)
+    layers = [tf.keras.layers.Dense(3, input_shape=(4,))]
+    return DPSGD_Sequential(layers, dp_parameters=params, dataset_metadata=metadata)
+
+
+@pytest.mark.parametrize("family", ["clipless", "clipped"])
+@pytest.mark.parametrize("reduction", [Reduction.NONE, Reduction.SUM])
+def test_dp_models_refuse_a_non_mean_reduction_at_compile(family, reduction):
+    message = (
+        f"Loss reduction {reduction!r} is not supported: sensitivities are computed for the "
+        "mean over the batch. Use reduction=SUM_OVER_BATCH_SIZE (the default)."
+    )
+    model = _dp_model(family)
+    for loss in (DP_TauCategoricalCrossentropy(2.0, reduction=reduction), DP_MulticlassKR()):
+        loss.reduction = reduction
+        with pytest.raises(ValueError) as err:
+            model.compile(optimizer="sgd", loss=loss)
+        assert str(err.value) == message
+    for good in (Reduction.AUTO, Reduction.SUM_OVER_BATCH_SIZE):
+        model.compile(optimizer="sgd", loss=DP_TauCategoricalCrossentropy(2.0, reduction=good))
+    # Changed after compile: refused when the training step is traced.
+    model.loss.reduction = reduction
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.train_on_batch(np.zeros((5, 4), "float32"), np.eye(3, dtype="float32")[[0] * 5])
+
+
+@pytest.mark.parametrize("make", ALL_CLASSES)
+def test_clipped_family_trains_on_the_per_example_values(make):
+    """The clipped family's per-example losses (``loss.call``) are the values the same
+    loss gives with reduction NONE."""
+    rng = np.random.default_rng(13)
+    y = onehot_labels(rng, 5, 3)
+    z = _random_logits(rng, 5, 3, 1.0)
+    model = _dp_model("clipped")
+    model.compile(optimizer="sgd", loss=make())
+    np.testing.assert_allclose(
+        model.per_example_losses(tf.constant(y), tf.constant(z)).numpy(),
+        make(reduction=Reduction.NONE)(y, z).numpy(),
+        rtol=1e-6,
+    )
 
 
 def test_sample_weights_and_masks():

@@ -63,3 +63,39 @@ def test_noise_under_xla_has_the_calibrated_std():
     ((_, delta),) = model.sensitivities()
     # One variable: global std = sigma * Delta; 18 coordinates, a loose check of the scale.
     assert 0.3 < np.std(update) / float(delta) < 2.0
+
+
+WINDOW = 4  # consecutive float32 normals: a chance match has probability ~2^-90
+
+
+def noise_stream(seed, n=2048):
+    """The first ``n`` normal samples the noise generator draws after
+    ``use_reproducible_noise(seed)`` (``None``: secure mode)."""
+    noise.use_reproducible_noise(seed)
+    return noise.noise_generator().normal([n]).numpy()
+
+
+def windows(values):
+    return {values[i : i + WINDOW].tobytes() for i in range(len(values) - WINDOW + 1)}
+
+
+def test_reproducible_streams_of_different_seeds_share_no_window():
+    """``Generator.from_seed(s)`` puts ``s`` in Philox's counter: seed s + 1's stream is
+    seed s's without its first four values. The hashed key and counter of
+    :func:`lipdp.noise.seeded_generator` give unrelated streams."""
+    seeds = [0, 1, 2, 3, 42, 43, 2**31 - 1, 2**31]
+    seen = {}
+    for seed in seeds:
+        for window in windows(noise_stream(seed)):
+            assert seen.setdefault(window, seed) == seed, f"seeds {seen[window]} and {seed}"
+    # The check is not vacuous: TensorFlow's own seeding shares most windows.
+    shifted = [tf.random.Generator.from_seed(s).normal([2048]).numpy() for s in (42, 43)]
+    assert len(windows(shifted[0]) & windows(shifted[1])) > 2000
+
+
+def test_same_seed_same_stream_and_default_stays_secure():
+    np.testing.assert_array_equal(noise_stream(7), noise_stream(7))
+    assert noise.reproducible_noise_seed() == 7
+    first, second = noise_stream(None), noise_stream(None)
+    assert noise.reproducible_noise_seed() is None
+    assert not windows(first) & windows(second)
