@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp import distribute, noise
+from lipdp.batch_independence import refuse_coupling_layers
 from lipdp.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
 from lipdp.dynamic import dynamic_clip_layers
 from lipdp.layers import DP_BoundedInput, DP_InputLayer, DPLayer
@@ -87,6 +88,7 @@ def check_dp_layers(layers) -> None:
                 f"Layer {_describe(layer)} is not a DP layer: its sensitivity is unknown. "
                 f"Use {fix} instead."
             )
+    refuse_coupling_layers(layers)  # Keras layers nested in DP layers, at any depth (S2)
     seen = set()
     for layer in _with_wrapped_blocks(layers):
         if id(layer) in seen:
@@ -283,6 +285,7 @@ class DP_Model(PrivateModel):
         """``(sum_i loss_i / n, predictions)``, ``n`` the loss normaliser."""
         y_pred = self(x, training=True)
         self._refuse_extra_losses()
+        self.per_example_losses(y, y_pred)  # refuses a loss without per-row values (S2)
         loss = self.compute_loss(x, y, y_pred)
         # The training loss is the sum of per-row losses / the loss normaliser, the
         # number the sensitivities and the clip layers are computed for (rule S5).

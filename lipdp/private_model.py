@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from lipdp import distribute, noise, validation
+from lipdp import batch_independence, distribute, noise, validation
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.tuning import RandomSearch
 from lipdp.adversarial import PGD, softmax_kl
@@ -116,6 +116,11 @@ class PrivateModel(tf.keras.Model):
             weights; same sensitivity and privacy (:mod:`lipdp.adversarial`). ``None``
             (default): clean training.
         debug: run eagerly and log every step's sensitivities and noise levels.
+        independence_probe: run the batch-independence probe of
+            :mod:`lipdp.batch_independence` when the training step is first traced
+            (default). ``False`` skips it -- for a model you know treats each example on
+            its own -- and the privacy report says so; the structural walk and the
+            per-example loss check still run (rule S2).
     """
 
     _layers_key = "dp_layers"
@@ -133,6 +138,7 @@ class PrivateModel(tf.keras.Model):
         dataset_metadata=None,
         adversarial=None,
         debug=False,
+        independence_probe=True,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -146,6 +152,9 @@ class PrivateModel(tf.keras.Model):
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
         self.debug = bool(debug)
+        self.independence_probe = bool(independence_probe)
+        # The input specs the batch-independence probe has passed (reset by compile).
+        object.__setattr__(self, "_independence_probed", set())
         # Training examples with a NaN or an infinity (input or label), per epoch, in the
         # training logs. Like the loss and the accuracy there, a statistic of the private
         # data for its owner, not part of the DP release. Kept out of Keras' metric list
@@ -258,6 +267,9 @@ class PrivateModel(tf.keras.Model):
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
         self._check_loss(loss)
         _refuse_mixed_precision(self._all_layers())
+        # Layers frozen at construction may have been unfrozen since (rule S2).
+        batch_independence.refuse_coupling_layers(self.dp_layers)
+        self._independence_probed.clear()  # another loss: probed again
         if kwargs.get("loss_weights") is not None:
             raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
         if self.debug:
@@ -304,10 +316,12 @@ class PrivateModel(tf.keras.Model):
 
     # --------------------------------------------------------------- training
     def per_example_losses(self, y, y_pred):
-        """The loss of each row (mean over its non-batch axes), shape ``(rows,)``."""
+        """The loss of each row (mean over its non-batch axes), shape ``(rows,)``; a loss
+        without per-row values (a batch mean) is refused when the step is traced (S2)."""
         loss = tf.keras.losses.get(self.loss)
         fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
         values = fn(y, y_pred)
+        batch_independence.check_per_example_values(values, y_pred, self.loss)
         rank = len(values.shape)
         return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
 
@@ -377,9 +391,18 @@ class PrivateModel(tf.keras.Model):
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
+        self._check_batch_independence(x, y)
         batch_rows = tf.shape(tf.nest.flatten(x)[0])[0]
         self._check_batch_rows(batch_rows)
         return x, y, batch_rows
+
+    def _check_batch_independence(self, x, y) -> None:
+        """Rule S2 when the step is traced: the structural walk (layers may have been
+        unfrozen since compile), then, once per input spec, the numerical probe
+        (:mod:`lipdp.batch_independence`) unless ``independence_probe=False``."""
+        batch_independence.refuse_coupling_layers(self.dp_layers)
+        if self.independence_probe:
+            batch_independence.probe_when_traced(self, x, y)
 
     def _check_batch_rows(self, batch_rows) -> None:
         """Fixed-size batches must have the rows the sensitivity is computed for (S5)."""
@@ -540,6 +563,7 @@ class PrivateModel(tf.keras.Model):
             ),
             "adversarial": None if self.adversarial is None else self.adversarial.to_config(),
             "debug": self.debug,
+            "independence_probe": self.independence_probe,
             "name": self.name,
         }
 
