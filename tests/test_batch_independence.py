@@ -212,7 +212,7 @@ def test_a_frozen_batch_normalization_runs_per_example_and_is_accepted(rng):
     bn = inner.get_layer("bn")
     bn.trainable = False
     moving = bn.moving_mean.numpy()
-    model = _dpsgd([inner, K.Dense(CLASSES)])
+    model = _dpsgd([inner, K.Dense(CLASSES)], debug=True)
     x[0] *= 20.0  # the outlier that moves a batch statistic (test below)
     assert remove_one_ratios(model, x, y, rows=[0]).max() <= 1 + TOLERANCE
     model.train_on_batch(x, y)
@@ -227,7 +227,7 @@ def test_nested_batch_normalization_leaked_before(rng, unchecked):
     row move the others' gradients beyond the sensitivity, and its moving statistics
     (saved with the model, never noised) with them."""
     layers, _ = _nested_sequential()
-    model = _dpsgd(layers, independence_probe=False)
+    model = _dpsgd(layers, independence_probe=False, debug=True)
     x, y = _outlier_batch(rng)
     assert remove_one_ratios(model, x, y, rows=[0]).max() > 1.2  # 1.66
     bn = model.dp_layers[0].get_layer("inner").get_layer("bn")
@@ -277,6 +277,16 @@ def test_the_probe_refuses_a_batch_mean_layer_on_every_path(path, rng):
     _assert_one_line_refusal(
         error.value, "Batch-independence probe", "'batch_centering' (Lambda)", "gradient"
     )
+
+
+def test_the_probe_runs_once_per_step_under_a_mirrored_strategy(rng):
+    from tests.test_distribute import mirrored
+
+    with mirrored().scope():
+        model = _lambda_model()
+    with pytest.raises(ValueError) as error:
+        _fit(model, *_data(rng))
+    _assert_one_line_refusal(error.value, "'batch_centering' (Lambda)")
 
 
 def test_the_probe_refuses_couplings_gradients_do_not_see(rng):
@@ -365,10 +375,10 @@ def test_batch_mean_constructions_leaked_before(rng, unchecked):
     """Not vacuous: with the probe off, the coupling layer and the coupling loss move the
     release beyond the sensitivity."""
     x, y = _outlier_batch(rng)
-    model = _lambda_model(independence_probe=False)
+    model = _lambda_model(independence_probe=False, debug=True)
     assert remove_one_ratios(model, x, y, rows=[0]).max() > 1.2  # 4.5
     layers = [K.Dense(8, input_shape=(FEATURES,)), K.Dense(CLASSES)]
-    model = _dpsgd(layers, loss=_centred_predictions_loss, independence_probe=False)
+    model = _dpsgd(layers, loss=_centred_predictions_loss, independence_probe=False, debug=True)
     assert remove_one_ratios(model, x, y, rows=[0]).max() > 1.2
 
 
@@ -498,7 +508,7 @@ def _inputs(rng, shape):
 @pytest.mark.parametrize("case", sorted(ACCEPTED))
 def test_per_example_constructions_pass_and_stay_within_their_sensitivity(case, rng):
     layers, shape = ACCEPTED[case]()
-    model = _dpsgd(layers, input_shape=shape, clip=0.1)
+    model = _dpsgd(layers, input_shape=shape, clip=0.1, debug=True)  # eager: no retracing
     x, y = _inputs(rng, shape), rng.integers(0, CLASSES, BATCH)
     result = batch_independence.probe(
         model, tf.TensorSpec((None, *shape), tf.as_dtype(x.dtype)), tf.TensorSpec((None,), tf.int64)
@@ -691,7 +701,8 @@ def test_the_fixer_keeps_frozen_batch_norm_and_uses_declared_replacements():
         ("mix", "_ReplaceableMix", "LayerNormalization")
     ]
     assert type(fixed[1]) is type(frozen) and not fixed[1].trainable
-    assert batch_independence.group_count(48, spatial=True) == 24
-    assert batch_independence.group_count(64, spatial=True) == 32
-    assert batch_independence.group_count(7, spatial=True) == 7
-    assert batch_independence.group_count(64, spatial=False) == 1
+    group_count = batch_independence.group_count
+    assert group_count(48, positions=7 * 7) == 24  # the largest divisor <= 32
+    assert group_count(64) == 32 and group_count(7, positions=100) == 7
+    assert group_count(64, positions=1) == 4  # features: at least 16 values per group
+    assert group_count(8, positions=1) == 1
