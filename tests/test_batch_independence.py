@@ -24,7 +24,6 @@ from tests.remove_one import TOLERANCE, remove_one_ratios
 K = tf.keras.layers
 BATCH, FEATURES, CLASSES = 8, 6, 3
 PARAMS = DPParameters("global", 1.0, 1e-5)
-NON_PRIVATE = DPParameters("global", 0.0, 1e-5, non_private=True)
 
 
 def _metadata(input_shape=(FEATURES,), batch=BATCH):
@@ -37,10 +36,10 @@ def _metadata(input_shape=(FEATURES,), batch=BATCH):
     )
 
 
-def _dpsgd(layers, loss=None, input_shape=(FEATURES,), clip=0.5, params=PARAMS, **options):
+def _dpsgd(layers, loss=None, input_shape=(FEATURES,), clip=0.5, **options):
     model = DPSGD_Sequential(
         layers,
-        dp_parameters=params,
+        dp_parameters=PARAMS,
         clipping=Clipping("flat", clip),
         dataset_metadata=_metadata(input_shape),
         **options,
