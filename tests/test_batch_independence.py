@@ -228,7 +228,7 @@ def test_nested_batch_normalization_leaked_before(rng, unchecked):
     layers, _ = _nested_sequential()
     model = _dpsgd(layers, independence_probe=False, debug=True)
     x, y = _outlier_batch(rng)
-    assert remove_one_ratios(model, x, y, rows=[0]).max() > 1.2  # 1.66
+    assert remove_one_ratios(model, x, y, rows=[0]).max() > 1.2  # 1.66 (Jacobian method: 3.3)
     bn = model.dp_layers[0].get_layer("inner").get_layer("bn")
     model.train_on_batch(x, y)
     with_all = bn.moving_mean.numpy().copy()
@@ -378,7 +378,7 @@ def test_batch_mean_constructions_leaked_before(rng, unchecked):
     assert remove_one_ratios(model, x, y, rows=[0]).max() > 1.2  # 4.5
     layers = [K.Dense(8, input_shape=(FEATURES,)), K.Dense(CLASSES)]
     model = _dpsgd(layers, loss=_centred_predictions_loss, independence_probe=False, debug=True)
-    assert remove_one_ratios(model, x, y, rows=[0]).max() > 1.2
+    assert remove_one_ratios(model, x, y, rows=[0]).max() > 1.2  # 1.9 (Jacobian method: 4.1)
 
 
 # ------------------------------------------------------------ per-example losses
