@@ -18,3 +18,15 @@ _compat.prefer_legacy_keras()
 _compat.require_keras_2()
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # ``lipdp.fix_batch_coupling`` without importing TensorFlow on ``import lipdp``.
+    if name == "fix_batch_coupling":
+        from lipdp.batch_independence import fix_batch_coupling
+
+        return fix_batch_coupling
+    raise AttributeError(f"module 'lipdp' has no attribute {name!r}")
+
+
+__all__ = ["fix_batch_coupling"]

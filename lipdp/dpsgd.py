@@ -12,7 +12,8 @@ and the noise generator of :mod:`lipdp.noise`.
 1. per-example gradient norms ``||g_i||`` of the per-example loss, per weighted layer
    (:mod:`lipdp.per_example`: ghost norms for Dense, Conv2D and Embedding, a vectorised
    per-example fallback for other layers, or the full Jacobian; the model must not couple
-   examples: batch normalisation is refused, rule S2);
+   examples: batch normalisation at any depth is refused and a probe checks the rest,
+   rule S2, :mod:`lipdp.batch_independence`);
 2. clipping factor ``C_i`` from ``||g_i||`` (over all variables), e.g.
    ``min(1, R / ||g_i||)``, or one per layer (:class:`Clipping` and its modes); rows with
    a NaN or an infinity, in the data or in their gradient, and rows whose class-index
@@ -51,6 +52,7 @@ import tensorflow as tf
 
 from lipdp import distribute, noise, validation
 from lipdp.adversarial import softmax_kl
+from lipdp.batch_independence import refuse_coupling_layers
 from lipdp.bounds import ROUNDOFF_SLACK
 from lipdp.per_example import (
     GRADIENT_METHODS,
@@ -63,12 +65,6 @@ from lipdp.records import finite_rows, zero_rows
 
 #: Clipping modes (per-example factor rules, :class:`Clipping`).
 CLIPPING_MODES = ("flat", "per-layer", "automatic", "global")
-
-#: Layers that couple the examples of a batch (rule S2), with the fix.
-_COUPLING_LAYERS = {
-    "BatchNormalization": "GroupNormalization or LayerNormalization (per-example statistics)",
-    "SyncBatchNormalization": "GroupNormalization or LayerNormalization",
-}
 
 
 @dataclass(frozen=True)
@@ -274,12 +270,7 @@ def check_keras_layers(layers) -> None:
     for layer in layers:
         if not isinstance(layer, tf.keras.layers.Layer):
             raise TypeError(f"{layer!r} is not a Keras layer.")
-        name = type(layer).__name__
-        if name in _COUPLING_LAYERS:
-            raise ValueError(
-                f"Layer {layer.name!r} ({name}) normalises with batch statistics: one example "
-                f"changes every other example's gradient (rule S2). Use {_COUPLING_LAYERS[name]}."
-            )
+        refuse_coupling_layers(layer)  # at any depth (rule S2)
         if id(layer) in seen:
             raise ValueError(f"Layer {layer.name!r} appears twice; use two layers.")
         seen.add(id(layer))

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp import noise
+from lipdp.batch_independence import refuse_coupling_layers
 from lipdp.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
 from lipdp.dynamic import dynamic_clip_layers
 from lipdp.layers import DP_BoundedInput, DP_InputLayer, DPLayer
@@ -88,6 +89,7 @@ def check_dp_layers(layers) -> None:
                 f"Layer {_describe(layer)} is not a DP layer: its sensitivity is unknown. "
                 f"Use {fix} instead."
             )
+    refuse_coupling_layers(layers)  # Keras layers nested in DP layers, at any depth (S2)
     seen = set()
     for layer in _with_wrapped_blocks(layers):
         if id(layer) in seen:

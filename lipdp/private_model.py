@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from lipdp import distribute, noise, validation
+from lipdp import batch_independence, distribute, noise, validation
 from lipdp.accounting.mechanisms import effective_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.tuning import RandomSearch
@@ -120,6 +120,11 @@ class PrivateModel(tf.keras.Model):
             weights; same sensitivity and privacy (:mod:`lipdp.adversarial`). ``None``
             (default): clean training.
         debug: run eagerly and log every step's sensitivities and noise levels.
+        independence_probe: run the batch-independence probe of
+            :mod:`lipdp.batch_independence` when the training step is first traced
+            (default). ``False`` skips it -- for a model you know treats each example on
+            its own -- and the privacy report says so; the structural walk and the
+            per-example loss check still run (rule S2).
     """
 
     _layers_key = "dp_layers"
@@ -137,6 +142,7 @@ class PrivateModel(tf.keras.Model):
         dataset_metadata=None,
         adversarial=None,
         debug=False,
+        independence_probe=True,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -150,6 +156,9 @@ class PrivateModel(tf.keras.Model):
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
         self.debug = bool(debug)
+        self.independence_probe = bool(independence_probe)
+        # The input specs the batch-independence probe has passed (reset by compile).
+        object.__setattr__(self, "_independence_probed", set())
         # Training examples neutralised by rule S9, per epoch, in the training logs: with a
         # NaN or an infinity (input or label), and finite ones whose class label is out of
         # range. Like the loss and the accuracy there, statistics of the private data for
@@ -267,6 +276,9 @@ class PrivateModel(tf.keras.Model):
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
         self._check_loss(loss)
         _refuse_mixed_precision(self._all_layers())
+        # Layers frozen at construction may have been unfrozen since (rule S2).
+        batch_independence.refuse_coupling_layers(self.dp_layers)
+        self._independence_probed.clear()  # another loss: probed again
         if kwargs.get("loss_weights") is not None:
             raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
         if self.debug:
@@ -351,6 +363,8 @@ class PrivateModel(tf.keras.Model):
 
         def rows(labels, predictions):
             values = fn(labels, predictions)
+            # A loss without per-row values (a batch mean) is refused when traced (S2).
+            batch_independence.check_per_example_values(values, predictions, self.loss)
             rank = len(values.shape)
             return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
 
@@ -463,9 +477,18 @@ class PrivateModel(tf.keras.Model):
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
+        self._check_batch_independence(x, y)
         batch_rows = tf.shape(tf.nest.flatten(x)[0])[0]
         self._check_batch_rows(batch_rows)
         return x, y, batch_rows
+
+    def _check_batch_independence(self, x, y) -> None:
+        """Rule S2 when the step is traced: the structural walk (layers may have been
+        unfrozen since compile), then, once per input spec, the numerical probe
+        (:mod:`lipdp.batch_independence`) unless ``independence_probe=False``."""
+        batch_independence.refuse_coupling_layers(self.dp_layers)
+        if self.independence_probe:
+            batch_independence.probe_when_traced(self, x, y)
 
     def _check_batch_rows(self, batch_rows) -> None:
         """Fixed-size batches must have the rows the sensitivity is computed for (S5)."""
@@ -650,6 +673,7 @@ class PrivateModel(tf.keras.Model):
             ),
             "adversarial": None if self.adversarial is None else self.adversarial.to_config(),
             "debug": self.debug,
+            "independence_probe": self.independence_probe,
             "name": self.name,
         }
 

@@ -98,6 +98,13 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
         )
     if model.dp_parameters.non_private:
         notes.append("non-private reference run: no noise, no guarantee.")
+    if not getattr(model, "independence_probe", True):
+        notes.append(
+            "batch-independence probe skipped (independence_probe=False): that no layer or "
+            "loss mixes the examples of a batch (rule S2) rests on the structural walk "
+            "(no trainable BatchNormalization or declared coupling layer at any depth) and "
+            "on the user's word, not on the numerical check."
+        )
     if any(getattr(layer, "adaptive_norm", False) for layer in model.submodules):
         notes.append(
             "norm-adaptive bounds (Lip-DP-SGD): the sensitivities above are those of the "
