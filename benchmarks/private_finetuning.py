@@ -161,14 +161,20 @@ def run(args):
             layer.trainable = False
         tf.keras.utils.set_random_seed(seed)
         tuned = train_privately(
-            private_model(fixed, metadata, sigma, args.lr, args.clip), private, test,
-            args.epochs, seed,
+            private_model(fixed, metadata, sigma, args.lr, args.clip),
+            private,
+            test,
+            args.epochs,
+            seed,
         )
         scratch_net, _ = lipdp.fix_batch_coupling(backbone("scratch"))
         tf.keras.utils.set_random_seed(seed)
         scratch = train_privately(
-            private_model(scratch_net, metadata, sigma, args.lr, args.clip), private, test,
-            args.epochs, seed,
+            private_model(scratch_net, metadata, sigma, args.lr, args.clip),
+            private,
+            test,
+            args.epochs,
+            seed,
         )
         rows.append((seed, public_accuracy, adapted_accuracy, tuned, scratch))
         logging.info("seed %d: fine-tuned %s, scratch %s", seed, tuned, scratch)
@@ -201,8 +207,10 @@ def main():
     )
     print(f"Unfixed backbone: {refused}\n")
     print(f"Fixer report:\n\n```\n{report}\n```\n")
-    print("| seed | public acc. (BN) | public acc. after fix | fine-tuned acc. | ε | s "
-          "| scratch acc. | ε | s |")
+    print(
+        "| seed | public acc. (BN) | public acc. after fix | fine-tuned acc. | ε | s "
+        "| scratch acc. | ε | s |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for seed, public, adapted, tuned, scratch in rows:
         print(

@@ -362,7 +362,7 @@ class PrivateModel(tf.keras.Model):
         fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
 
         def rows(labels, predictions):
-            values = fn(labels, predictions)
+            values = fn(_one_target_per_output(labels, predictions), predictions)
             # A loss without per-row values (a batch mean) is refused when traced (S2).
             batch_independence.check_per_example_values(values, predictions, self.loss)
             rank = len(values.shape)
@@ -691,6 +691,18 @@ class PrivateModel(tf.keras.Model):
             dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
             **config,
         )
+
+
+def _one_target_per_output(labels, predictions):
+    """Targets ``(rows,)`` of predictions ``(rows, 1)`` as ``(rows, 1)``. Why: Keras' losses
+    squeeze such predictions to ``(rows,)`` and then average over their last axis -- the
+    batch --, one value for the whole batch (harmless for Keras' mean, wrong per row)."""
+    if not isinstance(labels, tf.Tensor) or not isinstance(predictions, tf.Tensor):
+        return labels
+    rank, last = predictions.shape.rank, predictions.shape[-1] if predictions.shape.rank else None
+    if rank is not None and rank >= 2 and last == 1 and labels.shape.rank == rank - 1:
+        return labels[..., None]
+    return labels
 
 
 def check_reduction(loss) -> None:

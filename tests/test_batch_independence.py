@@ -436,7 +436,7 @@ def test_the_clipless_family_refuses_a_scalar_loss(rng):
         model.train_on_batch(x, np.eye(CLASSES, dtype="float32")[rng.integers(0, CLASSES, BATCH)])
 
 
-def test_a_scalar_loss_leaked_before(unchecked):
+def test_a_scalar_loss_leaked_before(unchecked, monkeypatch):
     """Not vacuous: rows clipped after division by the actual batch size (random under
     Poisson sampling). Rows 1.. share a gradient g, row 0 has -g (a linear model at zero
     weights, inputs v and -v), none clipped: the release moves from 6 g / (8 n) to
@@ -448,6 +448,14 @@ def test_a_scalar_loss_leaked_before(unchecked):
     # Each row's gradient ||v|| ||p - e_0|| (p uniform) over the batch size: unclipped.
     gradient = np.linalg.norm(v) * np.linalg.norm(np.eye(CLASSES)[0] - 1 / CLASSES)
     clip = 1.01 * gradient / (BATCH - 1)
+    # The loss's values as they come (rule S9's neutralisation would broadcast the scalar
+    # to every row: another wrong gradient, not this one).
+    monkeypatch.setattr(
+        "lipdp.private_model.neutralised_losses",
+        lambda per_example, labels, predictions, ignore_class=None: per_example(
+            labels, predictions
+        ),
+    )
     model = _dpsgd([dense], loss=_batch_mean_loss, clip=clip, independence_probe=False)
     assert remove_one_ratios(model, x, y, rows=[0]).max() > 1.2  # 1.73
 

@@ -273,3 +273,21 @@ def test_fit_on_arrays_accepts_targets_of_one_output(rng):
     x = rng.normal(size=(64, D)).astype("float32")
     history = model.fit(x, 10.0 * rng.normal(size=64).astype("float32"), batch_size=B, verbose=0)
     assert history.history["invalid_labels"] == [0.0]
+
+
+def test_targets_of_one_output_give_one_loss_per_row(rng):
+    """Keras' MSE on predictions (rows, 1) and targets (rows,) averages over the batch
+    (it squeezes the predictions): the model's per-row losses stay per row."""
+    model = DPSGD_Sequential(
+        [tf.keras.layers.Dense(1, input_shape=(D,))],
+        dp_parameters=DPParameters("global", 1.0, 1e-5),
+        dataset_metadata=DatasetMetadata(
+            input_shape=(D,), nb_classes=1, nb_samples_train=64, batch_size=B
+        ),
+    )
+    model.compile(loss=tf.keras.losses.MeanSquaredError(), optimizer="sgd")
+    x = rng.normal(size=(B, D)).astype("float32")
+    y = rng.normal(size=B).astype("float32")
+    predictions = model(x)
+    rows = model.per_example_losses(tf.constant(y), predictions)
+    np.testing.assert_allclose(rows, (predictions.numpy()[:, 0] - y) ** 2, rtol=1e-5)
