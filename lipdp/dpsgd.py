@@ -12,7 +12,8 @@ and the noise generator of :mod:`lipdp.noise`.
 1. per-example gradient norms ``||g_i||`` of the per-example loss, per weighted layer
    (:mod:`lipdp.per_example`: ghost norms for Dense, Conv2D and Embedding, a vectorised
    per-example fallback for other layers, or the full Jacobian; the model must not couple
-   examples: batch normalisation is refused, rule S2);
+   examples: batch normalisation is refused, rule S2), carried in float64 from per-row
+   rescaled cotangents so that no finite record's norm underflows or overflows;
 2. clipping factor ``C_i`` from ``||g_i||`` (over all variables), e.g.
    ``min(1, R / ||g_i||)``, or one per layer (:class:`Clipping` and its modes); rows with
    a NaN or an infinity, in the data or in their gradient, get ``C_i = 0`` (rule S9);
@@ -157,7 +158,8 @@ class Clipping:
 
     def layer_factors(self, sq_norms) -> list:
         """``C_il`` for every weighted layer ``l`` from the rows' squared gradient norms
-        per layer: one factor from the total norm, or one per layer (``"per-layer"``)."""
+        per layer (float64, :mod:`lipdp.per_example`: the sum over layers cannot
+        overflow): one factor from the total norm, or one per layer (``"per-layer"``)."""
         if self.mode == "per-layer":
             radii = self.layer_radii(len(sq_norms))
             return [_capped(tf.sqrt(sq), r) for sq, r in zip(sq_norms, radii)]
