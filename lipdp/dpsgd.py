@@ -52,6 +52,7 @@ import tensorflow as tf
 from lipdp import distribute, noise, validation
 from lipdp.adversarial import softmax_kl
 from lipdp.bounds import ROUNDOFF_SLACK
+from lipdp.layer_support import check_layer_support
 from lipdp.per_example import (
     GRADIENT_METHODS,
     Ascent,
@@ -287,6 +288,7 @@ def check_keras_layers(layers) -> None:
                 f"Layer {layer.name!r} has an activity_regularizer: a loss term outside the "
                 "clipped per-example losses. Remove it."
             )
+    check_layer_support(layers)  # every nested layer: stateful RNNs, ... (lipdp.layer_support)
 
 
 class DPSGD_Model(PrivateModel):
@@ -486,6 +488,7 @@ class DPSGD_Model(PrivateModel):
                 return self.per_example_losses(y, y_pred)
 
         facts = per_example_gradients(self, x, losses, self.gradient_method)
+        self.refuse_data_dependent_losses()  # add_loss in a call, seen by the forward pass
         y_pred = facts.y_pred
         if self.ascent is not None and self.ascent.mode == "bam":
             norms = tf.sqrt(tf.add_n(facts.sq_norms))

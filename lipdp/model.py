@@ -282,8 +282,10 @@ class DP_Model(PrivateModel):
     def _clean_loss(self, x, y, batch_rows):
         """``(sum_i loss_i / n, predictions)``, ``n`` the loss normaliser."""
         y_pred = self(x, training=True)
-        self._refuse_extra_losses()
-        loss = self.compute_loss(x, y, y_pred)
+        self.refuse_data_dependent_losses()
+        # Not compute_loss: it adds the weight penalties, which release_step adds after
+        # the noise (PrivateModel.penalty_gradients).
+        loss = self.compiled_loss(y, y_pred)
         # The training loss is the sum of per-row losses / the loss normaliser, the
         # number the sensitivities and the clip layers are computed for (rule S5).
         # compute_loss divided by the actual rows (0 if the batch is empty) and, under a
@@ -301,7 +303,7 @@ class DP_Model(PrivateModel):
         w = self.adversarial.mix
         normalizer = float(self.dataset_metadata.loss_normalizer)
         y_adv = self.forward(x_adv, training=True, loss_weight=w)
-        self._refuse_extra_losses()
+        self.refuse_data_dependent_losses()
         rows = w * self.per_example_losses(y, y_adv)
         if w < 1.0:
             y_clean = self.forward(x, training=True, loss_weight=1.0 - w)

@@ -165,7 +165,8 @@ def _needs_row_loop(layer) -> bool:
     for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
         if isinstance(sub, (layers.LSTM, layers.GRU)) and sub._could_use_gpu_kernel:  # noqa: SLF001
             return True
-        if getattr(sub, "groups", 1) > 1:
+        convolution = (layers.Conv1D, layers.Conv2D, layers.Conv3D)  # and transposes
+        if isinstance(sub, convolution) and sub.groups > 1:
             return True
     return False
 
