@@ -96,6 +96,15 @@ NETS = {
         (9, 9, 2),
         ["conv2d", "vectorized", "vectorized", "vectorized", "dense"],
     ),
+    "fallback-grouped-conv-row-loop": (  # per-row gradients by a loop, not pfor
+        lambda: [
+            L.Conv2D(4, 3, groups=2, padding="same", activation="tanh", input_shape=(9, 9, 2)),
+            L.Flatten(),
+            L.Dense(CLASSES),
+        ],
+        (9, 9, 2),
+        ["vectorized", "dense"],
+    ),
     "fallback-nested-and-masked-embedding": (
         lambda: [
             L.Embedding(6, 3, mask_zero=True, input_shape=(7,)),
@@ -276,6 +285,7 @@ def _naive_bam_sum(model, x, y, radius, clip_norm):
         "conv-gram",
         "embedding",
         "fallback-normalisations",
+        "fallback-grouped-conv-row-loop",
         "fallback-nested-and-masked-embedding",
     ],
 )
