@@ -42,10 +42,12 @@ Goodfellow 2015 and Li et al. 2022)
     ``sum_i C_il A_i^T G_i`` directly and the second backward pass is skipped. Biases
     are summed from their per-row gradients ``sum_t G_it`` (``b x p`` floats).
 
-**Scale: norms that cannot underflow or overflow** (rule S13). A finite record can make
-a row's gradient entries far from 1: inputs of ``1e-19`` with a cotangent of ``1e19``
-give entries near 1 whose squares, ``1e-38``, float32 flushes to zero. Every per-row
-quantity is therefore carried as a scale times a unit part:
+**Scale: norms that cannot underflow or overflow** (rule S13). A finite record can put
+a row's quantities far from 1: with inputs of ``1e-19`` and a cotangent of ``1e19`` a
+Dense kernel's gradient has entries near 1, but its ghost norm ``||a_i||^2 ||g_i||^2``
+squares the inputs to ``1e-38``, which the CPU flushes to zero in float32: the norm read
+0 and the row was never clipped. Every per-row quantity is therefore carried as a scale
+times a unit part:
 
 * the row's cotangents are divided by ``s_i = max |G_i|`` (exact in float32; 1 for a zero
   row): the unit cotangent ``U_i = G_i / s_i`` has entries in ``[-1, 1]``. Every
@@ -57,9 +59,11 @@ quantity is therefore carried as a scale times a unit part:
   in float64), summed over parts and layers and turned into factors in float64: its
   range (``1e-308`` to ``1e308``) holds every such product for inputs and cotangents of
   magnitude ``1e-30`` to ``1e30`` (and beyond), so a norm is never read as 0 or inf
-  because of its scale. The ghost norms and the fallback are exact over that range;
-  the Jacobian method is exact where the row's gradient is a normal float32 (a
-  gradient that overflows float32 is inf: the row gets factor 0);
+  because of its scale. The ghost norms are exact over that range, so is the fallback
+  wherever the layer's own float32 backward pass is for a unit cotangent (any linear
+  layer: convolutions, dense subclasses); the Jacobian method is exact where the row's
+  gradient is a normal float32 number (one that overflows float32 is inf: the row gets
+  factor 0; ``tests/test_extreme_records.py``);
 * the factor is applied as the float32 coefficient ``k_i = C_i s_i`` of the unit part:
   the released contribution is ``k_i u_i`` (the cotangents ``k_i U_i`` of the
   layer-local backward pass, or ``sum_i k_i u_i`` of materialised rows), whose entries
@@ -69,9 +73,10 @@ quantity is therefore carried as a scale times a unit part:
 with ``C_i ||g_i|| <= R`` in float64 arithmetic (:class:`lipdp.dpsgd.Clipping`), from
 ``||g_i||^2 = sum_parts s_i^2 ||u_i||^2`` (per layer under per-layer clipping).
 ``k_i = C_i s_i`` is rounded once to float32 (relative error ``<= 2^-24``) when it lies
-in float32's normal range ``[1.2e-38, 3.4e38]``; otherwise it is replaced by 0, a zero
-contribution (rule S9: below, the part is smaller than float32's smallest normal
-number; above, ``||u_i||`` is so small that ``u_i`` is float32 round-off). A row whose
+in float32's normal range ``[1.2e-38, 3.4e38]``; otherwise it is replaced by 0: that
+part contributes nothing, which is within any bound (below the range its contribution is
+under float32's smallest normal number anyway; a denormal coefficient would be rounded
+by up to 100%). A row whose
 squared norm is NaN or infinite (a non-finite input, activation or cotangent, or a
 gradient beyond float32 in the Jacobian method) gets factor 0 and its inputs and
 cotangents are zeroed. For materialised parts the released ``k_i u_i`` is computed from
@@ -79,8 +84,9 @@ the very float32 tensor whose norm was measured, so ``||k_i u_i|| <= C_i ||g_i||
 2^-24) <= R (1 + 2^-24)``. For ghost kernels ``k_i u_i`` is recomputed by the layer's
 float32 backward pass; it equals the measured ``u_i`` up to that pass's round-off over
 the ``T`` positions of the row (relative ``~T 2^-24`` times ``sum_t ||a_t|| ||g_t|| /
-||A_i^T G_i||``, 1 unless the positions cancel), the precondition this bound shares with
-every float32 gradient the library computes. The sum over rows adds float32 round-off;
+||A_i^T G_i|| >= 1``, near 1 unless the positions cancel): the precondition, shared with
+every float32 gradient the library computes, is that this round-off stays within the
+slack. The sum over rows adds float32 round-off;
 both are what ``ROUNDOFF_SLACK`` (:mod:`lipdp.bounds`) covers.
 
 A variable shared by two layers would make a row's gradient the sum of two parts whose
@@ -162,11 +168,11 @@ def _needs_row_loop(layer) -> bool:
     filter gradient returns wrong per-row values in a Jacobian, and the CPU has no kernel
     for the per-row 3-D op it falls back to)."""
     layers = tf.keras.layers
+    convolutions = (layers.Conv1D, layers.Conv2D, layers.Conv3D)  # and their transposes
     for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
         if isinstance(sub, (layers.LSTM, layers.GRU)) and sub._could_use_gpu_kernel:  # noqa: SLF001
             return True
-        convolution = (layers.Conv1D, layers.Conv2D, layers.Conv3D)  # and transposes
-        if isinstance(sub, convolution) and sub.groups > 1:
+        if isinstance(sub, convolutions) and sub.groups > 1:
             return True
     return False
 
@@ -224,8 +230,9 @@ class _Record:
 @dataclass
 class Ascent:
     """A per-row step ``theta_i' = theta + s_i g_i`` (BAM's ascent, ``s_i = lambda /
-    ||g_i||``): ``first`` holds the rows' gradients ``g_i`` at ``theta`` (its records), and
-    the second pass runs every weighted layer at its row-wise shifted weights."""
+    ||g_i||``, float64 ``scales``): ``first`` holds the rows' gradients ``g_i`` at
+    ``theta`` (its records), and the second pass runs every weighted layer at its
+    row-wise shifted weights."""
 
     first: PerExampleGradients
     scales: tf.Tensor
@@ -265,7 +272,7 @@ def _recorded_forward(model, x, records, ascent=None):
             return _masked_like_keras(layer, h, out)
         z = _LINEAR[rule](layer, h)
         if first is not None:
-            z = z + _SHIFT[rule](first, h, float32_coefficients(ascent.scales))
+            z = z + _SHIFT[rule](first, h, _float32_coefficients(ascent.scales))
         records.append(_Record(layer, h, z, rule))
         return _masked_like_keras(layer, h, z if rule == "embedding" else layer.activation(z))
 
@@ -289,15 +296,17 @@ def _scaled(scales, t):
 
 
 def _unit_rows(g):
-    """``(U, s)``: ``s_i = max |G_i|`` (1 for a zero row) and ``U_i = G_i / s_i``. (The
-    maximum and minimum are two reads; ``abs`` would write a copy of ``G``.)"""
+    """``(U, s)``: ``s_i = max |G_i|`` and ``U_i = G_i / s_i`` (``s_i = 1`` for a row of
+    zeros, of denormal numbers or with a NaN, so that ``1 / s_i`` is finite; a row with
+    an infinity gets NaN entries, hence a NaN norm: dropped). The maximum and minimum are
+    two reads; ``abs`` would write a copy of ``G``."""
     flat = tf.reshape(g, tf.stack([tf.shape(g)[0], -1]))
     s = tf.maximum(tf.reduce_max(flat, axis=1), -tf.reduce_min(flat, axis=1))
     s = tf.where(s >= _TINY, s, tf.ones_like(s))  # its reciprocal is finite
     return _scaled(1.0 / s, g), s
 
 
-def float32_coefficients(values, keep=None):
+def _float32_coefficients(values, keep=None):
     """``values`` (float64, ``>= 0``) as float32 multipliers: rounded once where they are
     in float32's normal range, 0 elsewhere (and where ``keep`` is False, or NaN): see the
     module docstring for why this keeps every contribution within its bound."""
@@ -332,7 +341,7 @@ class _RowsPart:
 
     def clipped_sums(self, factors, keep) -> dict:
         k = factors if self.scales is None else factors * tf.cast(self.scales, tf.float64)
-        k = float32_coefficients(k, keep)
+        k = _float32_coefficients(k, keep)
         return {
             v.ref(): tf.tensordot(k, zero_rows(keep, t), [[0], [0]])
             for v, t in zip(self.variables, self.tensors)
@@ -353,7 +362,7 @@ class _GhostKernelPart:
 
     def clipped_sums(self, factors, keep) -> dict:
         record = self.record
-        k = float32_coefficients(factors * tf.cast(record.scales, tf.float64), keep)
+        k = _float32_coefficients(factors * tf.cast(record.scales, tf.float64), keep)
         cotangents = _scaled(k, zero_rows(keep, record.unit))
         kernel = _kernel(record.layer)
         return {kernel.ref(): _local_vjp(record, zero_rows(keep, record.inputs), cotangents)}
@@ -469,7 +478,7 @@ def _ghost_parts(record) -> list:
 def _ascent_row_scales(scales, record):
     """BAM's ``lambda / ||g_i||`` times the record's cotangent scales ``s_i`` (its per-row
     gradients are kept for the unit cotangents), as float32 coefficients."""
-    return float32_coefficients(tf.cast(scales, tf.float64) * tf.cast(record.scales, tf.float64))
+    return _float32_coefficients(tf.cast(scales, tf.float64) * tf.cast(record.scales, tf.float64))
 
 
 def _product_shift(a_new, a, g, first):
@@ -710,7 +719,6 @@ __all__ = [
     "GRADIENT_METHODS",
     "Ascent",
     "PerExampleGradients",
-    "float32_coefficients",
     "ghost_rule",
     "per_example_gradients",
     "refuse_untracked_reads",

@@ -443,10 +443,10 @@ class PrivateModel(tf.keras.Model):
         read weights only, as Keras' regularisers do; losses computed from the data are
         refused (:meth:`refuse_data_dependent_losses`)."""
         penalties = [fn for layer in self._flatten_layers() for fn in layer._callable_losses]  # noqa: SLF001
-        if not penalties:
-            return None
         with tf.GradientTape() as tape:
             values = [value for value in (fn() for fn in penalties) if value is not None]
+            if not values:
+                return None
             total = tf.add_n([tf.cast(value, tf.float32) for value in values])
         grads = tape.gradient(total, variables, unconnected_gradients="zero")
         return [tf.convert_to_tensor(grad) for grad in grads]
