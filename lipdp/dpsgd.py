@@ -13,7 +13,8 @@ and the noise generator of :mod:`lipdp.noise`.
    (:mod:`lipdp.per_example`: ghost norms for Dense, Conv2D and Embedding, a vectorised
    per-example fallback for other layers, or the full Jacobian; the model must not couple
    examples: batch normalisation at any depth is refused and a probe checks the rest,
-   rule S2, :mod:`lipdp.batch_independence`);
+   rule S2, :mod:`lipdp.batch_independence`), carried in float64 from per-row
+   rescaled cotangents so that no finite record's norm underflows or overflows;
 2. clipping factor ``C_i`` from ``||g_i||`` (over all variables), e.g.
    ``min(1, R / ||g_i||)``, or one per layer (:class:`Clipping` and its modes); rows with
    a NaN or an infinity, in the data or in their gradient, and rows whose class-index
@@ -54,6 +55,7 @@ from lipdp import distribute, noise, validation
 from lipdp.adversarial import softmax_kl
 from lipdp.batch_independence import refuse_coupling_layers
 from lipdp.bounds import ROUNDOFF_SLACK
+from lipdp.layer_support import check_layer_support
 from lipdp.per_example import (
     GRADIENT_METHODS,
     Ascent,
@@ -154,7 +156,8 @@ class Clipping:
 
     def layer_factors(self, sq_norms) -> list:
         """``C_il`` for every weighted layer ``l`` from the rows' squared gradient norms
-        per layer: one factor from the total norm, or one per layer (``"per-layer"``)."""
+        per layer (float64, :mod:`lipdp.per_example`: the sum over layers cannot
+        overflow): one factor from the total norm, or one per layer (``"per-layer"``)."""
         if self.mode == "per-layer":
             radii = self.layer_radii(len(sq_norms))
             return [_capped(tf.sqrt(sq), r) for sq, r in zip(sq_norms, radii)]
@@ -279,6 +282,7 @@ def check_keras_layers(layers) -> None:
                 f"Layer {layer.name!r} has an activity_regularizer: a loss term outside the "
                 "clipped per-example losses. Remove it."
             )
+    check_layer_support(layers)  # every nested layer: stateful RNNs, ... (lipdp.layer_support)
 
 
 class DPSGD_Model(PrivateModel):
@@ -478,6 +482,7 @@ class DPSGD_Model(PrivateModel):
                 return self.per_example_losses(y, y_pred)
 
         facts = per_example_gradients(self, x, losses, self.gradient_method)
+        self.refuse_data_dependent_losses()  # add_loss in a call, seen by the forward pass
         y_pred = facts.y_pred
         if self.ascent is not None and self.ascent.mode == "bam":
             norms = tf.sqrt(tf.add_n(facts.sq_norms))

@@ -293,7 +293,7 @@ class DP_Model(PrivateModel):
         loss's per-example value (whatever its reduction), 0 for an unusable label
         (:meth:`per_example_losses`, rule S9)."""
         y_pred = self(x, training=True)
-        self._refuse_extra_losses()
+        self.refuse_data_dependent_losses()
         rows = self.per_example_losses(y, y_pred)
         return tf.reduce_sum(rows) / float(self.dataset_metadata.loss_normalizer), y_pred
 
@@ -305,7 +305,7 @@ class DP_Model(PrivateModel):
         w = self.adversarial.mix
         normalizer = float(self.dataset_metadata.loss_normalizer)
         y_adv = self.forward(x_adv, training=True, loss_weight=w)
-        self._refuse_extra_losses()
+        self.refuse_data_dependent_losses()
         rows = w * self.per_example_losses(y, y_adv)
         if w < 1.0:
             y_clean = self.forward(x, training=True, loss_weight=1.0 - w)

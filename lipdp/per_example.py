@@ -16,7 +16,8 @@ Goodfellow 2015 and Li et al. 2022)
     One forward pass records each weighted layer's input ``A`` and *pre-activation* output
     ``Z``; one backward pass of ``sum_i loss_i`` gives the cotangents ``G = d sum/dZ``,
     whose row ``i`` is ``d loss_i / dZ_i`` because no layer couples the rows (batch
-    normalisation is refused). Then, per row:
+    normalisation is refused). Then, per row (``G`` below is the *unit* cotangent
+    ``G_i / s_i`` of the next section):
 
     * ``Dense`` on ``(b, d)``: ``grad_W = a_i g_i^T`` so ``||grad_W||^2 = ||a_i||^2
       ||g_i||^2``; bias ``||g_i||^2``.
@@ -28,19 +29,70 @@ Goodfellow 2015 and Li et al. 2022)
       ``||sum_t G_it||^2``.
     * ``Embedding``: ``grad_E = sum_t e_{id_t} G_it^T`` so ``||grad_E||^2 = sum_{t,s}
       [id_t = id_s] <G_it, G_is>`` (float64).
-    * any other layer with variables (normalisations, depthwise convolutions, nested
-      models, subclasses of the above): its per-example gradients from a vectorised map
-      of the layer's own vector-Jacobian product ``(a_i, g_i) -> grad``; materialised for
-      that layer only.
+    * any other layer with variables (normalisations, depthwise and grouped convolutions,
+      recurrent layers, nested models, subclasses of the above): its per-example
+      gradients from a vectorised map of the layer's own vector-Jacobian product ``(a_i,
+      g_i) -> grad``; materialised for that layer only (:func:`row_loop_layers` names the
+      layers whose ops ``pfor`` cannot vectorise: they run the same map as a loop).
 
-    The clipped sum of a ghost layer is its vector-Jacobian product with the cotangents
+    The clipped sum of a ghost kernel is its vector-Jacobian product with the cotangents
     ``C_il G_i`` (a layer-local second backward pass, rows dropped by the clipping zeroed
     in both ``A`` and ``G``): no per-example gradient of those layers is materialised;
     where the materialised branch was cheaper, its ``A_i^T G_i`` give the clipped sum
-    ``sum_i C_il A_i^T G_i`` directly and the second backward pass is skipped.
+    ``sum_i C_il A_i^T G_i`` directly and the second backward pass is skipped. Biases
+    are summed from their per-row gradients ``sum_t G_it`` (``b x p`` floats).
+
+**Scale: norms that cannot underflow or overflow** (rule S13). A finite record can put
+a row's quantities far from 1: with inputs of ``1e-19`` and a cotangent of ``1e19`` a
+Dense kernel's gradient has entries near 1, but its ghost norm ``||a_i||^2 ||g_i||^2``
+squares the inputs to ``1e-38``, which the CPU flushes to zero in float32: the norm read
+0 and the row was never clipped. Every per-row quantity is therefore carried as a scale
+times a unit part:
+
+* the row's cotangents are divided by ``s_i = max |G_i|`` (exact in float32; 1 for a zero
+  row): the unit cotangent ``U_i = G_i / s_i`` has entries in ``[-1, 1]``. Every
+  gradient is linear in the cotangent, so row ``i``'s gradient of each part (a ghost
+  kernel, a bias, a materialised or a fallback layer's variables) is ``s_i u_i`` with
+  ``u_i`` computed from ``A_i`` and ``U_i`` (the Jacobian method: ``s_i = 1``,
+  ``u_i`` the row's gradient);
+* ``||g_i||^2 = s_i^2 ||u_i||^2`` is formed in float64 (squares of float32 entries, Grams
+  in float64), summed over parts and layers and turned into factors in float64: its
+  range (``1e-308`` to ``1e308``) holds every such product for inputs and cotangents of
+  magnitude ``1e-30`` to ``1e30`` (and beyond), so a norm is never read as 0 or inf
+  because of its scale. The ghost norms are exact over that range, so is the fallback
+  wherever the layer's own float32 backward pass is for a unit cotangent (any linear
+  layer: convolutions, dense subclasses); the Jacobian method is exact where the row's
+  gradient is a normal float32 number (one that overflows float32 is inf: the row gets
+  factor 0; ``tests/test_extreme_records.py``);
+* the factor is applied as the float32 coefficient ``k_i = C_i s_i`` of the unit part:
+  the released contribution is ``k_i u_i`` (the cotangents ``k_i U_i`` of the
+  layer-local backward pass, or ``sum_i k_i u_i`` of materialised rows), whose entries
+  are those of the clipped gradient: ``C_i G_i`` is never formed in float32.
+
+**Why each released contribution has norm at most R.** The clipping rule gives factors
+with ``C_i ||g_i|| <= R`` in float64 arithmetic (:class:`lipdp.dpsgd.Clipping`), from
+``||g_i||^2 = sum_parts s_i^2 ||u_i||^2`` (per layer under per-layer clipping).
+``k_i = C_i s_i`` is rounded once to float32 (relative error ``<= 2^-24``) when it lies
+in float32's normal range ``[1.2e-38, 3.4e38]``; otherwise it is replaced by 0: that
+part contributes nothing, which is within any bound (below the range its contribution is
+under float32's smallest normal number anyway; a denormal coefficient would be rounded
+by up to 100%). A row whose
+squared norm is NaN or infinite (a non-finite input, activation or cotangent, or a
+gradient beyond float32 in the Jacobian method) gets factor 0 and its inputs and
+cotangents are zeroed. For materialised parts the released ``k_i u_i`` is computed from
+the very float32 tensor whose norm was measured, so ``||k_i u_i|| <= C_i ||g_i|| (1 +
+2^-24) <= R (1 + 2^-24)``. For ghost kernels ``k_i u_i`` is recomputed by the layer's
+float32 backward pass; it equals the measured ``u_i`` up to that pass's round-off over
+the ``T`` positions of the row (relative ``~T 2^-24`` times ``sum_t ||a_t|| ||g_t|| /
+||A_i^T G_i|| >= 1``, near 1 unless the positions cancel): the precondition, shared with
+every float32 gradient the library computes, is that this round-off stays within the
+slack. The sum over rows adds float32 round-off;
+both are what ``ROUNDOFF_SLACK`` (:mod:`lipdp.bounds`) covers.
 
 A variable shared by two layers would make a row's gradient the sum of two parts whose
-norms are computed separately; :func:`weighted_layers` refuses it.
+norms are computed separately; :func:`weighted_layers` refuses it, and the ghost method
+refuses a layer that reads, in its call, a trainable variable of another layer
+(:func:`refuse_untracked_reads`; the Jacobian method differentiates every use).
 """
 
 from __future__ import annotations
@@ -48,6 +100,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import tensorflow as tf
 
 from lipdp import validation
@@ -55,6 +108,9 @@ from lipdp.records import zero_rows
 
 #: How per-example gradients are obtained (module docstring).
 GRADIENT_METHODS = ("ghost", "jacobian")
+
+#: float32's normal range: a coefficient outside it is not applied (module docstring).
+_TINY, _HUGE = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 # ------------------------------------------------------------------------ structure
@@ -76,6 +132,21 @@ def weighted_layers(layers) -> list:
     return result
 
 
+def refuse_untracked_reads(layer, read, owners) -> None:
+    """Refuse ``layer`` if it read (``read``: the trainable variables a tape watched during
+    its call) a variable of another layer (``owners``: ``{variable ref: owning layer}``
+    of the model): ghost norms would drop that use's share of the gradient."""
+    own = {v.ref() for v in layer.trainable_variables}
+    for v in read:
+        owner = owners.get(v.ref())
+        if owner is not None and v.ref() not in own:
+            raise ValueError(
+                f"Layer {layer.name!r} reads variable {v.name!r} of layer {owner.name!r} "
+                "without tracking it: ghost norms would drop that use's gradient. Make one "
+                "layer own both uses, or use gradient_method='jacobian'."
+            )
+
+
 def ghost_rule(layer) -> str:
     """How the ghost method treats ``layer``: ``"dense"``, ``"conv2d"``, ``"embedding"``
     or ``"vectorized"`` (exact classes only: a subclass may change ``call``)."""
@@ -88,6 +159,29 @@ def ghost_rule(layer) -> str:
     if kind is layers.Embedding and not layer.mask_zero:
         return "embedding"
     return "vectorized"
+
+
+def _needs_row_loop(layer) -> bool:
+    """Does ``layer`` (or a layer inside it) run ops that ``pfor`` cannot vectorise?
+    Keras' fused LSTM/GRU kernels (a TensorList inside a function: pfor fails while
+    converting their gradient) and grouped convolutions (TF 2.15's pfor converter of the
+    filter gradient returns wrong per-row values in a Jacobian, and the CPU has no kernel
+    for the per-row 3-D op it falls back to)."""
+    layers = tf.keras.layers
+    convolutions = (layers.Conv1D, layers.Conv2D, layers.Conv3D)  # and their transposes
+    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
+        if isinstance(sub, (layers.LSTM, layers.GRU)) and sub._could_use_gpu_kernel:  # noqa: SLF001
+            return True
+        if isinstance(sub, convolutions) and sub.groups > 1:
+            return True
+    return False
+
+
+def row_loop_layers(layers) -> list:
+    """The layers among ``layers`` whose per-example gradients are computed by a loop
+    over rows (``tf.map_fn``) rather than ``tf.vectorized_map``: same numbers, ``b``
+    sequential iterations (:func:`_needs_row_loop`)."""
+    return [layer for layer in layers if _needs_row_loop(layer)]
 
 
 def _dense_linear(layer, a):
@@ -109,25 +203,36 @@ def _embedding_linear(layer, a):
 _LINEAR = {"dense": _dense_linear, "conv2d": _conv2d_linear, "embedding": _embedding_linear}
 
 
+def _kernel(layer):
+    """The variable of a ghost rule's linear map (its clipped sum is a layer-local VJP)."""
+    return layer.embeddings if ghost_rule(layer) == "embedding" else layer.kernel
+
+
 @dataclass
 class _Record:
     """One weighted layer seen by a forward pass: its input, its (pre-activation) output
-    on the tape, the ghost rule; after the backward pass, the output cotangents and, for
-    the vectorised fallback and the materialised ghost branch, the per-row gradients."""
+    on the tape, the ghost rule; after the backward pass, the output cotangents ``G``,
+    their per-row scales ``s`` and unit cotangents ``U = G / s`` (module docstring), the
+    parts that give the norms and the clipped sums and, for the vectorised fallback and
+    the materialised ghost branch, the per-row gradients for the unit cotangents."""
 
     layer: tf.keras.layers.Layer
     inputs: tf.Tensor
     outputs: tf.Tensor
     rule: str
     cotangents: tf.Tensor | None = None
+    scales: tf.Tensor | None = None
+    unit: tf.Tensor | None = None
     per_row: list | None = None
+    parts: list | None = None
 
 
 @dataclass
 class Ascent:
     """A per-row step ``theta_i' = theta + s_i g_i`` (BAM's ascent, ``s_i = lambda /
-    ||g_i||``): ``first`` holds the rows' gradients ``g_i`` at ``theta`` (its records), and
-    the second pass runs every weighted layer at its row-wise shifted weights."""
+    ||g_i||``, float64 ``scales``): ``first`` holds the rows' gradients ``g_i`` at
+    ``theta`` (its records), and the second pass runs every weighted layer at its
+    row-wise shifted weights."""
 
     first: PerExampleGradients
     scales: tf.Tensor
@@ -136,18 +241,29 @@ class Ascent:
 def _recorded_forward(model, x, records, ascent=None):
     """The model's forward loop, with each weighted layer split into its linear part
     (recorded) and its activation; under an :class:`Ascent`, each weighted layer of row
-    ``i`` runs at ``W + s_i grad_W loss_i`` (the gradient at ``theta``, held constant)."""
+    ``i`` runs at ``W + s_i grad_W loss_i`` (the gradient at ``theta``, held constant).
+    Layers run by their own call are watched: one that reads another layer's variable is
+    refused (:func:`refuse_untracked_reads`)."""
     shifts = iter(ascent.first.records) if ascent is not None else None
+    owners = {
+        v.ref(): layer for layer in model.layers_forward_order() for v in layer.trainable_variables
+    }
+
+    def watched_call(layer, h, kwargs):
+        with tf.GradientTape() as probe:  # records which trainable variables the call reads
+            out = layer(h, training=True, **kwargs)
+        refuse_untracked_reads(layer, probe.watched_variables(), owners)
+        return out
 
     def apply(layer, h, kwargs):
         if not layer.built:
             layer(h, training=True, **kwargs)  # creates the variables read below
         if not layer.trainable_variables:
-            return layer(h, training=True, **kwargs)
+            return watched_call(layer, h, kwargs)
         rule = ghost_rule(layer)
         first = next(shifts) if shifts is not None else None
         if rule == "vectorized" and first is None:
-            out = layer(h, training=True, **kwargs)
+            out = watched_call(layer, h, kwargs)
             records.append(_Record(layer, h, out, rule))
             return out
         if rule == "vectorized":
@@ -156,7 +272,7 @@ def _recorded_forward(model, x, records, ascent=None):
             return _masked_like_keras(layer, h, out)
         z = _LINEAR[rule](layer, h)
         if first is not None:
-            z = z + _SHIFT[rule](first, h, ascent.scales)
+            z = z + _SHIFT[rule](first, h, _float32_coefficients(ascent.scales))
         records.append(_Record(layer, h, z, rule))
         return _masked_like_keras(layer, h, z if rule == "embedding" else layer.activation(z))
 
@@ -170,6 +286,86 @@ def _masked_like_keras(layer, inputs, outputs):
     if mask is not None:
         outputs._keras_mask = mask  # noqa: SLF001 - Keras 2's mask convention
     return outputs
+
+
+# ---------------------------------------------------------------------------- scale
+def _scaled(scales, t):
+    """Row ``i`` of ``t`` times ``scales[i]``."""
+    shape = tf.concat([tf.shape(scales), tf.ones([tf.rank(t) - 1], tf.int32)], axis=0)
+    return tf.reshape(tf.cast(scales, t.dtype), shape) * t
+
+
+def _unit_rows(g):
+    """``(U, s)``: ``s_i = max |G_i|`` and ``U_i = G_i / s_i`` (``s_i = 1`` for a row of
+    zeros, of denormal numbers or with a NaN, so that ``1 / s_i`` is finite; a row with
+    an infinity gets NaN entries, hence a NaN norm: dropped). The maximum and minimum are
+    two reads; ``abs`` would write a copy of ``G``."""
+    flat = tf.reshape(g, tf.stack([tf.shape(g)[0], -1]))
+    s = tf.maximum(tf.reduce_max(flat, axis=1), -tf.reduce_min(flat, axis=1))
+    s = tf.where(s >= _TINY, s, tf.ones_like(s))  # its reciprocal is finite
+    return _scaled(1.0 / s, g), s
+
+
+def _float32_coefficients(values, keep=None):
+    """``values`` (float64, ``>= 0``) as float32 multipliers: rounded once where they are
+    in float32's normal range, 0 elsewhere (and where ``keep`` is False, or NaN): see the
+    module docstring for why this keeps every contribution within its bound."""
+    usable = (values >= _TINY) & (values <= _HUGE)
+    if keep is not None:
+        usable &= keep
+    return tf.cast(tf.where(usable, values, tf.zeros_like(values)), tf.float32)
+
+
+def _square_sums(per_row):
+    """``sum`` of squares of each row over several ``(b, ...)`` tensors, in float64."""
+    return tf.add_n(
+        [
+            tf.reduce_sum(tf.reshape(tf.square(tf.cast(t, tf.float64)), [tf.shape(t)[0], -1]), 1)
+            for t in per_row
+        ]
+    )
+
+
+@dataclass
+class _RowsPart:
+    """Variables whose per-row gradients are materialised: row ``i``'s gradient of
+    ``variables[j]`` is ``scales[i] * tensors[j][i]`` (``scales`` ``None``: 1)."""
+
+    variables: list
+    tensors: list
+    scales: tf.Tensor | None = None
+
+    def sq_norms(self):
+        sq = _square_sums(self.tensors)
+        return sq if self.scales is None else sq * tf.square(tf.cast(self.scales, tf.float64))
+
+    def clipped_sums(self, factors, keep) -> dict:
+        k = factors if self.scales is None else factors * tf.cast(self.scales, tf.float64)
+        k = _float32_coefficients(k, keep)
+        return {
+            v.ref(): tf.tensordot(k, zero_rows(keep, t), [[0], [0]])
+            for v, t in zip(self.variables, self.tensors)
+        }
+
+
+@dataclass
+class _GhostKernelPart:
+    """A ghost rule's kernel: row ``i``'s gradient is ``s_i`` times the gradient of the
+    linear map at ``A_i`` for the unit cotangent ``U_i``, of squared norm ``unit_sq[i]``
+    (float64); the clipped sum is the layer-local VJP with cotangents ``k_i U_i``."""
+
+    record: _Record
+    unit_sq: tf.Tensor
+
+    def sq_norms(self):
+        return self.unit_sq * tf.square(tf.cast(self.record.scales, tf.float64))
+
+    def clipped_sums(self, factors, keep) -> dict:
+        record = self.record
+        k = _float32_coefficients(factors * tf.cast(record.scales, tf.float64), keep)
+        cotangents = _scaled(k, zero_rows(keep, record.unit))
+        kernel = _kernel(record.layer)
+        return {kernel.ref(): _local_vjp(record, zero_rows(keep, record.inputs), cotangents)}
 
 
 # --------------------------------------------------------------------- ghost norms
@@ -186,15 +382,11 @@ def _materialise(positions, d, p) -> bool:
 
 def _product_sq_norms(a, g):
     """``||A_i^T G_i||_F^2`` per row for ``A: (b, T, d)``, ``G: (b, T, p)``, through the
-    ``T x T`` Grams (float64 against cancellation); see :func:`_materialised_gradients`
-    for the other branch."""
+    ``T x T`` Grams (float64 against cancellation, and for the range: module docstring);
+    see :func:`_materialised_gradients` for the other branch."""
     a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
     grams = tf.einsum("btd,bsd->bts", a, a) * tf.einsum("btp,bsp->bts", g, g)
-    return tf.cast(tf.reduce_sum(grams, axis=[1, 2]), tf.float32)
-
-
-def _bias_sq_norms(g, width):
-    return tf.reduce_sum(tf.square(tf.reduce_sum(_rows(g, width), axis=1)), axis=1)
+    return tf.reduce_sum(grams, axis=[1, 2])
 
 
 def _patches(layer, a):
@@ -210,13 +402,17 @@ def _patches(layer, a):
     return _rows(patches, kh * kw * a.shape[-1])
 
 
+def _width(layer) -> int:
+    return layer.filters if ghost_rule(layer) == "conv2d" else layer.units
+
+
 def _materialised_gradients(record):
-    """Row-wise gradients ``[A_i^T G_i, sum_t G_it]`` of a Dense layer on sequences or
-    of a Conv2D layer when materialising them is cheaper than the Grams
-    (:func:`_materialise`), else ``None``. Once paid for, they also give the clipped sum
-    (``sum_i C_i grad_i``, ``b d p`` multiply-adds) and BAM's shift, so the layer-local
-    backward pass is skipped."""
-    layer, a, g = record.layer, record.inputs, record.cotangents
+    """Row-wise gradients ``[A_i^T U_i, sum_t U_it]`` of a Dense layer on sequences or
+    of a Conv2D layer for the unit cotangents, when materialising them is cheaper than the
+    Grams (:func:`_materialise`), else ``None``. Once paid for, they also give the clipped
+    sum (``sum_i k_i grad_i``, ``b d p`` multiply-adds) and BAM's shift, so the
+    layer-local backward pass is skipped."""
+    layer, a, g = record.layer, record.inputs, record.unit
     if record.rule == "conv2d":
         a, width = _patches(layer, a), layer.filters
     elif record.rule == "dense" and a.shape.rank > 2:
@@ -231,18 +427,15 @@ def _materialised_gradients(record):
     return grads + [tf.reduce_sum(g, axis=1)] if layer.use_bias else grads
 
 
-def _dense_sq_norms(layer, a, g):
+def _dense_kernel_sq_norms(layer, a, g):
     if a.shape.rank == 2:
-        g_sq = tf.reduce_sum(tf.square(g), axis=1)
-        kernel = tf.reduce_sum(tf.square(a), axis=1) * g_sq
-        return kernel + g_sq if layer.use_bias else kernel
-    kernel = _product_sq_norms(_rows(a, a.shape[-1]), _rows(g, layer.units))
-    return kernel + _bias_sq_norms(g, layer.units) if layer.use_bias else kernel
+        a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+        return tf.reduce_sum(tf.square(a), axis=1) * tf.reduce_sum(tf.square(g), axis=1)
+    return _product_sq_norms(_rows(a, a.shape[-1]), _rows(g, layer.units))
 
 
-def _conv2d_sq_norms(layer, a, g):
-    kernel = _product_sq_norms(_patches(layer, a), _rows(g, layer.filters))
-    return kernel + _bias_sq_norms(g, layer.filters) if layer.use_bias else kernel
+def _conv2d_kernel_sq_norms(layer, a, g):
+    return _product_sq_norms(_patches(layer, a), _rows(g, layer.filters))
 
 
 def _same_ids(a):
@@ -251,28 +444,48 @@ def _same_ids(a):
     return tf.equal(ids[:, :, None], ids[:, None, :])
 
 
-def _embedding_sq_norms(layer, a, g):
+def _embedding_kernel_sq_norms(layer, a, g):
     g = tf.cast(_rows(g, layer.output_dim), tf.float64)
     inner = tf.einsum("btp,bsp->bts", g, g)
     same = tf.where(_same_ids(a), inner, tf.zeros_like(inner))
-    return tf.cast(tf.reduce_sum(same, [1, 2]), tf.float32)
+    return tf.reduce_sum(same, [1, 2])
 
 
-_SQ_NORMS = {"dense": _dense_sq_norms, "conv2d": _conv2d_sq_norms, "embedding": _embedding_sq_norms}
+_KERNEL_SQ_NORMS = {
+    "dense": _dense_kernel_sq_norms,
+    "conv2d": _conv2d_kernel_sq_norms,
+    "embedding": _embedding_kernel_sq_norms,
+}
+
+
+def _ghost_parts(record) -> list:
+    """The parts of a ghost-rule layer: materialised rows where cheaper, else the ghost
+    kernel and the bias rows ``sum_t U_it``."""
+    layer = record.layer
+    materialised = _materialised_gradients(record)
+    if materialised is not None:
+        record.per_row = materialised
+        return [_RowsPart(layer.trainable_variables, materialised, record.scales)]
+    unit_sq = _KERNEL_SQ_NORMS[record.rule](layer, record.inputs, record.unit)
+    parts = [_GhostKernelPart(record, unit_sq)]
+    if record.rule != "embedding" and layer.use_bias:
+        bias_rows = tf.reduce_sum(_rows(record.unit, _width(layer)), axis=1)
+        parts.append(_RowsPart([layer.bias], [bias_rows], record.scales))
+    return parts
 
 
 # ------------------------------------------------------- row-wise shifted weights (BAM)
-def _scaled(scales, t):
-    """Row ``i`` of ``t`` times ``scales[i]``."""
-    shape = tf.concat([tf.shape(scales), tf.ones([tf.rank(t) - 1], tf.int32)], axis=0)
-    return tf.reshape(scales, shape) * t
+def _ascent_row_scales(scales, record):
+    """BAM's ``lambda / ||g_i||`` times the record's cotangent scales ``s_i`` (its per-row
+    gradients are kept for the unit cotangents), as float32 coefficients."""
+    return _float32_coefficients(tf.cast(scales, tf.float64) * tf.cast(record.scales, tf.float64))
 
 
 def _product_shift(a_new, a, g, first):
     """``A'_i (A_i^T G_i)`` per row: the linear part's response to the kernel gradient
     (from the first pass's materialised gradients when it has them)."""
     if first.per_row is not None:
-        kernel = tf.stop_gradient(first.per_row[0])
+        kernel = _scaled(first.scales, tf.stop_gradient(first.per_row[0]))
         return tf.einsum("btd,bdp->btp", a_new, tf.reshape(kernel, [-1, a.shape[2], g.shape[2]]))
     return tf.einsum("bts,bsp->btp", tf.einsum("btd,bsd->bts", a_new, a), g)
 
@@ -359,6 +572,14 @@ def _shifted_weights(layer, first_grads, scale):
     return [v + scale * grad for v, grad in zip(layer.trainable_variables, first_grads)]
 
 
+def _map_rows(layer, one_row, inputs, dtypes):
+    """``one_row`` over the rows of ``inputs``: ``tf.vectorized_map``, or a loop over rows
+    (``tf.map_fn``) for the layers :func:`_needs_row_loop` names."""
+    if _needs_row_loop(layer):
+        return tf.map_fn(one_row, inputs, fn_output_signature=dtypes)
+    return tf.vectorized_map(one_row, inputs)
+
+
 def _shifted_call(first, h, scales):
     """A vectorised-fallback layer on each row at ``W + s_i grad_i`` (materialised)."""
     layer, slots = first.layer, _variable_slots(first.layer)
@@ -368,13 +589,14 @@ def _shifted_call(first, h, scales):
         a_i, scale, row_grads = args
         return _row_call(layer, slots, a_i, _shifted_weights(layer, row_grads, scale))
 
-    return tf.vectorized_map(one_row, (h, scales, grads))
+    inputs = (h, _ascent_row_scales(scales, first), grads)
+    return _map_rows(layer, one_row, inputs, tf.as_dtype(layer.compute_dtype))
 
 
 def _vectorized_gradients(record, first=None, scales=None):
-    """Per-row gradients of a fallback layer: ``vectorized_map`` of the layer's own
-    vector-Jacobian product on ``(a_i, g_i)``, at ``W`` or, after an ascent, at ``W + s_i
-    grad_i``."""
+    """Per-row gradients of a fallback layer for the unit cotangents: a vectorised map of
+    the layer's own vector-Jacobian product on ``(a_i, u_i)``, at ``W`` or, after an
+    ascent, at ``W + s_i grad_i``."""
     layer, variables = record.layer, record.layer.trainable_variables
     slots = _variable_slots(layer) if first is not None else None
     shifts = [tf.stop_gradient(t) for t in first.per_row] if first is not None else None
@@ -389,31 +611,25 @@ def _vectorized_gradients(record, first=None, scales=None):
                 sources = _shifted_weights(layer, args[3], args[2])
                 tape.watch(sources)
                 out = _row_call(layer, slots, a_i, sources)
-        return tape.gradient(out, sources, output_gradients=g_i, unconnected_gradients="zero")
+        grads = tape.gradient(out, sources, output_gradients=g_i, unconnected_gradients="zero")
+        return [tf.convert_to_tensor(grad) for grad in grads]
 
-    inputs = (record.inputs, record.cotangents)
+    inputs = (record.inputs, record.unit)
     if first is not None:
-        inputs = (*inputs, scales, shifts)
-    return tf.vectorized_map(one_row, inputs)
-
-
-def _square_sums(per_row):
-    """``sum`` of squares of each row over several ``(b, ...)`` tensors."""
-    return tf.add_n(
-        [tf.reduce_sum(tf.reshape(tf.square(t), [tf.shape(t)[0], -1]), 1) for t in per_row]
-    )
+        inputs = (*inputs, _ascent_row_scales(scales, first), shifts)
+    return _map_rows(layer, one_row, inputs, [v.dtype for v in variables])
 
 
 def _local_vjp(record, inputs, cotangents):
-    """``sum_i`` of the rows' gradients for cotangents ``G``: the layer's linear part
-    re-run on ``inputs`` (the forward op is pruned in graph mode) and differentiated. A
-    row-wise shift is constant in the weights, so this is also the gradient at the
+    """``sum_i`` of the rows' kernel gradients for cotangents ``G``: the layer's linear
+    part re-run on ``inputs`` (the forward op is pruned in graph mode) and differentiated.
+    A row-wise shift is constant in the weights, so this is also the gradient at the
     shifted weights."""
-    variables = record.layer.trainable_variables
+    kernel = _kernel(record.layer)
     with tf.GradientTape() as tape:
         z = _LINEAR[record.rule](record.layer, inputs)
-    grads = tape.gradient(z, variables, output_gradients=cotangents, unconnected_gradients="zero")
-    return [tf.convert_to_tensor(grad) for grad in grads]  # embedding: IndexedSlices
+    grad = tape.gradient(z, kernel, output_gradients=cotangents, unconnected_gradients="zero")
+    return tf.convert_to_tensor(grad)  # embedding: IndexedSlices
 
 
 # ------------------------------------------------------------------------- results
@@ -421,21 +637,26 @@ def _local_vjp(record, inputs, cotangents):
 class PerExampleGradients:
     """The per-row facts of one batch, per weighted layer (in forward order).
 
-    ``sq_norms[l]``: ``(b,)`` squared norms of each row's gradient for layer ``l``'s
-    variables. ``y_pred``: the forward pass's predictions. :meth:`clipped_sums` returns
-    ``{variable ref: sum_i C_il g_il}`` for factors ``C_il``.
+    ``sq_norms[l]``: ``(b,)`` squared norms (float64) of each row's gradient for layer
+    ``l``'s variables. ``y_pred``: the forward pass's predictions. :meth:`clipped_sums`
+    returns ``{variable ref: sum_i C_il g_il}`` for factors ``C_il``.
     """
 
     layers: list
     sq_norms: list
     y_pred: tf.Tensor
-    _summer: object
+    parts: list
     records: list | None = None
 
     def clipped_sums(self, factors, keep) -> dict:
-        """``factors[l]``: ``(b,)`` factors of layer ``l``; rows where ``keep`` is False
-        contribute nothing (their inputs and cotangents are zeroed, rule S9)."""
-        return self._summer(factors, keep)
+        """``factors[l]``: ``(b,)`` factors of layer ``l`` (float64); rows where ``keep``
+        is False contribute nothing (their inputs and cotangents are zeroed, rule S9)."""
+        sums = {}
+        for layer_parts, c in zip(self.parts, factors):
+            c = tf.where(keep, tf.cast(c, tf.float64), tf.zeros_like(c, tf.float64))
+            for part in layer_parts:
+                sums.update(part.clipped_sums(c, keep))
+        return sums
 
 
 def per_example_gradients(
@@ -457,64 +678,41 @@ def per_example_gradients(
     cotangents = tape.gradient(total, [r.outputs for r in records])
     weighted_layers([r.layer for r in records])  # refuses shared variables
     first = ascent.first.records if ascent is not None else [None] * len(records)
-    sq_norms = []
     for record, g, before in zip(records, cotangents, first):
         record.cotangents = tf.zeros_like(record.outputs) if g is None else g
+        record.unit, record.scales = _unit_rows(record.cotangents)
         if record.rule == "vectorized":
             scales = None if ascent is None else ascent.scales
             record.per_row = _vectorized_gradients(record, before, scales)
-            sq_norms.append(_square_sums(record.per_row))
-        elif (materialised := _materialised_gradients(record)) is not None:
-            record.per_row = materialised
-            sq_norms.append(_square_sums(materialised))
+            parts = [_RowsPart(record.layer.trainable_variables, record.per_row, record.scales)]
         else:
-            sq_norms.append(_SQ_NORMS[record.rule](record.layer, record.inputs, record.cotangents))
-
-    def summer(factors, keep):
-        sums = {}
-        for record, c in zip(records, factors):
-            c = tf.where(keep, c, tf.zeros_like(c))
-            if record.per_row is not None:
-                parts = [tf.tensordot(c, zero_rows(keep, t), [[0], [0]]) for t in record.per_row]
-            else:
-                cotangents = _scaled(c, zero_rows(keep, record.cotangents))
-                parts = _local_vjp(record, zero_rows(keep, record.inputs), cotangents)
-            variables = record.layer.trainable_variables
-            sums.update({v.ref(): part for v, part in zip(variables, parts)})
-        return sums
-
-    layers = [r.layer for r in records]
-    return PerExampleGradients(layers, sq_norms, y_pred, summer, records)
+            parts = _ghost_parts(record)
+        record.parts = parts
+    parts = [r.parts for r in records]
+    sq_norms = [tf.add_n([p.sq_norms() for p in layer_parts]) for layer_parts in parts]
+    return PerExampleGradients([r.layer for r in records], sq_norms, y_pred, parts, records)
 
 
 def _jacobian(model, x, per_example_losses) -> PerExampleGradients:
     layers = weighted_layers(model.layers_forward_order())
     variables = [v for layer in layers for v in layer.trainable_variables]
-    with tf.GradientTape() as tape:
+    vectorise = not row_loop_layers(layers)
+    with tf.GradientTape(persistent=not vectorise) as tape:  # a loop needs persistent
         y_pred = model.forward(x, training=True)
         losses = per_example_losses(y_pred)
-    jacobians = tape.jacobian(losses, variables, experimental_use_pfor=True)
+    jacobians = tape.jacobian(losses, variables, experimental_use_pfor=vectorise)
     rows = tf.shape(losses)[0]
     jacobians = [
         tf.zeros(tf.concat([[rows], v.shape], 0), v.dtype) if j is None else j
         for j, v in zip(jacobians, variables)
     ]
-    by_layer, start = [], 0
+    parts, start = [], 0
     for layer in layers:
         count = len(layer.trainable_variables)
-        by_layer.append(jacobians[start : start + count])
+        parts.append([_RowsPart(layer.trainable_variables, jacobians[start : start + count])])
         start += count
-
-    def summer(factors, keep):
-        sums = {}
-        for layer, grads, c in zip(layers, by_layer, factors):
-            c = tf.where(keep, c, tf.zeros_like(c))
-            for v, t in zip(layer.trainable_variables, grads):
-                sums[v.ref()] = tf.tensordot(c, zero_rows(keep, t), axes=[[0], [0]])
-        return sums
-
-    sq_norms = [_square_sums(grads) for grads in by_layer]
-    return PerExampleGradients(layers, sq_norms, y_pred, summer)
+    sq_norms = [layer_parts[0].sq_norms() for layer_parts in parts]
+    return PerExampleGradients(layers, sq_norms, y_pred, parts)
 
 
 __all__ = [
@@ -523,5 +721,7 @@ __all__ = [
     "PerExampleGradients",
     "ghost_rule",
     "per_example_gradients",
+    "refuse_untracked_reads",
+    "row_loop_layers",
     "weighted_layers",
 ]

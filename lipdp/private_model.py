@@ -33,6 +33,7 @@ from lipdp.accounting.tuning import RandomSearch
 from lipdp.adversarial import PGD, softmax_kl
 from lipdp.dynamic import DynamicClippingSpec
 from lipdp.ledger import PrivacyLedger, step_row
+from lipdp.layer_support import nested_layers
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
 from lipdp.records import labels_in_range, neutralised_losses
@@ -435,8 +436,12 @@ class PrivateModel(tf.keras.Model):
         ``sum_i loss_i / n`` (``n``: the global loss normaliser): noise drawn once per
         global step, the sum over replicas, the update, then -- once, in cross-replica
         context -- the step count and the projections (:mod:`lipdp.distribute`). Returns
-        the released gradients (identical on every replica)."""
+        the released gradients (identical on every replica), with the gradients of the
+        weight penalties added (:meth:`penalty_gradients`)."""
         released = distribute.sum_over_replicas(self.noisify(gradients, variables))
+        penalty = self.penalty_gradients(variables)
+        if penalty is not None:
+            released = [r + p for r, p in zip(released, penalty)]
         distribute.apply_released(self.optimizer, released, variables)
         distribute.once_per_step(self._count_and_project)
         return released
@@ -520,12 +525,41 @@ class PrivateModel(tf.keras.Model):
     def poisson_sampling(self) -> bool:
         return self.dataset_metadata is not None and self.dataset_metadata.sampling == "poisson"
 
-    def _refuse_extra_losses(self):
-        if self.losses:
-            raise ValueError(
-                "Additional losses (add_loss, regularizers) are not supported in DP "
-                "training: the sensitivity bounds cover the compiled loss only."
-            )
+    def refuse_data_dependent_losses(self):
+        """Refuse a loss added from the data in a forward pass (``add_loss`` of a tensor in
+        a layer's call, an activity regulariser): the sensitivity bounds cover the
+        per-example losses only. Call after a forward pass (trace time)."""
+        inner = self._flatten_layers(include_self=False, recursive=False)
+        for path, layer in [(self.name, self), *nested_layers(inner)]:
+            # Keras 2 keeps losses computed in a call in _eager_losses (inside
+            # tf.function too), symbolic ones in _losses; callables elsewhere.
+            if layer._eager_losses or layer._losses:  # noqa: SLF001
+                raise ValueError(
+                    f"Layer {path!r} adds a loss computed in its call (add_loss of a "
+                    "tensor or an activity regulariser), outside the per-example losses the "
+                    "sensitivity covers: remove it, or penalise the weights only "
+                    "(add_loss(lambda: ...), kernel_regularizer)."
+                )
+
+    def penalty_gradients(self, variables):
+        """Gradients w.r.t. ``variables`` of the penalties of the weights alone (Keras
+        weight regularisers, ``add_loss`` of a zero-argument callable), or ``None``.
+
+        :meth:`release_step` adds them to the released (noisy) gradient, outside the
+        clipped or bounded sum: a function of the current weights, which are public
+        (every earlier update was released), so adding it is post-processing and the
+        sensitivity does not change. (Inside the sum a Poisson step would scale it by the
+        random batch size over ``b``: a dependence on the data.) A callable loss must
+        read weights only, as Keras' regularisers do; losses computed from the data are
+        refused (:meth:`refuse_data_dependent_losses`)."""
+        penalties = [fn for layer in self._flatten_layers() for fn in layer._callable_losses]  # noqa: SLF001
+        with tf.GradientTape() as tape:
+            values = [value for value in (fn() for fn in penalties) if value is not None]
+            if not values:
+                return None
+            total = tf.add_n([tf.cast(value, tf.float32) for value in values])
+        grads = tape.gradient(total, variables, unconnected_gradients="zero")
+        return [tf.convert_to_tensor(grad) for grad in grads]
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_fit_arguments(x, y, batch_size, kwargs)
@@ -764,7 +798,7 @@ def _refuse_mixed_precision(layers) -> None:
     names += [
         f"layer {layer.name!r} ({layer.compute_dtype})"
         for layer in layers
-        if getattr(layer, "compute_dtype", "float32") not in ("float32", None)
+        if _floating(getattr(layer, "compute_dtype", None)) not in ("float32", None)
     ]
     if names:
         raise ValueError(
@@ -772,6 +806,12 @@ def _refuse_mixed_precision(layers) -> None:
             "exceeds the slack of the sensitivity bounds (an input clipped to norm 1 can "
             "come out above 1). Use tf.keras.mixed_precision.set_global_policy('float32')."
         )
+
+
+def _floating(dtype) -> str | None:
+    """``dtype``'s name if it is a floating type (integer and string preprocessing layers,
+    e.g. ``StringLookup``, compute in their own types), else ``None``."""
+    return dtype if dtype is not None and tf.as_dtype(dtype).is_floating else None
 
 
 def _refuse_non_finite(x, y) -> None:

@@ -435,12 +435,20 @@ def test_shared_layers_and_extra_losses_are_refused():
             ],
             dp_parameters=DPParameters("global", 1, 1e-5),
         )
-    model = _model([L.DP_QuickSpectralDense(5)])
-    model.add_loss(lambda: tf.reduce_sum(model.dp_layers[1].kernel))
-    with pytest.raises(ValueError, match="Additional losses"):
+    model = _model([_ActivationPenalty(5)])  # a penalty of the data (of the weights: supported)
+    with pytest.raises(ValueError, match="adds a loss computed in its call"):
         model.fit(
             np.zeros((8, 12), "float32"), np.zeros((8, 5), "float32"), batch_size=8, verbose=0
         )
+
+
+class _ActivationPenalty(L.DP_QuickSpectralDense):
+    """``add_loss`` of the activations: data-dependent, outside the bounded losses."""
+
+    def call(self, inputs):
+        outputs = super().call(inputs)
+        self.add_loss(tf.reduce_mean(tf.square(outputs)))
+        return outputs
 
 
 def test_debug_mode_logs_sensitivities(caplog):

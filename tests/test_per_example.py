@@ -96,6 +96,15 @@ NETS = {
         (9, 9, 2),
         ["conv2d", "vectorized", "vectorized", "vectorized", "dense"],
     ),
+    "fallback-grouped-conv-row-loop": (  # per-row gradients by a loop, not pfor
+        lambda: [
+            L.Conv2D(4, 3, groups=2, padding="same", activation="tanh", input_shape=(9, 9, 2)),
+            L.Flatten(),
+            L.Dense(CLASSES),
+        ],
+        (9, 9, 2),
+        ["vectorized", "dense"],
+    ),
     "fallback-nested-and-masked-embedding": (
         lambda: [
             L.Embedding(6, 3, mask_zero=True, input_shape=(7,)),
@@ -212,10 +221,14 @@ def test_clipped_sums_equal_the_naive_loop(name, clipping, rng):
 
 
 def test_rows_with_non_finite_values_contribute_nothing(rng):
-    """A row whose activations overflow to inf has NaN norms: it is dropped, and the
-    layer-local second pass does not turn 0 x inf into NaN for the others."""
-    model = _model("dense")
-    x, y = _data("dense", rng)
+    """A row whose activations overflow to inf (through a ReLU to the logits: its loss
+    and cotangents are NaN) has NaN norms: it is dropped, and the layer-local second pass
+    does not turn 0 x inf into NaN for the others. (Through a saturating tanh the row's
+    float32 gradient stays finite and it is clipped like any other:
+    tests/test_extreme_records.py.)"""
+    name = "dense-sequence-ghost"
+    model = _model(name)
+    x, y = _data(name, rng)
     x[2] = 3e38  # finite input, infinite activations
     summed, _, finite = model.clipped_gradient_sum(tf.constant(x), tf.constant(y))
     assert all(np.all(np.isfinite(s.numpy())) for s in summed)
@@ -272,6 +285,7 @@ def _naive_bam_sum(model, x, y, radius, clip_norm):
         "conv-gram",
         "embedding",
         "fallback-normalisations",
+        "fallback-grouped-conv-row-loop",
         "fallback-nested-and-masked-embedding",
     ],
 )
