@@ -550,6 +550,11 @@ def probe(model, x_spec, y_spec, rows=PROBE_ROWS, seed=PROBE_SEED) -> ProbeResul
         check_per_example_values(losses, forward.y_pred, model.loss)
         losses_rows = tf.unstack(losses, num=rows)
         extra = _extra_loss_total(model)  # on the tape: its dependence on the inputs
+    # A loss added in a call is refused by name first (the model's own check); the
+    # probe below catches what that check cannot see (a callable reading the data).
+    refuse_named = getattr(model, "refuse_data_dependent_losses", None)
+    if refuse_named is not None:
+        refuse_named()
     stages = _check_jacobian(model, forward, losses_rows, tape, rows)
     _check_extra_losses(extra, forward, tape)
     del tape

@@ -333,7 +333,8 @@ def test_the_probe_refuses_add_loss_terms_of_the_data(rng):
     model = _dpsgd([K.Dense(8, input_shape=(FEATURES,)), _BatchPenalty(), K.Dense(CLASSES)])
     with pytest.raises(ValueError) as error:
         model.train_on_batch(*_data(rng))
-    _assert_one_line_refusal(error.value, "add_loss terms", "depend on the inputs")
+    # Named by the model's own check of losses added in a call (before the Jacobian).
+    _assert_one_line_refusal(error.value, "adds a loss computed in its call")
 
 
 def test_the_probe_sees_through_integer_inputs(rng):
