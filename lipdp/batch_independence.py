@@ -74,6 +74,8 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as eager_context
 
+from lipdp.layer_walk import children, nested_layers
+
 logger = logging.getLogger(__name__)
 
 #: The attribute by which a layer declares that it couples the examples of a batch in
@@ -137,40 +139,6 @@ def coupling_reason(layer) -> str | None:
             "statistics from the private batch without noise"
         )
     return None
-
-
-def _children(layer) -> list:
-    """The layers ``layer`` tracks directly (Keras 2's ``_flatten_layers``: sub-models'
-    layers, wrapped layers, a custom layer's attributes) and the wrapped layers named by
-    the usual attributes, in case a wrapper does not track them."""
-    children = []
-    flatten = getattr(layer, "_flatten_layers", None)
-    if callable(flatten):
-        children = list(flatten(include_self=False, recursive=False))
-    for attribute in ("layer", "forward_layer", "backward_layer", "block"):
-        child = getattr(layer, attribute, None)
-        if isinstance(child, tf.keras.layers.Layer) and all(child is not c for c in children):
-            children.append(child)
-    return children
-
-
-def nested_layers(layers):
-    """``(path, layer)`` for every layer reachable from ``layers`` (a layer or a list),
-    depth-first, each once; the path joins the layers' names, e.g.
-    ``"backbone/block2/batch_normalization_3"``."""
-    layers = [layers] if isinstance(layers, tf.keras.layers.Layer) else list(layers)
-    seen = set()
-
-    def visit(layer, path):
-        if id(layer) in seen:
-            return
-        seen.add(id(layer))
-        yield path, layer
-        for child in _children(layer):
-            yield from visit(child, f"{path}/{child.name}")
-
-    for layer in layers:
-        yield from visit(layer, layer.name)
 
 
 def coupling_layers(layers) -> list:
@@ -736,7 +704,7 @@ class _Fixer:
             new = type(layer)(self.copy(inner, f"{path}/{inner.name}"), **config)
             self.pairs.append((layer, new, False))
             return new
-        if any(coupling_layers(child) for child in _children(layer)):
+        if any(coupling_layers(child) for child in children(layer)):
             return self.unfixable(
                 layer,
                 path,

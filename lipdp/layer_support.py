@@ -29,15 +29,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-
-def nested_layers(layers, prefix=""):
-    """``(path, layer)`` for every layer of ``layers`` and every layer they track
-    (sub-models, wrapped layers, cells), outermost first; ``path`` joins the names."""
-    for layer in layers:
-        path = f"{prefix}{layer.name}"
-        yield path, layer
-        inner = layer._flatten_layers(include_self=False, recursive=False)  # noqa: SLF001
-        yield from nested_layers(inner, prefix=f"{path}/")
+from lipdp.layer_walk import nested_layers
 
 
 def _refusal(path, layer) -> str | None:
@@ -72,4 +64,4 @@ def check_layer_support(layers) -> None:
             raise ValueError(reason)
 
 
-__all__ = ["check_layer_support", "nested_layers"]
+__all__ = ["check_layer_support"]

@@ -32,7 +32,7 @@ from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.tuning import RandomSearch
 from lipdp.adversarial import PGD, softmax_kl
 from lipdp.dynamic import DynamicClippingSpec
-from lipdp.layer_support import nested_layers
+from lipdp.layer_walk import nested_layers
 from lipdp.ledger import PrivacyLedger, step_row
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES

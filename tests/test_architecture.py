@@ -30,6 +30,9 @@ ALLOWED = {
     "lipdp.distribute": (),
     "lipdp.noise": ("lipdp.validation", "lipdp.distribute"),
     "lipdp.ledger": ("lipdp.accounting",),
+    "lipdp.layer_walk": (),
+    "lipdp.batch_independence": ("lipdp.layer_walk",),
+    "lipdp.layer_support": ("lipdp.layer_walk",),
     "lipdp.accounting": ("lipdp.accounting", "lipdp.validation", "lipdp.metadata"),
     "lipdp.data": ("lipdp.data", "lipdp.validation", "lipdp.metadata"),
 }
