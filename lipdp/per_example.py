@@ -132,8 +132,10 @@ def weighted_layers(layers) -> list:
     return result
 
 
-class UntrackedReadError(ValueError):
-    """A layer reads a trainable variable of another layer without tracking it."""
+class _UntrackedRead(ValueError):
+    """A layer reads a trainable variable of another layer without tracking it (a plain
+    ValueError once out of :func:`_recorded_forward`: autograph re-raises only the
+    built-in exception classes as they are)."""
 
 
 def refuse_untracked_reads(layer, read, owners) -> None:
@@ -146,7 +148,7 @@ def refuse_untracked_reads(layer, read, owners) -> None:
     for v in read:
         owner = owners.get(v.ref())
         if owner is not None and v.ref() not in own:
-            raise UntrackedReadError(
+            raise _UntrackedRead(
                 f"Layer {layer.name!r} reads variable {v.name!r} of layer {owner.name!r} "
                 "without tracking it: ghost norms would drop that use's gradient. Make one "
                 "layer own both uses, or use gradient_method='jacobian'."
@@ -339,7 +341,7 @@ def _recorded_forward(model, x, records, ascent=None):
                 for sub in chain:
                     out = apply(sub, out, {}, group)
                 return out
-            except UntrackedReadError:  # between two of its layers: run it as one layer
+            except _UntrackedRead:  # between two of its layers: run it as one layer
                 del records[start:]
         rule = ghost_rule(layer)
         if rule == "vectorized" and first is None:
@@ -356,7 +358,10 @@ def _recorded_forward(model, x, records, ascent=None):
         records.append(_Record(layer, h, z, rule, group))
         return _masked_like_keras(layer, h, z if rule == "embedding" else layer.activation(z))
 
-    return model.forward(x, training=True, apply=apply)
+    try:
+        return model.forward(x, training=True, apply=apply)
+    except _UntrackedRead as error:
+        raise ValueError(str(error)) from None
 
 
 def _as_model_input(model, h):
@@ -833,7 +838,6 @@ __all__ = [
     "GRADIENT_METHODS",
     "Ascent",
     "PerExampleGradients",
-    "UntrackedReadError",
     "ghost_rule",
     "per_example_gradients",
     "refuse_untracked_reads",

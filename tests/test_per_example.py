@@ -9,6 +9,7 @@ from lipdp.dpsgd import Clipping, DPSGD_Sequential
 from lipdp.metadata import DatasetMetadata
 from lipdp.model import DPParameters
 from lipdp.per_example import ghost_rule, per_example_gradients, weighted_layers
+from tests.remove_one import TOLERANCE, remove_one_ratios
 
 L = tf.keras.layers
 BATCH, CLASSES = 6, 4
@@ -251,10 +252,10 @@ NESTED = {
 NETS.update(NESTED)
 
 
-def _model(name, clipping=Clipping("flat", 1.0), method="ghost", strategy="global"):
+def _model(name, clipping=Clipping("flat", 1.0), method="ghost", strategy="global", **sampling):
     build, _, _ = NETS[name]
     meta = DatasetMetadata(
-        input_shape=(1,), nb_classes=CLASSES, nb_samples_train=60, batch_size=BATCH
+        input_shape=(1,), nb_classes=CLASSES, nb_samples_train=60, batch_size=BATCH, **sampling
     )
     model = DPSGD_Sequential(
         build(),
@@ -379,6 +380,37 @@ def test_clipped_sums_equal_the_naive_loop(name, method, clipping, rng):
     ours = {v.ref(): s.numpy() for v, s in zip(model.trainable_variables, summed)}
     for v, e in zip(variables, expected):
         np.testing.assert_allclose(ours[v.ref()], e, rtol=3e-4, atol=2e-6, err_msg=v.name)
+
+
+def _remove_one_cases():
+    """(net, clipping, noise strategy): per-layer on the chains (one radius per layer of the
+    model), flat on the CNN backbone; the rest under ``make test-slow`` (2-5 s each)."""
+    flat, per_layer = (Clipping("flat", 1e-3), "global"), (Clipping("per-layer", 1e-3), "per-layer")
+    cases = []
+    for name in [
+        "nested-sequential-cnn-frozen-block",
+        "nested-functional-chain",
+        "nested-two-levels-and-functional-of-sequential",
+        "nested-branch-stays-on-the-fallback",
+    ]:
+        for mode, (clipping, strategy) in {"flat": flat, "per-layer": per_layer}.items():
+            slow = "branch" in name or (mode == "flat" and "cnn" not in name)
+            marks = [pytest.mark.slow] if slow else []
+            cases.append(pytest.param(name, clipping, strategy, marks=marks, id=f"{name}-{mode}"))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "clipping", "strategy"), _remove_one_cases())
+def test_remove_one_on_nested_models_stays_within_the_sensitivity(name, clipping, strategy, rng):
+    """The attacker's check, one real step: with a clip norm below every row's gradient
+    norm, removing a row changes the released gradient by exactly its clipped
+    contribution, ``R`` (flat) or ``R_l`` per layer of the model (per-layer noise: a
+    nested backbone is one mechanism), never more."""
+    model = _model(name, clipping, strategy=strategy, sampling="poisson")
+    x, y = _data(name, rng)
+    ratios = remove_one_ratios(model, x, y, rows=[0])
+    assert ratios.shape == (1, 1 if strategy == "global" else len(model.weighted_layers()))
+    assert 0.99 < ratios.max() <= 1 + TOLERANCE
 
 
 def test_rows_with_non_finite_values_contribute_nothing(rng):
