@@ -30,10 +30,21 @@ Goodfellow 2015 and Li et al. 2022)
     * ``Embedding``: ``grad_E = sum_t e_{id_t} G_it^T`` so ``||grad_E||^2 = sum_{t,s}
       [id_t = id_s] <G_it, G_is>`` (float64).
     * any other layer with variables (normalisations, depthwise and grouped convolutions,
-      recurrent layers, nested models, subclasses of the above): its per-example
-      gradients from a vectorised map of the layer's own vector-Jacobian product ``(a_i,
-      g_i) -> grad``; materialised for that layer only (:func:`row_loop_layers` names the
-      layers whose ops ``pfor`` cannot vectorise: they run the same map as a loop).
+      recurrent layers, wrappers, nested models that are not a chain, subclasses of the
+      above): its per-example gradients from a vectorised map of the layer's own
+      vector-Jacobian product ``(a_i, g_i) -> grad`` (each row with its Keras mask);
+      materialised for that layer only (:func:`row_loop_layers` names the layers whose
+      ops ``pfor`` cannot vectorise: they run the same map as a loop).
+    * a nested model that is a chain -- a ``Sequential``, or a functional model whose
+      layers each take the previous layer's output alone, at any depth: how pretrained
+      backbones arrive -- is run layer by layer, each layer inside treated by the rules
+      above (a frozen one runs as is). Its parts' squared norms are summed into the
+      nested model's: clipping keeps one norm (one radius, one factor) per layer *of the
+      model*, ``sum_parts ||g_i,part||^2`` being the squared norm of the row's gradient
+      for all the nested model's variables. A layer inside that reads a variable of
+      another one (weight tying without tracking) makes the nested model run as one
+      layer instead. (A CNN backbone on the fallback as one layer took 2.0-2.5x the
+      step time: :mod:`lipdp.dpsgd`.)
 
     The clipped sum of a ghost kernel is its vector-Jacobian product with the cotangents
     ``C_il G_i`` (a layer-local second backward pass, rows dropped by the clipping zeroed
