@@ -2,9 +2,10 @@
 
 Per-example clipping (:mod:`lipdp.per_example`) trains any layer whose forward pass
 treats each example on its own and whose variables change only through the released
-gradient: ghost norms for ``Dense``, ``Conv2D`` and ``Embedding``, the vectorised
-per-example fallback for every other layer with weights (``docs/keras_layers.md`` lists
-what was tried). :func:`check_layer_support` refuses, when the model is built, what it
+gradient: ghost norms for ``Dense``, ``Conv2D`` and ``Embedding`` (inside nested
+``Sequential`` and chain-shaped functional models too), the vectorised per-example
+fallback for every other layer with weights (``docs/keras_layers.md`` lists what was
+tried). :func:`check_layer_support` refuses, when the model is built, what it
 cannot train soundly, walking nested models and wrappers and naming the path to the
 layer (``'backbone/lstm_1'``):
 
