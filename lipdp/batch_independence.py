@@ -21,35 +21,60 @@ it, for both families:
    in inference mode with its moving statistics, which it does not update: a fixed
    affine map of each example, accepted.
 2. **Per-example loss values** (:func:`check_per_example_values`), when the step is
-   traced: the loss must return one value per row; a scalar (a batch mean) or a tensor
-   of another length is refused.
+   traced: the loss must return one value per row; a scalar (a batch mean), a tensor of
+   another length, or a static leading axis of 1 when the batch axis is not statically
+   1 (a ``keepdims`` batch mean, under Poisson sampling's batches of unknown size) is
+   refused.
 3. **A numerical probe** (:func:`probe`), once per model and input spec, when the step is
    first traced (``fit``, ``train_on_batch``, a custom loop calling ``train_step``): on a
    probe batch of :data:`PROBE_ROWS` rows built from the real input spec (shapes and
-   dtypes; values from a local generator seeded with :data:`PROBE_SEED`, the global TF
-   seed is neither read nor advanced), in training mode,
+   dtypes; values from a local generator seeded with :data:`PROBE_SEED`), in training
+   mode, every forward pass replayed from the same state (the non-trainable variables;
+   every random generator of the model -- Keras' ``RandomGenerator`` of ``Dropout``,
+   ``GaussianNoise`` and the random preprocessing layers, switched to stateless ops with
+   fixed seeds, ``tf.random.Generator`` objects of the layers, the global generator;
+   TensorFlow's op seeds; numpy's and Python's random states), so that random layers
+   draw the same numbers in every pass and, in a batch minus its last row, the same
+   numbers for the other rows; the user's state is put back afterwards, the global
+   seed's sequence and the generators not advanced:
 
-   * *inputs*: in one forward pass (so that random layers such as ``Dropout`` draw one
-     mask), the Jacobian of the per-row losses with respect to the inputs and to the
+   * *inputs*: the Jacobian of the per-row losses with respect to the inputs and to the
      output of every top-level layer must be block-diagonal: ``d loss_i / d h_j = 0``
      for ``j != i``. Integer inputs (token ids, drawn in a range valid for every
-     ``Embedding`` of the model) are covered through the first float outputs. The last
-     stage whose Jacobian has off-diagonal blocks is followed by the coupling layer
-     (or by the loss);
-   * *inputs, without gradients*: when the forward pass is deterministic (two passes
-     agree), rows ``1..B-1`` are redrawn and row 0's outputs after every top-level layer
-     and its loss must not move -- this catches couplings that gradients do not see
-     (``tf.stop_gradient`` of a batch statistic, integer operations);
+     ``Embedding`` of the model) are covered through the first float outputs; stages
+     before an op without a gradient (``RandomContrast``) are left to the comparisons
+     below. The last stage whose Jacobian has off-diagonal blocks is followed by the
+     coupling layer (or by the loss);
    * *labels*: on the predictions of that pass, changing row ``j``'s label must leave
      every other row's loss unchanged (per-batch class weights, as deel-lip's KR losses);
    * *extra losses*: ``add_loss`` terms must not depend on the inputs (one number for the
-     whole batch is not a per-example loss).
+     whole batch is not a per-example loss);
+   * *replay*: a second pass on the same batch must give the same outputs, losses and
+     variables; randomness the probe cannot reset (a generator it does not find) is
+     refused, naming the layer (the escape hatch below), rather than certified;
+   * *inputs, without gradients*: rows ``1..B-1`` redrawn, row 0's outputs after every
+     top-level layer and its loss must not move -- couplings gradients do not see
+     (``tf.stop_gradient`` of a batch statistic, integer operations);
+   * *remove one*: the batch minus its last row must leave every other row's outputs
+     and loss unchanged -- what depends on the number of rows (a loss divided by
+     ``tf.shape(y)[0]``);
+   * *variables*: no non-trainable variable may end up different after the pass on the
+     redrawn batch or on the batch minus a row (a random generator's state, advanced by
+     the number of values drawn, excepted): a layer keeping statistics of the private
+     batch (as batch normalisation's moving statistics) saves them with the model,
+     never noised; refused, naming the layer's path and the variable.
 
-   Cost: three forward passes and :data:`PROBE_ROWS` backward passes of a
-   :data:`PROBE_ROWS`-row batch, run eagerly once: measured 0.17 s on the digits CNN of
-   ``lipdp train`` (0.035 s when TensorFlow's kernels are warm), whose first step,
-   traced, takes 1.9 s and later steps 0.02 s; 0.06 s on a small Keras CNN trained with
-   DP-SGD (first step 0.6 s, later 0.01 s; two shared CPU cores). The model argument
+   Cost: four forward passes of :data:`PROBE_ROWS` rows (one taped) and
+   :data:`PROBE_ROWS` backward passes, run eagerly once -- twice, TensorFlow's kernel
+   cache cleared before every pass the second time, when a layer calls ``tf.random``
+   ops directly (stateful kernels keep their state in that cache). Measured (best of 8
+   runs, two CPU cores shared with other jobs): 0.23 s on the digits CNN of ``lipdp
+   train`` (0.06 s when TensorFlow's kernels are warm; 0.16 s and 0.04 s before the
+   replayed passes), whose first step, traced, takes 2.5 s and later steps 0.02 s; 0.14
+   s on the small Keras CNN of ``lipdp train --method dp-sgd`` (0.035 s warm; 0.11 s
+   and 0.025 s before; first step 1.5 s, later 0.012 s), 0.18 s (0.045 s warm) with
+   ``RandomFlip`` and ``Dropout`` added, 0.27 s (0.2 s warm) with a layer calling
+   ``tf.random.normal``. The model argument
    ``independence_probe=False`` skips it (the structural walk and the per-example check
    still run); :func:`lipdp.report.privacy_report` then says so.
 
@@ -67,12 +92,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as eager_context
+from tensorflow.python.ops import stateful_random_ops
 
 from lipdp.layer_walk import children, nested_layers
 
@@ -195,18 +223,30 @@ def check_per_example_values(values, y_pred, loss) -> None:
             f"The loss {name!r} returns {shape[0]} values for a batch of {rows[0]} rows: it "
             "must return one loss per example, shape (batch,) (rule S2)."
         )
+    # A batch of unknown size (every Poisson pipeline) has no static leading 1: a loss
+    # that has one reduced over the batch (keepdims), and broadcasting would then give
+    # every row the batch's mean.
+    if shape[0] == 1 and rows[0] != 1:
+        raise ValueError(
+            f"The loss {name!r} returns a leading axis of 1 for a batch of any size (a "
+            "reduction over the batch, e.g. keepdims=True): it must return one loss per "
+            "example, shape (batch,) (rule S2)."
+        )
 
 
 # ------------------------------------------------------------------------- probe
 @dataclass(frozen=True)
 class ProbeResult:
     """What a probe checked: ``stages`` tensors watched by the Jacobian (inputs and
-    top-level outputs), ``labels`` whether labels were perturbed, ``deterministic``
-    whether the forward pass was deterministic (then rows were also redrawn)."""
+    top-level outputs), ``labels`` whether labels were perturbed, ``random_generators``
+    the random generators replayed identically in every pass (Keras ``RandomGenerator``
+    and ``tf.random.Generator`` objects of the layers), ``variables`` the non-trainable
+    variables checked for dependence on the data."""
 
     stages: int
     labels: bool
-    deterministic: bool
+    random_generators: int
+    variables: int
 
 
 def spec_key(x, y) -> tuple:
@@ -370,25 +410,42 @@ def _moved(a, b) -> bool:
     return change > PROBE_TOLERANCE * max(float(np.sum(np.square(a))), 1e-30)
 
 
+def _detached(h):
+    """``h`` with every tensor copied out of the tape's history."""
+    return tf.nest.map_structure(
+        lambda t: tf.constant(t.numpy()) if isinstance(t, tf.Tensor) else t, h
+    )
+
+
 class _Forward:
     """One forward pass in training mode, recording the float outputs of every top-level
-    layer (``stages[k]``: layer ``k``'s; ``-1``: the inputs), watched by ``tape``."""
+    layer (``stages[k]``: layer ``k``'s; ``-1``: the inputs); with a ``tape``, those of
+    stage ``cut`` and after are watched (``watched``: ``[(stage, tensor)]``), stage
+    ``cut``'s copied out of the history of the layers before (:func:`_taped_pass`). The
+    probe's first pass also keeps its ``labels``, per-row ``losses`` (and their
+    ``rows``), ``extra`` losses and the values of the non-trainable variables after it
+    (``variables``)."""
 
-    def __init__(self, model, x, tape=None):
-        self.stages = {-1: _float_tensors(x)}
-        if tape is not None:
-            for t in self.stages[-1]:
-                tape.watch(t)
+    labels = losses = rows = extra = variables = None
+
+    def __init__(self, model, x, tape=None, cut=-1):
+        self.stages, self.watched = {}, []
+        self._record(-1, x, tape if cut < 0 else None)
 
         def observe(index, h):
-            floats = _float_tensors(h)
-            if tape is not None:
-                for t in floats:
-                    tape.watch(t)
-            self.stages[index] = floats
-            return h
+            if index == cut:
+                h = _detached(h)
+            return self._record(index, h, tape if index >= cut else None)
 
         self.y_pred = model.forward(x, training=True, observe=observe)
+
+    def _record(self, stage, h, tape):
+        self.stages[stage] = _float_tensors(h)
+        if tape is not None:
+            for t in self.stages[stage]:
+                tape.watch(t)
+                self.watched.append((stage, t))
+        return h
 
 
 def _describe_stage(model, stage) -> str:
@@ -400,21 +457,31 @@ def _describe_stage(model, stage) -> str:
     return f"the loss {_loss_name(model.loss)!r}"
 
 
-def _refuse(what, how) -> None:
-    if what.startswith("the loss"):
-        fix = "Use a loss whose value for row i depends on row i's prediction and label only"
-    else:
-        fix = "Make it treat each example on its own (no statistic over the batch axis)"
-    raise ValueError(
-        f"Batch-independence probe: {what} couples the examples of a batch in training "
-        f"({how}; rule S2). {fix}, or pass independence_probe=False to the model if you are "
-        "sure (the privacy report then says so)."
+def _probe_error(subject, problem, fix) -> ValueError:
+    """The probe's one-line refusal: what, why, the fix, the escape hatch."""
+    return ValueError(
+        f"Batch-independence probe: {subject} {problem}. {fix}, or pass "
+        "independence_probe=False to the model if you are sure (the privacy report then "
+        "says so)."
     )
 
 
-def _check_jacobian(model, forward, losses_rows, tape, rows) -> int:
-    """The block-diagonal check of the per-row losses' Jacobian; returns the number of
-    stages watched."""
+def _refuse(what, how) -> None:
+    if what.startswith("the loss"):
+        fix = (
+            "Use a loss whose value for row i depends on row i's prediction and label only "
+            "(not on the other rows, nor on their number)"
+        )
+    else:
+        fix = (
+            "Make it treat each example on its own (no statistic over the batch axis, "
+            "nothing that depends on the batch size)"
+        )
+    raise _probe_error(what, f"couples the examples of a batch in training ({how}; rule S2)", fix)
+
+
+def _check_jacobian(model, forward, tape, rows) -> None:
+    """The block-diagonal check of the per-row losses' Jacobian."""
     stages = sorted(forward.stages)
     for stage in stages[1:]:
         for t in forward.stages[stage]:
@@ -423,9 +490,9 @@ def _check_jacobian(model, forward, losses_rows, tape, rows) -> int:
                     _describe_stage(model, stage - 1),
                     f"its output of shape {t.shape} has no batch axis of {rows} rows",
                 )
-    watched = [(stage, t) for stage in stages for t in forward.stages[stage]]
+    watched = forward.watched
     coupled = set()
-    for i, loss_i in enumerate(losses_rows):
+    for i, loss_i in enumerate(forward.rows):
         grads = tape.gradient(
             loss_i, [t for _, t in watched], unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
@@ -437,7 +504,6 @@ def _check_jacobian(model, forward, losses_rows, tape, rows) -> int:
             _describe_stage(model, max(coupled)),
             "one row's loss has a non-zero gradient with respect to another row's input",
         )
-    return len(watched)
 
 
 def _extra_loss_total(model):
@@ -448,12 +514,11 @@ def _extra_loss_total(model):
     return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in extra])
 
 
-def _check_extra_losses(total, forward, tape) -> None:
+def _check_extra_losses(total, watched, tape) -> None:
     """``add_loss`` terms must not depend on the data (weight penalties do not)."""
     if total is None:
         return
-    watched = [t for stage in sorted(forward.stages) for t in forward.stages[stage]]
-    grads = tape.gradient(total, watched)
+    grads = tape.gradient(total, [t for _, t in watched])
     if any(g is not None and float(tf.reduce_sum(tf.abs(g))) > 0 for g in grads):
         _refuse(
             "the model's add_loss terms",
@@ -477,28 +542,328 @@ def _check_labels(model, labels, y_pred, losses, rows) -> bool:
     return True
 
 
-def _check_redrawn(model, x, labels, first, losses, rng) -> bool:
-    """Row 0's outputs and loss when rows ``1..`` are redrawn (deterministic models)."""
+# ------------------------------------------------------------ replayed passes
+#: Keras 2's ``RandomGenerator`` draws through TensorFlow's stateless random ops with this
+#: ``_rng_type``: a function of its seed and of the element's index, no state.
+_STATELESS_RNG = "stateless"
+
+
+def _is_keras_random_generator(value) -> bool:
+    """Keras 2's ``backend.RandomGenerator`` (what ``Dropout``, ``GaussianNoise`` and the
+    random preprocessing layers draw from; not public API: matched by what it has)."""
+    return isinstance(getattr(value, "_rng_type", None), str) and callable(
+        getattr(value, "make_legacy_seed", None)
+    )
+
+
+def _attribute_values(layer):
+    """The values of ``layer``'s attributes, one level into lists, tuples and dicts."""
+    for value in list(vars(layer).values()):
+        if isinstance(value, Mapping):
+            yield from list(value.values())
+        elif isinstance(value, (list, tuple)):
+            yield from list(value)
+        else:
+            yield value
+
+
+def random_sources(layers) -> tuple[list, list]:
+    """``(keras, tensorflow)``: the Keras ``RandomGenerator`` and the
+    ``tf.random.Generator`` objects held by ``layers`` at any depth
+    (:func:`nested_layers`), as ``[(path, generator)]``."""
+    keras, tensorflow, seen = [], [], set()
+    for path, layer in nested_layers(layers):
+        for value in _attribute_values(layer):
+            if id(value) in seen:
+                continue
+            if _is_keras_random_generator(value):
+                keras.append((path, value))
+            elif isinstance(value, tf.random.Generator):
+                tensorflow.append((path, value))
+            else:
+                continue
+            seen.add(id(value))
+    return keras, tensorflow
+
+
+class _Replay:
+    """Every pass of the probe from the same state, and the user's state left as it was.
+
+    A training pass may draw randomness (``Dropout``, ``GaussianNoise``, random
+    augmentation) and update the model's non-trainable variables. Before each pass,
+    :meth:`reset` puts back: the non-trainable variables' values; every Keras
+    ``RandomGenerator`` of the model (what Keras' random layers draw from), switched to
+    stateless random ops with a fixed seed each (Keras 2 supports its three generator
+    types in every random layer): the same numbers in every pass, and, indexed by element,
+    the same numbers for the other rows of a batch minus its last row; the state of every
+    ``tf.random.Generator`` the layers hold, and a seeded global generator in place of the
+    user's; TensorFlow's eager op-seed sequence under the global seed :data:`PROBE_SEED`
+    (for ``tf.random`` ops called directly); numpy's and Python's global random states.
+    Stateful random kernels keep their state in TensorFlow's kernel cache: with
+    ``clear_kernels`` each reset also clears it, as ``tf.random.set_seed`` does (slower:
+    every kernel is built again; :func:`probe` does so only when two passes differ
+    without it). :meth:`restore` puts everything back as it was before the probe (the
+    user's generators are not advanced; after a cleared cache, eager random ops with an
+    explicit op seed restart their sequence, as after ``tf.random.set_seed``). Randomness
+    the probe does not know of is caught by comparing two passes on the same batch
+    (:func:`_check_replayed`).
+    """
+
+    def __init__(self, model, clear_kernels=False):
+        self.clear_kernels = clear_kernels
+        self.context = eager_context.context()
+        self.variables = list(model.non_trainable_variables)
+        self.values = [v.numpy() for v in self.variables]
+        self.keras, self.tensorflow = random_sources(model.layers_forward_order())
+        self.keras_saved = [
+            (g._rng_type, g._seed, g._built, getattr(g, "_generator", None))  # noqa: SLF001
+            for _, g in self.keras
+        ]
+        self.tensorflow_states = [g.state.numpy() for _, g in self.tensorflow]
+        #: Variables a pass advances by an amount that depends on the batch size only.
+        self.generator_states = {g.state.ref() for _, g in self.tensorflow}
+        self.global_seed = self.context._seed  # noqa: SLF001 - no public getter of both
+        self.op_seeds = getattr(self.context, "_rng", None)
+        self.numpy_state = np.random.get_state()
+        self.python_state = random.getstate()
+        self.global_generator = stateful_random_ops.global_generator
+        self.seeded_global = None  # the global generator of the probe's passes
+
+    def _seed_context(self, seed, op_seeds) -> None:
+        """TensorFlow's global seed and op-seed sequence (not public API)."""
+        if self.clear_kernels:
+            self.context._set_global_seed(seed)  # noqa: SLF001 - clears the kernel cache
+        else:
+            self.context._seed = seed  # noqa: SLF001
+        self.context._rng = op_seeds  # noqa: SLF001
+
+    def reset(self) -> None:
+        """The state every pass starts from."""
+        self._seed_context(PROBE_SEED, random.Random(PROBE_SEED))
+        for v, value in zip(self.variables, self.values):
+            v.assign(value)
+        for index, (_, g) in enumerate(self.keras):
+            g._rng_type, g._built, g._seed = _STATELESS_RNG, True, PROBE_SEED + index  # noqa: SLF001
+        for (_, g), state in zip(self.tensorflow, self.tensorflow_states):
+            g.state.assign(state)
+        if self.seeded_global is None:
+            self.seeded_global = tf.random.Generator.from_seed(PROBE_SEED)
+            self.seeded_state = self.seeded_global.state.numpy()
+        self.seeded_global.state.assign(self.seeded_state)
+        stateful_random_ops.global_generator = self.seeded_global
+        np.random.set_state(self.numpy_state)
+        random.setstate(self.python_state)
+
+    def restore(self) -> None:
+        """The state before the probe."""
+        self._seed_context(self.global_seed, self.op_seeds)
+        for v, value in zip(self.variables, self.values):
+            v.assign(value)
+        for (_, g), saved in zip(self.keras, self.keras_saved):
+            g._rng_type, g._seed, g._built, g._generator = saved  # noqa: SLF001
+        for (_, g), state in zip(self.tensorflow, self.tensorflow_states):
+            g.state.assign(state)
+        stateful_random_ops.global_generator = self.global_generator
+        np.random.set_state(self.numpy_state)
+        random.setstate(self.python_state)
+
+    def variable_values(self) -> list:
+        return [v.numpy() for v in self.variables]
+
+
+@contextlib.contextmanager
+def _replayed(model, clear_kernels):
+    replay = _Replay(model, clear_kernels)
+    try:
+        yield replay
+    finally:
+        replay.restore()
+
+
+def _rows_moved(a, b) -> bool:
+    """Whether two values of the same rows differ (in shape, or beyond round-off)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape != b.shape or _moved(a, b)
+
+
+def _first_moved_stage(first, other, rows, other_rows=None) -> int | None:
+    """The first top-level stage whose outputs differ between two passes, or ``None``:
+    rows ``rows`` (a slice of the batch axis) of ``first`` against rows ``other_rows``
+    (default: the same) of ``other``."""
+    other_rows = rows if other_rows is None else other_rows
+    for stage in sorted(k for k in first.stages if k >= 0):
+        pairs = list(zip(first.stages[stage], other.stages.get(stage, [])))
+        if len(pairs) != len(first.stages[stage]):
+            return stage
+        if any(_rows_moved(a.numpy()[rows], b.numpy()[other_rows]) for a, b in pairs):
+            return stage
+    return None
+
+
+def _variable_owners(model) -> dict:
+    """``variable.ref() -> (path of the deepest layer holding it, layer)``."""
+    owners = {}
+    for path, layer in nested_layers(model.layers_forward_order()):
+        for v in layer.variables:
+            owners[v.ref()] = (path, layer)  # later (deeper) layers overwrite
+    return owners
+
+
+def _short_name(variable) -> str:
+    return variable.name.split(":")[0].rsplit("/", 1)[-1]
+
+
+def _moved_variables(replay, before, skip=frozenset()) -> list:
+    """The variables of ``replay`` whose current values differ from ``before``."""
+    after = replay.variable_values()
+    return [
+        v
+        for v, a, b in zip(replay.variables, before, after)
+        if v.ref() not in skip and _rows_moved(a, b)
+    ]
+
+
+class _NotReplayed(Exception):
+    """Two passes from the same state differ (:func:`_check_replayed`); ``refusal``: the
+    ``ValueError`` to raise if clearing the kernel cache does not help."""
+
+    def __init__(self, refusal):
+        super().__init__(str(refusal))
+        self.refusal = refusal
+
+
+def _check_replayed(model, replay, x, first) -> None:
+    """A second pass on the same batch from the same state must reproduce the first
+    (outputs, losses, variables); else some randomness escapes :class:`_Replay` and the
+    comparisons that follow would mean nothing: :class:`_NotReplayed`, naming where it
+    enters."""
+    replay.reset()
     again = _Forward(model, x)
-    for stage in first.stages:
-        for a, b in zip(first.stages[stage], again.stages[stage]):
-            if _moved(a.numpy(), b.numpy()):
-                return False  # a random forward pass (Dropout): the Jacobian covers it
+    stage = _first_moved_stage(first, again, slice(None))
+    again_losses = model.per_example_losses(first.labels, again.y_pred).numpy()
+    moved = _moved_variables(replay, first.variables)
+    if stage is not None:
+        subject = _describe_stage(model, stage - 1)
+    elif _rows_moved(first.losses.numpy(), again_losses):
+        subject = f"the loss {_loss_name(model.loss)!r}"
+    elif moved:
+        path, layer, name = _describe_variable(model, moved[0])
+        subject = f"layer {path!r} ({type(layer).__name__}, variable {name!r})"
+    else:
+        return
+    raise _NotReplayed(
+        _probe_error(
+            subject,
+            "draws randomness the probe cannot replay (two training passes on the same "
+            "batch from the same random state differ), so it cannot check that the examples "
+            "of a batch do not interact (rule S2)",
+            "Draw random numbers with tf.random ops or the layer's Keras RandomGenerator",
+        )
+    )
+
+
+def _describe_variable(model, variable) -> tuple:
+    path, layer = _variable_owners(model).get(variable.ref(), (model.name, model))
+    return path, layer, _short_name(variable)
+
+
+def _refuse_data_variables(model, moved, how) -> None:
+    """Refuse a non-trainable variable a training pass updates from the data."""
+    if not moved:
+        return
+    path, layer, name = _describe_variable(model, moved[0])
+    raise _probe_error(
+        f"layer {path!r} ({type(layer).__name__})",
+        f"updates its variable {name!r} from the private batch in training (it {how}): "
+        "saved with the model, it is never noised (rule S2)",
+        "Do not update variables from the training batch (compute such statistics on "
+        "public data; GroupNormalization or LayerNormalization instead of batch statistics)",
+    )
+
+
+def _check_redrawn(model, replay, x, first, rng) -> None:
+    """Rows ``1..`` redrawn, same random state: row 0's outputs and loss must not move,
+    nor any non-trainable variable (a statistic of the batch kept by a layer)."""
+    replay.reset()
     other = _Forward(model, _redrawn(x, rng, _token_range(model)))
-    for stage in sorted(k for k in other.stages if k >= 0):
-        for a, b in zip(first.stages[stage], other.stages[stage]):
-            if _moved(a.numpy()[0], b.numpy()[0]):
-                _refuse(
-                    _describe_stage(model, stage - 1),
-                    "row 0's output changes when the other rows' inputs change",
-                )
-    moved_loss = model.per_example_losses(labels, other.y_pred).numpy()[0]
-    if _moved(losses.numpy()[0], moved_loss):
+    stage = _first_moved_stage(first, other, slice(0, 1))
+    if stage is not None:
+        _refuse(
+            _describe_stage(model, stage - 1),
+            "row 0's output changes when the other rows' inputs change",
+        )
+    moved_loss = model.per_example_losses(first.labels, other.y_pred).numpy()[:1]
+    if _rows_moved(first.losses.numpy()[:1], moved_loss):
         _refuse(
             _describe_stage(model, len(model.layers_forward_order()) - 1),
             "row 0's loss changes when the other rows' inputs change",
         )
+    moved = _moved_variables(replay, first.variables)
+    _refuse_data_variables(model, moved, "changes when the other rows' inputs change")
+
+
+def _without_last(value):
+    return None if value is None else tf.nest.map_structure(lambda t: t[:-1], value)
+
+
+def _check_removed(model, replay, x, first) -> None:
+    """The remove-one relation itself: the batch minus its last row, same random state
+    (stateful random ops index their streams by element, so the other rows draw the
+    same numbers): every other row's outputs and loss must not move, nor any
+    non-trainable variable except random generators' states (they advance by the number
+    of values drawn). Catches what depends on the number of rows (``tf.shape``)."""
+    replay.reset()
+    fewer = _Forward(model, _without_last(x))
+    kept = slice(0, -1)
+    stage = _first_moved_stage(first, fewer, kept, slice(None))
+    if stage is not None:
+        _refuse(
+            _describe_stage(model, stage - 1),
+            "the other rows' outputs change when one row is removed from the batch",
+        )
+    fewer_losses = model.per_example_losses(_without_last(first.labels), fewer.y_pred)
+    if _rows_moved(first.losses.numpy()[kept], fewer_losses.numpy()):
+        _refuse(
+            _describe_stage(model, len(model.layers_forward_order()) - 1),
+            "the other rows' losses change when one row is removed from the batch",
+        )
+    moved = _moved_variables(replay, first.variables, skip=replay.generator_states)
+    _refuse_data_variables(model, moved, "changes when one row is removed from the batch")
+
+
+def _differentiable(tape, forward) -> bool:
+    """Whether a row's loss can be differentiated with respect to the watched stages:
+    TensorFlow's tape fails (``LookupError``) on an op without a registered gradient
+    anywhere upstream of the loss (e.g. ``RandomContrast``'s ``AdjustContrastv2``)."""
+    try:
+        tape.gradient(forward.rows[0], [t for _, t in forward.watched])
+    except LookupError:
+        return False
     return True
+
+
+def _taped_pass(model, x, y_spec, replay, rng, rows):
+    """The probe's first pass, on a persistent tape: ``(forward, tape)``. If a layer runs
+    an op without a gradient (it trains nothing upstream of it), the pass is run again
+    with the stages before the next layer out of the tape (``cut``): the Jacobian checks
+    the stages after it; the replayed passes still compare every stage."""
+    labels = None
+    layers = len(model.layers_forward_order())
+    for cut in range(-1, layers):
+        replay.reset()
+        with tf.GradientTape(persistent=True) as tape:
+            forward = _Forward(model, x, tape, cut)
+            if labels is None:
+                labels = _probe_labels(y_spec, forward.y_pred, rows, rng)
+            forward.labels = labels
+            forward.losses = model.per_example_losses(labels, forward.y_pred)
+            check_per_example_values(forward.losses, forward.y_pred, model.loss)
+            forward.rows = tf.unstack(forward.losses, num=rows)
+            forward.extra = _extra_loss_total(model)  # on the tape: its dependence on x
+        if cut == layers - 1 or _differentiable(tape, forward):
+            break
+    forward.variables = replay.variable_values()
+    return forward, tape
 
 
 def probe(model, x_spec, y_spec, rows=PROBE_ROWS, seed=PROBE_SEED) -> ProbeResult:
@@ -507,47 +872,46 @@ def probe(model, x_spec, y_spec, rows=PROBE_ROWS, seed=PROBE_SEED) -> ProbeResul
 
     ``model``: a :class:`lipdp.private_model.PrivateModel` (its ``forward`` loop and
     ``per_example_losses``); ``x_spec``, ``y_spec``: the ``tf.TensorSpec`` (or nests)
-    of a training batch. Eager; the model's variables are left as they were.
+    of a training batch. Eager. The model's non-trainable variables, the global seed,
+    the op-seed sequence and every random generator are left as they were
+    (:class:`_Replay`). Run first with TensorFlow's kernel cache kept, then, if two
+    passes from the same state differ (stateful random kernels: ``tf.random`` ops called
+    by a layer), once more clearing it before every pass.
     """
+    try:
+        return _probe(model, x_spec, y_spec, rows, seed, clear_kernels=False)
+    except _NotReplayed:
+        pass
+    try:
+        return _probe(model, x_spec, y_spec, rows, seed, clear_kernels=True)
+    except _NotReplayed as error:
+        raise error.refusal from None
+
+
+def _probe(model, x_spec, y_spec, rows, seed, clear_kernels) -> ProbeResult:
     rng = np.random.default_rng(seed)
     x = _probe_inputs(model, x_spec, rows, rng)
-    with tf.GradientTape(persistent=True) as tape:
-        forward = _Forward(model, x, tape)
-        labels = _probe_labels(y_spec, forward.y_pred, rows, rng)
-        losses = model.per_example_losses(labels, forward.y_pred)
-        check_per_example_values(losses, forward.y_pred, model.loss)
-        losses_rows = tf.unstack(losses, num=rows)
-        extra = _extra_loss_total(model)  # on the tape: its dependence on the inputs
-    # A loss added in a call is refused by name first (the model's own check); the
-    # probe below catches what that check cannot see (a callable reading the data).
-    refuse_named = getattr(model, "refuse_data_dependent_losses", None)
-    if refuse_named is not None:
-        refuse_named()
-    stages = _check_jacobian(model, forward, losses_rows, tape, rows)
-    _check_extra_losses(extra, forward, tape)
-    del tape
-    checked_labels = _check_labels(model, labels, forward.y_pred, losses, rows)
-    deterministic = _check_redrawn(model, x, labels, forward, losses, rng)
-    return ProbeResult(stages, checked_labels, deterministic)
-
-
-@contextlib.contextmanager
-def _state_kept(model):
-    """The model's non-trainable variables (a layer may update state in training mode)
-    and TensorFlow's eager op-seed sequence, as they were."""
-    variables = list(model.non_trainable_variables)
-    values = [v.numpy() for v in variables]
-    # The eager op seeds follow the global seed through this generator (not public API):
-    # restored, so that the user's random ops draw what they would without the probe.
-    rng = getattr(eager_context.context(), "_rng", None)
-    state = rng.getstate() if rng is not None else None
-    try:
-        yield
-    finally:
-        for v, value in zip(variables, values):
-            v.assign(value)
-        if state is not None:
-            rng.setstate(state)
+    with _replayed(model, clear_kernels) as replay:
+        forward, tape = _taped_pass(model, x, y_spec, replay, rng, rows)
+        # A loss added in a call is refused by name first (the model's own check); the
+        # probe below catches what that check cannot see (a callable reading the data).
+        refuse_named = getattr(model, "refuse_data_dependent_losses", None)
+        if refuse_named is not None:
+            refuse_named()
+        _check_jacobian(model, forward, tape, rows)
+        _check_extra_losses(forward.extra, forward.watched, tape)
+        del tape
+        labels, losses = forward.labels, forward.losses
+        checked_labels = _check_labels(model, labels, forward.y_pred, losses, rows)
+        _check_replayed(model, replay, x, forward)
+        _check_redrawn(model, replay, x, forward, rng)
+        _check_removed(model, replay, x, forward)
+        return ProbeResult(
+            stages=len(forward.watched),
+            labels=checked_labels,
+            random_generators=len(replay.keras) + len(replay.tensorflow),
+            variables=len(replay.variables),
+        )
 
 
 @contextlib.contextmanager
@@ -576,7 +940,7 @@ def probe_when_traced(model, x, y) -> None:
     x_spec, y_spec = _to_spec(x), _to_spec(y)
 
     def run(*_):
-        with _eager_with_gradients(), _state_kept(model):
+        with _eager_with_gradients():
             result = probe(model, x_spec, y_spec)
         logger.debug("batch-independence probe passed: %s", result)
         done.add(key)

@@ -162,35 +162,20 @@ def _hidden_batch_mean():
     return K.Lambda(lambda h: h - tf.stop_gradient(tf.reduce_mean(h, 0)), name="hidden_mean")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "probe bypass: behind Dropout a stop_gradient batch mean is accepted (the redraw "
-        "check is skipped when two forward passes differ); batch_independence."
-        "_check_redrawn returns False instead of redrawing with the randomness fixed"
-    ),
-)
 def test_the_probe_refuses_a_hidden_batch_mean_behind_dropout(rng):
-    """``batch_independence._check_redrawn`` returns ``False`` (skips the redraw check)
-    as soon as two forward passes differ, so any random layer (Dropout, GaussianNoise)
-    disables the only check that sees couplings gradients do not. Fix: run the passes
-    from the same random state (reset the global seed and the eager op-seed generator,
-    restore the non-trainable variables before each pass, as ``_state_kept`` does at
-    the end), then compare row 0."""
+    """The redraw check (the only one that sees couplings gradients do not) used to be
+    skipped as soon as two forward passes differed, so any random layer (Dropout,
+    GaussianNoise) switched it off. The probe now replays every pass from the same
+    random state and variables (``batch_independence._Replay``) and compares row 0."""
     model = _dpsgd([K.Dense(8, input_shape=(D,)), K.Dropout(0.5), _hidden_batch_mean(), K.Dense(3)])
     with pytest.raises(ValueError, match="hidden_mean"):
         model.train_on_batch(*_data(rng, B))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "probe bypass through randomness: a random layer before a stop_gradient batch mean; "
-        "remove-one ratio 5.84 (outlier row removed), <= 1 without the batch mean"
-    ),
-)
 def test_a_hidden_batch_mean_behind_a_random_layer_is_refused_or_sound(rng):
-    """The leak behind the refusal missing above, measured (same diagnosis)."""
+    """The leak behind the refusal above, measured: remove-one ratio 5.84 before the
+    probe replayed its passes (the jitter is driven by a model variable, reset before
+    each pass)."""
     model = _dpsgd(
         [K.Dense(8, input_shape=(D,)), _CallCounterJitter(), _hidden_batch_mean(), K.Dense(3)]
     )
@@ -230,20 +215,12 @@ def _aligned_batch(model, rng, norm=0.875):
     return x, y
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a per-row loss divided by the actual batch size passes every check (no probe "
-        "compares a batch with the same batch minus a row); remove-one ratio 1.47"
-    ),
-)
 def test_a_loss_depending_on_the_batch_size_is_refused_or_sound(rng):
     """Each row's loss depends on how many rows were sampled: under Poisson sampling one
     record's presence rescales every other row's gradient (unclipped rows move by
-    ``1/(b-1)`` each). The probe redraws other rows but never removes one, and
-    ``check_per_example_values`` only checks shapes. Fix
-    (``batch_independence.probe``): also run the probe batch minus its last row and
-    require row 0's outputs and loss unchanged -- the remove-one relation itself."""
+    ``1/(b-1)`` each): remove-one ratio 1.47 when the probe only redrew rows. It now
+    also runs the probe batch minus its last row and requires the other rows' outputs
+    and losses unchanged -- the remove-one relation itself."""
     model = _dpsgd([K.Dense(CLASSES, input_shape=(D,))], loss=_rows_normalised_loss)
     x, y = _aligned_batch(model, rng)
     assert _sound(_worst_ratio_or_refused(model, x, y, rows=[0]))
@@ -273,22 +250,12 @@ class _RunningMean(K.Layer):
         return inputs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a layer updating a non-trainable variable from the private batch is accepted: "
-        "removing one row moves the saved variable by 6e-3 with no noise (epsilon = inf "
-        "for whoever reads the saved model); the probe restores such variables but never "
-        "checks whether the data moved them"
-    ),
-)
 def test_a_layer_keeping_statistics_of_the_private_batch_is_refused(rng):
     """The issue refuses BatchNormalization for its moving statistics, but any layer that
-    assigns a non-trainable variable from the batch in training does the same. The probe
-    already snapshots and restores ``model.non_trainable_variables`` (``_state_kept``);
-    fix: compare them after the training forward passes on two probe batches that differ
-    in one row and refuse, naming the variable, when they differ (the library's own
-    counters are not updated by a forward pass)."""
+    assigns a non-trainable variable from the batch in training does the same (removing
+    one row moved the saved variable by 6e-3, no noise). The probe compares the
+    non-trainable variables after passes from the same values on batches that differ
+    and refuses, naming the variable, when they differ."""
     model = _dpsgd([K.Dense(8, input_shape=(D,)), _RunningMean(name="running"), K.Dense(3)])
     with pytest.raises(ValueError, match="running"):
         model.train_on_batch(*_data(rng, B))
@@ -299,21 +266,11 @@ def _keepdims_mean(labels, logits):
     return tf.reduce_mean(values, keepdims=True)  # shape (1,): a batch mean
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "independence_probe=False: 'the per-example loss check still runs' but a loss of "
-        "shape (1,) (a keepdims batch mean) passes it when the batch axis is dynamic (every "
-        "Poisson pipeline): check_per_example_values compares shape[0] only when both are "
-        "static"
-    ),
-)
 def test_a_keepdims_batch_mean_is_refused_without_the_probe(rng):
-    """``check_per_example_values`` (``batch_independence.py``) compares the loss's
-    leading dimension with the predictions' only when both are static; a Poisson batch has
-    a dynamic batch axis, so a static leading 1 passes and ``neutralised_losses``
-    broadcasts the batch mean to every row. Fix: refuse a static leading dimension of 1
-    when the predictions' is unknown (or assert the length in the graph)."""
+    """``check_per_example_values`` used to compare the loss's leading dimension with the
+    predictions' only when both were static; a Poisson batch has a dynamic batch axis,
+    so a static leading 1 passed and ``neutralised_losses`` broadcast the batch mean to
+    every row. A static leading 1 is now refused unless the batch axis is statically 1."""
     model = _dpsgd(
         [K.Dense(CLASSES, input_shape=(D,))], loss=_keepdims_mean, independence_probe=False
     )

@@ -1,10 +1,14 @@
 """Rule S2 enforced (lipdp.batch_independence, issue 26): the structural walk refuses
 batch normalisation and declared coupling layers at any depth, the numerical probe
-refuses layers and losses whose row i depends on row j, a loss must give one value per
+refuses layers and losses whose row i depends on row j or on the number of rows, and
+layers that keep statistics of the batch in their variables -- its passes replayed
+from the same random state, random layers included -- a loss must give one value per
 row, and fix_batch_coupling makes a nested BatchNormalization backbone trainable. Each
-refused construction leaks (remove-one ratio above 1 with the checks switched off);
-each accepted one keeps every ratio within the declared sensitivity."""
+refused construction leaks (remove-one ratio above 1, or a saved variable moved, with
+the checks switched off); each accepted one keeps every ratio within the declared
+sensitivity."""
 
+import random
 import re
 
 import numpy as np
@@ -416,6 +420,24 @@ def test_a_scalar_loss_is_refused_even_without_the_probe(rng):
         model.train_on_batch(*_data(rng))
 
 
+def test_a_static_leading_one_is_refused_when_the_batch_axis_is_unknown():
+    """A keepdims batch mean has shape (1,) whatever the batch: refused when the
+    predictions' batch axis is unknown (Poisson batches), accepted for a batch of 1."""
+    check = batch_independence.check_per_example_values
+
+    @tf.function(input_signature=[tf.TensorSpec((None, CLASSES))])
+    def traced(predictions):
+        values = tf.reduce_mean(tf.square(predictions), axis=[0, 1], keepdims=True)[0]
+        check(values, predictions, "keepdims_mean")  # shape (1,)
+        check(tf.reduce_mean(predictions, axis=1), predictions, "per_row")  # (None,)
+        return values
+
+    with pytest.raises(ValueError, match="keepdims_mean.* returns a leading axis of 1"):
+        traced.get_concrete_function()
+    one_row = tf.zeros([1, CLASSES])
+    check(tf.reduce_mean(one_row, axis=1, keepdims=True)[:, 0], one_row, "per_row")
+
+
 class _ScalarTauCCE(losses.DP_TauCategoricalCrossentropy):
     """A user's DP loss whose call returns the batch mean."""
 
@@ -522,7 +544,7 @@ def test_per_example_constructions_pass_and_stay_within_their_sensitivity(case, 
         model, tf.TensorSpec((None, *shape), tf.as_dtype(x.dtype)), tf.TensorSpec((None,), tf.int64)
     )
     assert result.labels and result.stages >= len(layers)
-    assert result.deterministic == (case != "dropout")
+    assert result.random_generators == (case == "dropout")  # the Dropout's, replayed
     if case == "dropout":
         # Removing a row redraws every row's mask, so remove-one (identical randomness
         # for the common rows) does not apply; the probe's Jacobian does.
@@ -572,6 +594,211 @@ def test_the_probe_leaves_the_global_seed_and_the_model_state_alone(rng):
     batch_independence.probe_when_traced(model, tf.constant(x), tf.constant(y))
     np.testing.assert_array_equal(tf.random.uniform([4]).numpy(), expected)
     assert float(counter.count) == 0.0
+
+
+# ------------------------------------------------- replayed randomness and variables
+IMAGE = (6, 6, 2)
+
+
+def _random_layers():
+    """One layer per source of randomness the probe replays: a Keras RandomGenerator on
+    TensorFlow's stateful ops (Dropout, unseeded and seeded: an advancing seed counter,
+    GaussianNoise) and on a tf.random.Generator (RandomTranslation: two draws per call,
+    whose offsets in the generator's stream depend on the batch size)."""
+    return [
+        K.RandomTranslation(0.2, 0.2, input_shape=IMAGE, name="shift"),
+        K.Conv2D(4, 3, name="conv"),
+        K.Dropout(0.5, seed=3, name="seeded_dropout"),
+        K.GaussianNoise(0.3, name="noise"),
+        K.Flatten(),
+        K.Dropout(0.3, name="dropout"),
+    ]
+
+
+def _random_state(model):
+    generators, _ = batch_independence.random_sources(model.layers_forward_order())
+    saved = [
+        (g._rng_type, g._seed, g._built, getattr(g, "_generator", None)) for _, g in generators
+    ]
+    states = [s[3].state.numpy() for s in saved if s[3] is not None]
+    return saved, states
+
+
+@pytest.fixture
+def clears(monkeypatch):
+    """The ``clear_kernels`` flag of every run of the probe (False, then True if two
+    passes from the same state differ with TensorFlow's kernel cache kept)."""
+    flags = []
+    replay = batch_independence._Replay.__init__
+
+    def recording(self, model, clear_kernels=False):
+        flags.append(clear_kernels)
+        replay(self, model, clear_kernels)
+
+    monkeypatch.setattr(batch_independence._Replay, "__init__", recording)
+    return flags
+
+
+def test_random_layers_are_replayed_and_left_as_they_were(rng, clears):
+    model = _dpsgd([*_random_layers(), K.Dense(CLASSES)], input_shape=IMAGE, debug=True)
+    x, y = _data(rng, IMAGE)
+    model.train_on_batch(x, y)  # every generator initialised as in training
+    saved, states = _random_state(model)
+    tf.random.set_seed(11)
+    expected = tf.random.uniform([3]).numpy()
+    tf.random.set_seed(11)
+    numpy_state, python_state = np.random.get_state()[1].copy(), random.getstate()
+    result = batch_independence.probe(
+        model, tf.TensorSpec((None, *IMAGE)), tf.TensorSpec((None,), tf.int64)
+    )
+    assert result.random_generators == 4 and result.labels
+    assert True not in clears  # Keras generators, stateless in the probe: no cache to clear
+    after, states_after = _random_state(model)
+    assert after == saved  # types, seed counters, generators
+    for state, state_after in zip(states, states_after):
+        np.testing.assert_array_equal(state_after, state)  # not advanced
+    np.testing.assert_array_equal(tf.random.uniform([3]).numpy(), expected)
+    np.testing.assert_array_equal(np.random.get_state()[1], numpy_state)
+    assert random.getstate() == python_state
+
+
+def test_a_hidden_batch_mean_behind_every_kind_of_random_layer_is_refused(rng):
+    """Not vacuous: the same model with a stop_gradient batch mean after the random
+    layers (the Jacobian does not see it; only passes replayed from the same random
+    state do)."""
+    hidden = K.Lambda(lambda h: h - tf.stop_gradient(tf.reduce_mean(h, 0)), name="hidden_mean")
+    model = _dpsgd([*_random_layers(), hidden, K.Dense(CLASSES)], input_shape=IMAGE)
+    with pytest.raises(ValueError) as error:
+        model.train_on_batch(*_data(rng, IMAGE))
+    _assert_one_line_refusal(error.value, "'hidden_mean' (Lambda)", "other rows' inputs")
+
+
+class _DirectNoise(K.Layer):
+    """Noise from a tf.random op called directly: a stateful kernel, whose state lives
+    in TensorFlow's kernel cache."""
+
+    def call(self, inputs, training=None):
+        return inputs + 0.1 * tf.random.normal(tf.shape(inputs)) if training else inputs
+
+
+def test_random_ops_called_directly_are_replayed_by_clearing_the_kernel_cache(rng, clears):
+    """Two passes differ with the kernel cache kept; the probe runs again clearing it
+    before every pass: accepted, and a hidden batch mean after the noise is refused."""
+    layers = [K.Dense(8, input_shape=(FEATURES,)), _DirectNoise(name="direct_noise")]
+    model = _dpsgd([*layers, K.Dense(CLASSES)], debug=True)
+    spec = tf.TensorSpec((None, FEATURES)), tf.TensorSpec((None,), tf.int64)
+    assert batch_independence.probe(model, *spec).labels
+    assert clears == [False, True]
+    hidden = K.Lambda(lambda h: h - tf.stop_gradient(tf.reduce_mean(h, 0)), name="hidden_mean")
+    model = _dpsgd([K.Dense(8, input_shape=(FEATURES,)), _DirectNoise(), hidden, K.Dense(3)])
+    with pytest.raises(ValueError) as error:
+        model.train_on_batch(*_data(rng))
+    _assert_one_line_refusal(error.value, "'hidden_mean' (Lambda)", "other rows' inputs")
+
+
+class _HiddenNoise(K.Layer):
+    """Noise from a generator the layer hides in an untracked holder: the probe does not
+    find it, so it cannot replay it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.holder = type("Holder", (), {})()
+        self.holder.generator = tf.random.Generator.from_seed(1)
+
+    def call(self, inputs, training=None):
+        if not training:
+            return inputs
+        return inputs + 0.1 * self.holder.generator.normal(tf.shape(inputs))
+
+
+def test_randomness_the_probe_cannot_replay_is_refused_naming_the_layer(rng):
+    layers = [K.Dense(8, input_shape=(FEATURES,)), _HiddenNoise(name="hidden_noise")]
+    model = _dpsgd([*layers, K.Dense(CLASSES)])
+    x, y = _data(rng)
+    with pytest.raises(ValueError) as error:
+        model.train_on_batch(x, y)
+    _assert_one_line_refusal(
+        error.value, "'hidden_noise' (_HiddenNoise)", "cannot replay", "independence_probe=False"
+    )
+    assert int(model.noisy_steps) == 0
+    skipped = _dpsgd(
+        [K.Dense(8, input_shape=(FEATURES,)), _HiddenNoise(), K.Dense(CLASSES)],
+        independence_probe=False,
+        debug=True,
+    )
+    skipped.train_on_batch(x, y)
+    assert int(skipped.noisy_steps) == 1
+
+
+def test_the_probe_refuses_a_layer_depending_on_the_batch_size(rng):
+    """Nothing a gradient or a redrawn row sees: found by removing a row (the loss's
+    case, with its remove-one ratio, is in tests/test_attacks_issue26.py)."""
+    per_size = K.Lambda(lambda h: h * BATCH / tf.cast(tf.shape(h)[0], h.dtype), name="per_size")
+    model = _dpsgd([K.Dense(8, input_shape=(FEATURES,)), per_size, K.Dense(CLASSES)])
+    with pytest.raises(ValueError) as error:
+        model.train_on_batch(*_data(rng))
+    _assert_one_line_refusal(error.value, "'per_size' (Lambda)", "one row is removed")
+
+
+class _RunningMean(K.Layer):
+    """The identity, keeping a running mean of its inputs in training."""
+
+    def build(self, shape):
+        self.mean = self.add_weight("mean", shape[1:], initializer="zeros", trainable=False)
+
+    def call(self, inputs, training=None):
+        if training:
+            self.mean.assign(0.9 * self.mean + 0.1 * tf.reduce_mean(inputs, 0))
+        return inputs
+
+
+class _RowCounter(K.Layer):
+    """The identity, counting the rows it trained on (the batch size: random under
+    Poisson sampling, one more with the record than without)."""
+
+    def build(self, shape):
+        self.rows = self.add_weight("rows", (), initializer="zeros", trainable=False)
+
+    def call(self, inputs, training=None):
+        if training:
+            self.rows.assign_add(tf.cast(tf.shape(inputs)[0], tf.float32))
+        return inputs
+
+
+def _nested(layer):
+    inner = tf.keras.Sequential([K.Dense(8, input_shape=(FEATURES,)), layer], name="outer")
+    return [inner, K.Dense(CLASSES)]
+
+
+@pytest.mark.parametrize(
+    "layer, variable, how",
+    [
+        (_RunningMean, "mean", "other rows' inputs change"),
+        (_RowCounter, "rows", "one row is removed"),
+    ],
+)
+def test_the_probe_refuses_variables_updated_from_the_batch(layer, variable, how, rng):
+    model = _dpsgd(_nested(layer(name="kept")))
+    with pytest.raises(ValueError) as error:
+        model.train_on_batch(*_data(rng))
+    _assert_one_line_refusal(
+        error.value,
+        f"layer 'outer/kept' ({layer.__name__}) updates its variable {variable!r}",
+        how,
+        "never noised",
+    )
+
+
+def test_a_running_mean_of_the_batch_leaked_before(rng):
+    """Not vacuous: with the probe off, one row moves the saved variable (no noise)."""
+    model = _dpsgd(_nested(_RunningMean(name="kept")), independence_probe=False, debug=True)
+    mean = model.dp_layers[0].get_layer("kept").mean
+    x, y = _data(rng)
+    model.train_on_batch(x, y)
+    with_row = mean.numpy().copy()
+    mean.assign(np.zeros_like(with_row))
+    model.train_on_batch(x[1:], y[1:])
+    assert np.abs(mean.numpy() - with_row).max() > 1e-3
 
 
 def test_skipping_the_probe_is_saved_and_stated_in_the_privacy_report():
