@@ -808,10 +808,10 @@ def _without_last(value):
 
 def _check_removed(model, replay, x, first) -> None:
     """The remove-one relation itself: the batch minus its last row, same random state
-    (stateful random ops index their streams by element, so the other rows draw the
-    same numbers): every other row's outputs and loss must not move, nor any
-    non-trainable variable except random generators' states (they advance by the number
-    of values drawn). Catches what depends on the number of rows (``tf.shape``)."""
+    (random ops index their streams by element, so the other rows draw the same
+    numbers): every other row's outputs and loss must not move, nor any non-trainable
+    variable except random generators' states (they advance by the number of values
+    drawn). Catches what depends on the number of rows (``tf.shape``)."""
     replay.reset()
     fewer = _Forward(model, _without_last(x))
     kept = slice(0, -1)
@@ -1267,6 +1267,7 @@ __all__ = [
     "nested_layers",
     "probe",
     "probe_when_traced",
+    "random_sources",
     "refuse_coupling_layers",
     "runs_in_inference_mode",
     "spec_key",
