@@ -437,14 +437,6 @@ def test_an_out_of_range_token_id_does_not_fail_the_step(method, rng):
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DP_BoundedInput(upper_bound=2) on a finite record with an entry of 3e38: "
-        "tf.clip_by_norm computes x * B before dividing by the (overflowed, inf) norm: "
-        "inf / inf = NaN, the released gradient and every weight become NaN"
-    ),
-)
 def test_a_huge_finite_record_stays_within_the_bounded_input(rng):
     """``DP_BoundedInput.call`` (``layers/inputs.py``) uses ``tf.clip_by_norm``, which
     computes ``x * B`` and divides by ``max(||x||, B)``: with ``B > 1`` and an entry above
