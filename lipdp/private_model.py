@@ -19,6 +19,7 @@ A family implements :meth:`PrivateModel.sensitivities`, :meth:`~PrivateModel.noi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from lipdp import batch_independence, distribute, noise, validation
+from lipdp import batch_independence, distribute, ledger, noise, validation
 from lipdp.accounting.mechanisms import effective_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.tuning import RandomSearch
@@ -173,7 +174,14 @@ class PrivateModel(tf.keras.Model):
         self.noisy_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noisy_steps")
         #: What the steps released, mechanism by mechanism (rule S10, :mod:`lipdp.ledger`):
         #: model variables too, saved wherever the step count is.
-        self.privacy_ledger_table, self.privacy_ledger_counts = PrivacyLedger.create_variables()
+        #: Layers another private model trained in this process bring its ledger: the
+        #: two models then share it (the lineage of those weights).
+        inherited = ledger.inherited_ledger(self.dp_layers)
+        if inherited is None:
+            table, counts = PrivacyLedger.create_variables()
+        else:
+            table, counts = inherited.table, inherited.counts
+        self.privacy_ledger_table, self.privacy_ledger_counts = table, counts
         if dataset_metadata is not None:
             if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
                 raise ValueError(
@@ -311,6 +319,7 @@ class PrivateModel(tf.keras.Model):
         params = self.dp_parameters
         return PrivacyPlan.for_training(
             ledger=self.privacy_ledger,
+            steps_done=int(self.noisy_steps.numpy()),
             noise_multipliers=self.noise_multipliers() if not params.non_private else 1.0,
             sampling_rate=metadata.sampling_rate,
             steps_per_epoch=metadata.nb_steps_per_epochs,
@@ -346,6 +355,7 @@ class PrivateModel(tf.keras.Model):
             metadata.nb_samples_train,
             metadata.sampling == "poisson",
             gaussians,
+            reproducible=noise.reproducible_noise_seed() is not None,
         )
 
     def _step_configuration(self) -> tuple:
@@ -451,6 +461,9 @@ class PrivateModel(tf.keras.Model):
         # from the same configuration): what ran is what the ledger holds.
         self.noisy_steps.assign_add(1)
         self.privacy_ledger.record(self._step_row())
+        search = self.dp_parameters.hyperparameter_search
+        if search is not None:  # its cost stays with what ran under it
+            self.privacy_ledger.record(ledger.search_row(search))
         self.project()
 
     def make_train_function(self, force=False):
@@ -463,6 +476,19 @@ class PrivateModel(tf.keras.Model):
                 "a private step would release nothing. Unfreeze a layer (layer.trainable = "
                 "True) and compile again."
             )
+        own = self.privacy_ledger
+        others = {
+            path: other
+            for path, other in ledger.ledgers_of(self.dp_layers).items()
+            if other.table is not own.table
+        }
+        if others:
+            raise ValueError(
+                f"Layer(s) {', '.join(map(repr, others))} were trained privately by another "
+                "model after this one was built, with that model's privacy ledger: build "
+                "this model after that training (it then shares that ledger)."
+            )
+        ledger.tag_trained_layers(self.dp_layers, own)
         configuration = self._step_configuration()
         if configuration != getattr(self, "_traced_configuration", None):
             force = True
@@ -589,17 +615,32 @@ class PrivateModel(tf.keras.Model):
 
     def train_on_batch(self, *args, **kwargs):
         """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
+        self._refuse_changed_trainable_state()
         self.project()
         return super().train_on_batch(*args, **kwargs)
 
     def set_weights(self, weights):
-        """Set the weights, then project them onto their constraint sets (S12)."""
-        super().set_weights(weights)
+        """Set the weights, then project them onto their constraint sets (S12). The
+        privacy state is never rewound (:meth:`_keeping_the_privacy_state`)."""
+        with self._keeping_the_privacy_state():
+            super().set_weights(weights)
         self.project()
+
+    @contextlib.contextmanager
+    def _keeping_the_privacy_state(self):
+        """Weights (and with them the ledger and the step count) may be restored to an
+        earlier state -- EarlyStopping's best weights, a best checkpoint -- chosen after
+        the later steps were released: what was recorded before stays recorded (rule
+        S10). A fresh model loading a checkpoint simply gets the checkpoint's ledger."""
+        before, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        yield
+        self.privacy_ledger.keep_at_least(before)
+        self.noisy_steps.assign(max(steps, int(self.noisy_steps.numpy())))
 
     def load_weights(self, *args, **kwargs):
         """Load the weights, then project them onto their constraint sets (S12)."""
-        status = super().load_weights(*args, **kwargs)
+        with self._keeping_the_privacy_state():
+            status = super().load_weights(*args, **kwargs)
         if self.built:
             self.project()
         return status
@@ -626,9 +667,22 @@ class PrivateModel(tf.keras.Model):
                 "Remove or repair these rows before fit."
             )
 
+    def _refuse_changed_trainable_state(self) -> None:
+        """Keras 2's ``fit`` and ``train_on_batch`` train the layers that were trainable at
+        the last ``compile`` (``RespectCompiledTrainableState``), while the privacy plan and
+        the noise multipliers read the current flags: refuse until they agree (S11)."""
+        compiled = getattr(self, "_compiled_trainable_state", None)
+        if compiled is not None and compiled != self._get_trainable_state():  # noqa: SLF001
+            raise ValueError(
+                "Layers were frozen or unfrozen after compile(): Keras would train the "
+                "layers of the last compile while the privacy plan prices the current ones. "
+                "Call compile() again."
+            )
+
     def _check_fit_arguments(self, x, y, batch_size, kwargs):
         if self.compiled_loss is None:
             raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
+        self._refuse_changed_trainable_state()
         b = self.batch_size
         for unsupported in ("sample_weight", "class_weight"):
             if kwargs.get(unsupported) is not None:
@@ -641,6 +695,7 @@ class PrivateModel(tf.keras.Model):
                     "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
                 )
             _check_poisson_pipeline(x, self.dataset_metadata)
+            _refuse_fixed_size_batches(x)
             return
         metadata = self.dataset_metadata
         if metadata.partial_last_batch:
@@ -674,6 +729,12 @@ class PrivateModel(tf.keras.Model):
             )
         split = kwargs.get("validation_split") or 0.0
         n_train = int(math.floor(n * (1.0 - split)))
+        if n_train != metadata.nb_samples_train:
+            raise ValueError(
+                f"fit receives {n_train} training examples but dataset_metadata declares "
+                f"nb_samples_train={metadata.nb_samples_train}: the sampling rate b/N of the "
+                "privacy accounting comes from it. Declare the number of examples trained on."
+            )
         if n_train % b:
             raise ValueError(
                 f"{n_train} training examples are not a multiple of batch_size={b}: the last "
@@ -773,6 +834,21 @@ def _check_poisson_pipeline(dataset, metadata) -> None:
             f"The Poisson pipeline has {steps} steps per epoch but dataset_metadata declares "
             f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong number "
             "of steps. Build the batches with metadata.nb_steps_per_epochs."
+        )
+
+
+def _refuse_fixed_size_batches(dataset) -> None:
+    """A dataset whose batches all have one static size is not Poisson-sampled (Poisson
+    batches have a random size): accounting it at rate b/N would be wrong."""
+    if not isinstance(dataset, tf.data.Dataset):
+        return
+    rows = tf.nest.flatten(dataset.element_spec)[0].shape
+    if rows.rank and rows[0] is not None:
+        raise ValueError(
+            f"dataset_metadata.sampling='poisson' but every batch of the dataset has "
+            f"{rows[0]} rows: fixed-size batches are not Poisson samples. Pass "
+            "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch), or "
+            "declare sampling='shuffle'."
         )
 
 

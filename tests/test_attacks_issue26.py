@@ -476,15 +476,6 @@ def test_adversarial_class_labels_never_fail_a_step(rng):
 
 
 # ====================================================================== S10: the ledger
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "EarlyStopping(restore_best_weights=True) / load_weights of an earlier checkpoint "
-        "rewind the ledger with the weights: 4 epochs logged epsilon 1.692 (PLD), the "
-        "restored model reports 0.917 (1 epoch, 8 steps of 32), yet the choice of the epoch "
-        "used all 4 (PrivateModel.set_weights/load_weights overwrite the ledger)"
-    ),
-)
 @pytest.mark.parametrize("how", ["early-stopping", "best-checkpoint"])
 def test_restoring_earlier_weights_does_not_rewind_the_ledger(how, rng, tmp_path):
     """The ledger is "the lineage of the weights": ``set_weights``/``load_weights`` copy
@@ -514,13 +505,6 @@ def test_restoring_earlier_weights_does_not_rewind_the_ledger(how, rng, tmp_path
     assert int(model.noisy_steps.numpy()) == 4 * model.dataset_metadata.nb_steps_per_epochs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the hyper-parameter search is not recorded in the ledger: declared for 2 epochs "
-        "(epsilon 2.81), dropped from dp_parameters, one more epoch logs 1.67"
-    ),
-)
 def test_dropping_the_search_declaration_does_not_lower_epsilon(rng):
     """``PrivacyPlan.for_training`` takes ``search`` from the *current*
     ``dp_parameters``; the ledger does not record that the steps ran under a declared
@@ -538,14 +522,6 @@ def test_dropping_the_search_declaration_does_not_lower_epsilon(rng):
     assert logged[2] >= logged[1], logged
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a model built on layers another DP model trained on the same data starts with an "
-        "empty ledger: 3 epochs (epsilon 1.479) then a new head, 1 epoch: 0.917 reported, "
-        "composition (dp_accounting PLD) of the 4 epochs that shaped the backbone 1.692"
-    ),
-)
 def test_a_new_model_on_a_privately_trained_backbone_inherits_its_ledger(rng):
     """The ledger lives in the model, the weights in the layers: the same layer objects in
     a new ``PrivateModel`` (the usual way to put a new head on a trained backbone) carry
@@ -562,15 +538,6 @@ def test_a_new_model_on_a_privately_trained_backbone_inherits_its_ledger(rng):
     assert logged[-1] == pytest.approx(_pld_epsilon([(2.0, q, 4 * steps)]), rel=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "layers frozen without recompiling: Keras trains the compiled trainable set "
-        "(RespectCompiledTrainableState), the plan prices the current one: "
-        "get_eps_delta(model, 2) = 2.508 before the epoch, 3.060 logged after it (S11); "
-        "get_max_epochs over-promises the same way"
-    ),
-)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_plan_after_freezing_without_recompiling_is_what_fit_runs(family, rng):
     """Keras' ``fit`` and ``train_on_batch`` run with the trainable state of the last
@@ -629,14 +596,6 @@ def test_a_custom_loop_holding_an_old_step_records_what_it_runs(change, rng):
 
 
 # ======================================================================= sampling rate
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a Poisson-declared model (b = 8, N = 64) trained on shuffled fixed-size batches of "
-        "32 only warns: the ledger records q = 0.125, each record was in half of the "
-        "batches; 2 epochs logged epsilon 1.23, at the rate used 5.05"
-    ),
-)
 def test_a_poisson_model_refuses_fixed_size_batches_of_another_size(rng):
     """``_check_poisson_pipeline`` only warns when a dataset does not state its rate;
     ``_check_fit_arguments`` never looks at the batch axis of a Poisson model's data. A
@@ -650,14 +609,6 @@ def test_a_poisson_model_refuses_fixed_size_batches_of_another_size(rng):
         model.fit(fixed.repeat(), epochs=2, steps_per_epoch=steps, verbose=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "fit on arrays of 128 rows with dataset_metadata N = 1024 is accepted: the ledger "
-        "records q = 8/1024; 5 epochs report epsilon 1.10, at the true rate 8/128 4.57 "
-        "(_check_fit_arguments has len(x) and never compares it with nb_samples_train)"
-    ),
-)
 def test_fit_on_arrays_refuses_another_size_than_the_declared_n(rng):
     """``_check_fit_arguments`` knows ``len(x)`` (it checks divisibility by ``b``) but not
     ``nb_samples_train``, from which the rate ``b / N`` of the ledger comes; only
@@ -708,15 +659,6 @@ def test_per_layer_noise_with_a_frozen_layer_stays_within_its_sensitivity(family
 
 
 # ========================================================================= S8: noise
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "steps run with use_reproducible_noise(seed) are not recorded: once the process "
-        "is back to secure noise (or the model is reloaded elsewhere) the privacy report "
-        "neither flags them nor prices them (epsilon 1.07 for 4 steps whose noise anyone "
-        "with the seed regenerates)"
-    ),
-)
 def test_steps_with_reproducible_noise_stay_flagged(rng, tmp_path):
     """Rule S8: the report flags reproducible noise only from the *process's* current
     mode (``report.py`` reads ``noise.reproducible_noise_seed()``), not from the model's
