@@ -36,7 +36,7 @@ from lipdp.layer_walk import nested_layers
 from lipdp.ledger import PrivacyLedger, step_row
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
-from lipdp.records import labels_in_range, neutralised_losses
+from lipdp.records import ids_in_range, labels_in_range, neutralised_losses, read_ids
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +161,13 @@ class PrivateModel(tf.keras.Model):
         # The input specs the batch-independence probe has passed (reset by compile).
         object.__setattr__(self, "_independence_probed", set())
         # Training examples neutralised by rule S9, per epoch, in the training logs: with a
-        # NaN or an infinity (input or label), and finite ones whose class label is out of
-        # range. Like the loss and the accuracy there, statistics of the private data for
-        # its owner, not part of the DP release. Kept out of Keras' metric list
-        # (object.__setattr__) so that evaluate() returns what it always did.
+        # NaN or an infinity (input or label), finite ones with a token id out of range
+        # and the others whose class label is out of range. Like the loss and the accuracy
+        # there, statistics of the private data for its owner, not part of the DP release.
+        # Kept out of Keras' metric list (object.__setattr__) so that evaluate() returns
+        # what it always did.
         object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
+        object.__setattr__(self, "_invalid_inputs", tf.keras.metrics.Sum(name="invalid_inputs"))
         object.__setattr__(self, "_invalid_labels", tf.keras.metrics.Sum(name="invalid_labels"))
         #: Noisy steps taken (rule S10): a model variable, so it is saved and restored with
         #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
@@ -383,17 +385,30 @@ class PrivateModel(tf.keras.Model):
         config = loss.get_config() if isinstance(loss, tf.keras.losses.Loss) else {}
         return config.get("ignore_class")
 
-    def _count_neutralised(self, finite, labelled) -> dict:
+    def input_ids_in_range(self, x):
+        """``(rows,)`` booleans: every token id of the row's input is in the range of the
+        layer reading it (:func:`lipdp.records.read_ids`, e.g. ``[0, input_dim)``
+        for an ``Embedding`` fed by the input); ``None`` when no input is read as ids."""
+        usable = [ids_in_range(ids, r.size) for ids, r in read_ids(self.dp_layers, x)]
+        return tf.reduce_all(tf.stack(usable), axis=0) if usable else None
+
+    def _count_neutralised(self, finite, labelled, ids=None) -> dict:
         """Rule S9's counts for the training logs, each neutralised row counted once:
-        ``non_finite_examples`` (a NaN or an infinity in the input or the label) and
-        ``invalid_labels`` (finite rows whose class label is out of range)."""
+        ``non_finite_examples`` (a NaN or an infinity in the input or the label),
+        ``invalid_inputs`` (finite rows with a token id out of range; only for a model
+        whose input is read as ids, ``ids`` not ``None``) and ``invalid_labels`` (the
+        other rows whose class label is out of range). Inputs and labels apart: the
+        owner of the data knows which to repair."""
         self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
-        invalid = tf.reduce_sum(tf.cast(finite & ~labelled, tf.float32))
+        counts = {"non_finite_examples": self._non_finite.result()}
+        inputs_usable = finite
+        if ids is not None:
+            self._invalid_inputs.update_state(tf.reduce_sum(tf.cast(finite & ~ids, tf.float32)))
+            counts["invalid_inputs"] = self._invalid_inputs.result()
+            inputs_usable = finite & ids
+        invalid = tf.reduce_sum(tf.cast(inputs_usable & ~labelled, tf.float32))
         self._invalid_labels.update_state(invalid)
-        return {
-            "non_finite_examples": self._non_finite.result(),
-            "invalid_labels": self._invalid_labels.result(),
-        }
+        return {**counts, "invalid_labels": self._invalid_labels.result()}
 
     def adversarial_examples(self, x, y):
         """Each row's adversarial version by the model's :class:`~lipdp.adversarial.PGD`
@@ -519,6 +534,7 @@ class PrivateModel(tf.keras.Model):
     def reset_metrics(self):
         super().reset_metrics()
         self._non_finite.reset_state()
+        self._invalid_inputs.reset_state()
         self._invalid_labels.reset_state()
 
     @property
@@ -626,6 +642,19 @@ class PrivateModel(tf.keras.Model):
                 "Remove or repair these rows before fit."
             )
 
+    def _refuse_invalid_inputs(self, x) -> None:
+        """Rule S9 for arrays: refuse token ids out of the range of the layer reading them
+        (:func:`lipdp.records.read_ids`), naming their rows. (Pipelines are
+        neutralised in-graph instead: such rows count zero.)"""
+        for array, ids in read_ids(self.dp_layers, x):
+            bad = np.flatnonzero(~ids_in_range(np.asarray(array), ids.size).numpy())
+            if bad.size:
+                raise ValueError(
+                    f"x has {bad.size} example(s) with a token id that is not a whole number "
+                    f"in [0, {ids.size}) (rows {_shown(bad)}): layer {ids.reader!r} reads ids "
+                    "in that range. Remove or repair these rows before fit."
+                )
+
     def _check_fit_arguments(self, x, y, batch_size, kwargs):
         if self.compiled_loss is None:
             raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
@@ -665,6 +694,7 @@ class PrivateModel(tf.keras.Model):
         if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
             return
         _refuse_non_finite(x, y)
+        self._refuse_invalid_inputs(x)
         self._refuse_invalid_labels(x, y)
         n = len(tf.nest.flatten(x)[0])
         if batch_size is not None and batch_size != b:
