@@ -364,6 +364,11 @@ class DPSGD_Model(PrivateModel):
                 "of one row."
             )
 
+    def _refuse_loss_reads(self, read) -> None:
+        """A loss reading a weight itself: ghost norms refuse it, the Jacobian method clips
+        its gradient with each row (:func:`lipdp.per_example.refuse_loss_reads`, where
+        the per-example gradients are taken)."""
+
     # ----------------------------------------------------------------- sensitivity
     def weighted_layers(self) -> list:
         """The layers with trainable variables, forward order (one clip radius each under

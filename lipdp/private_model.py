@@ -371,7 +371,27 @@ class PrivateModel(tf.keras.Model):
             rank = len(values.shape)
             return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
 
-        return neutralised_losses(rows, y, y_pred, self._ignored_class())
+        with tf.GradientTape() as probe:  # the trainable variables the loss reads itself
+            losses = neutralised_losses(rows, y, y_pred, self._ignored_class())
+        self._refuse_loss_reads(probe.watched_variables())
+        return losses
+
+    def _refuse_loss_reads(self, read) -> None:
+        """Refuse a loss that reads (``read``: the variables a tape watched while it ran)
+        a trainable variable of the model itself, e.g. a weight penalty written inside the
+        loss: the sensitivities bound the loss's gradient through the predictions only,
+        and the penalty's gradient comes once per sampled row (clipless family: remove-one
+        ratio 2.8, ``tests/test_attacks_issue26.py``). A hook: the clipped family lets its gradient
+        method decide (:func:`lipdp.per_example.refuse_loss_reads`)."""
+        own = {v.ref() for v in self.trainable_variables}
+        for v in read:
+            if v.ref() in own:
+                raise ValueError(
+                    f"The loss reads variable {v.name!r} of the model directly: its gradient "
+                    "is outside the sensitivity bounds, which cover the loss through the "
+                    "predictions. Penalise the weights with a kernel_regularizer or "
+                    "add_loss(lambda: ...) (added outside the bounded sum)."
+                )
 
     def class_labels_in_range(self, y, y_pred):
         """``(rows,)`` booleans: the row's label is not a class index out of range

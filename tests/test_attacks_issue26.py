@@ -432,6 +432,34 @@ def test_the_jacobian_method_clips_a_loss_reading_a_weight_with_each_row(rng):
     assert ratios.max() > 0.9
 
 
+class _PenalisedTauCrossentropy(losses.DP_TauCategoricalCrossentropy):
+    """lipdp's loss with a weight penalty written inside it (its get_L() says nothing of
+    the penalty)."""
+
+    def __init__(self, kernel, **kwargs):
+        super().__init__(4.0, **kwargs)
+        self.kernel = kernel
+
+    def call(self, y_true, y_pred):
+        return super().call(y_true, y_pred) + 5.0 * tf.reduce_sum(tf.square(self.kernel))
+
+
+def test_the_clipless_family_refuses_a_loss_reading_a_weight(rng):
+    """The clipless sensitivities bound each row's loss through the predictions; a
+    penalty inside the loss adds ``grad(penalty) / b`` once per sampled row: removing a
+    row moved the release by up to 2.80 times the declared sensitivity (rows 0-7: 2.35
+    to 2.80). ``PrivateModel.per_example_losses`` now watches the variables the loss
+    reads and refuses, pointing to a kernel_regularizer."""
+    model = _clipless(upper_bound=3.0)
+    loss = _PenalisedTauCrossentropy(model.dp_layers[-1].kernel)
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss=loss)
+    x, y = _data(rng, B)
+    x *= 3.0
+    assert _sound(_worst_ratio_or_refused(model, x, y, rows=[0, 7]))
+    with pytest.raises(ValueError, match="The loss reads variable .*kernel_regularizer"):
+        model.train_on_batch(x, y)
+
+
 # ========================================================= S9 / S13: records that break steps
 @pytest.mark.parametrize("method", ["ghost", "jacobian"])
 def test_an_out_of_range_token_id_does_not_fail_the_step(method, rng):
