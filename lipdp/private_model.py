@@ -37,7 +37,7 @@ from lipdp.layer_walk import nested_layers
 from lipdp.ledger import PrivacyLedger, step_row
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
-from lipdp.records import labels_in_range, neutralised_losses
+from lipdp.records import ids_in_range, labels_in_range, neutralised_losses, read_ids
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +162,13 @@ class PrivateModel(tf.keras.Model):
         # The input specs the batch-independence probe has passed (reset by compile).
         object.__setattr__(self, "_independence_probed", set())
         # Training examples neutralised by rule S9, per epoch, in the training logs: with a
-        # NaN or an infinity (input or label), and finite ones whose class label is out of
-        # range. Like the loss and the accuracy there, statistics of the private data for
-        # its owner, not part of the DP release. Kept out of Keras' metric list
-        # (object.__setattr__) so that evaluate() returns what it always did.
+        # NaN or an infinity (input or label), finite ones with a token id out of range
+        # and the others whose class label is out of range. Like the loss and the accuracy
+        # there, statistics of the private data for its owner, not part of the DP release.
+        # Kept out of Keras' metric list (object.__setattr__) so that evaluate() returns
+        # what it always did.
         object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
+        object.__setattr__(self, "_invalid_inputs", tf.keras.metrics.Sum(name="invalid_inputs"))
         object.__setattr__(self, "_invalid_labels", tf.keras.metrics.Sum(name="invalid_labels"))
         #: Noisy steps taken (rule S10): a model variable, so it is saved and restored with
         #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
@@ -379,7 +381,27 @@ class PrivateModel(tf.keras.Model):
             rank = len(values.shape)
             return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
 
-        return neutralised_losses(rows, y, y_pred, self._ignored_class())
+        with tf.GradientTape() as probe:  # the trainable variables the loss reads itself
+            losses = neutralised_losses(rows, y, y_pred, self._ignored_class())
+        self._refuse_loss_reads(probe.watched_variables())
+        return losses
+
+    def _refuse_loss_reads(self, read) -> None:
+        """Refuse a loss that reads (``read``: the variables a tape watched while it ran)
+        a trainable variable of the model itself, e.g. a weight penalty written inside the
+        loss: the sensitivities bound the loss's gradient through the predictions only,
+        and the penalty's gradient comes once per sampled row (clipless family: remove-one
+        ratio 2.8, ``tests/test_attacks_issue26.py``). A hook: the clipped family lets its gradient
+        method decide (:func:`lipdp.per_example.refuse_loss_reads`)."""
+        own = {v.ref() for v in self.trainable_variables}
+        for v in read:
+            if v.ref() in own:
+                raise ValueError(
+                    f"The loss reads variable {v.name!r} of the model directly: its gradient "
+                    "is outside the sensitivity bounds, which cover the loss through the "
+                    "predictions. Penalise the weights with a kernel_regularizer or "
+                    "add_loss(lambda: ...) (added outside the bounded sum)."
+                )
 
     def class_labels_in_range(self, y, y_pred):
         """``(rows,)`` booleans: the row's label is not a class index out of range
@@ -393,17 +415,30 @@ class PrivateModel(tf.keras.Model):
         config = loss.get_config() if isinstance(loss, tf.keras.losses.Loss) else {}
         return config.get("ignore_class")
 
-    def _count_neutralised(self, finite, labelled) -> dict:
+    def input_ids_in_range(self, x):
+        """``(rows,)`` booleans: every token id of the row's input is in the range of the
+        layer reading it (:func:`lipdp.records.read_ids`, e.g. ``[0, input_dim)``
+        for an ``Embedding`` fed by the input); ``None`` when no input is read as ids."""
+        usable = [ids_in_range(ids, r.size) for ids, r in read_ids(self.dp_layers, x)]
+        return tf.reduce_all(tf.stack(usable), axis=0) if usable else None
+
+    def _count_neutralised(self, finite, labelled, ids=None) -> dict:
         """Rule S9's counts for the training logs, each neutralised row counted once:
-        ``non_finite_examples`` (a NaN or an infinity in the input or the label) and
-        ``invalid_labels`` (finite rows whose class label is out of range)."""
+        ``non_finite_examples`` (a NaN or an infinity in the input or the label),
+        ``invalid_inputs`` (finite rows with a token id out of range; only for a model
+        whose input is read as ids, ``ids`` not ``None``) and ``invalid_labels`` (the
+        other rows whose class label is out of range). Inputs and labels apart: the
+        owner of the data knows which to repair."""
         self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
-        invalid = tf.reduce_sum(tf.cast(finite & ~labelled, tf.float32))
+        counts = {"non_finite_examples": self._non_finite.result()}
+        inputs_usable = finite
+        if ids is not None:
+            self._invalid_inputs.update_state(tf.reduce_sum(tf.cast(finite & ~ids, tf.float32)))
+            counts["invalid_inputs"] = self._invalid_inputs.result()
+            inputs_usable = finite & ids
+        invalid = tf.reduce_sum(tf.cast(inputs_usable & ~labelled, tf.float32))
         self._invalid_labels.update_state(invalid)
-        return {
-            "non_finite_examples": self._non_finite.result(),
-            "invalid_labels": self._invalid_labels.result(),
-        }
+        return {**counts, "invalid_labels": self._invalid_labels.result()}
 
     def adversarial_examples(self, x, y):
         """Each row's adversarial version by the model's :class:`~lipdp.adversarial.PGD`
@@ -545,6 +580,7 @@ class PrivateModel(tf.keras.Model):
     def reset_metrics(self):
         super().reset_metrics()
         self._non_finite.reset_state()
+        self._invalid_inputs.reset_state()
         self._invalid_labels.reset_state()
 
     @property
@@ -679,6 +715,19 @@ class PrivateModel(tf.keras.Model):
                 "Call compile() again."
             )
 
+    def _refuse_invalid_inputs(self, x) -> None:
+        """Rule S9 for arrays: refuse token ids out of the range of the layer reading them
+        (:func:`lipdp.records.read_ids`), naming their rows. (Pipelines are
+        neutralised in-graph instead: such rows count zero.)"""
+        for array, ids in read_ids(self.dp_layers, x):
+            bad = np.flatnonzero(~ids_in_range(np.asarray(array), ids.size).numpy())
+            if bad.size:
+                raise ValueError(
+                    f"x has {bad.size} example(s) with a token id that is not a whole number "
+                    f"in [0, {ids.size}) (rows {_shown(bad)}): layer {ids.reader!r} reads ids "
+                    "in that range. Remove or repair these rows before fit."
+                )
+
     def _check_fit_arguments(self, x, y, batch_size, kwargs):
         if self.compiled_loss is None:
             raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
@@ -720,6 +769,7 @@ class PrivateModel(tf.keras.Model):
         if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
             return
         _refuse_non_finite(x, y)
+        self._refuse_invalid_inputs(x)
         self._refuse_invalid_labels(x, y)
         n = len(tf.nest.flatten(x)[0])
         if batch_size is not None and batch_size != b:
