@@ -708,7 +708,12 @@ class PrivateModel(tf.keras.Model):
         the last ``compile`` (``RespectCompiledTrainableState``), while the privacy plan and
         the noise multipliers read the current flags: refuse until they agree (S11)."""
         compiled = getattr(self, "_compiled_trainable_state", None)
-        if compiled is not None and compiled != self._get_trainable_state():  # noqa: SLF001
+        if compiled is None:
+            return
+        # Layers created since compile (a nested Sequential builds its InputLayer on the
+        # first call) keep their own flags in Keras too: compare the layers of both.
+        current = self._get_trainable_state()  # noqa: SLF001
+        if any(current[layer] != flag for layer, flag in compiled.items() if layer in current):
             raise ValueError(
                 "Layers were frozen or unfrozen after compile(): Keras would train the "
                 "layers of the last compile while the privacy plan prices the current ones. "
@@ -744,7 +749,7 @@ class PrivateModel(tf.keras.Model):
                     "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
                 )
             _check_poisson_pipeline(x, self.dataset_metadata)
-            _refuse_fixed_size_batches(x)
+            _refuse_fixed_size_batches(x, self.dataset_metadata)
             return
         metadata = self.dataset_metadata
         if metadata.partial_last_batch:
@@ -887,13 +892,15 @@ def _check_poisson_pipeline(dataset, metadata) -> None:
         )
 
 
-def _refuse_fixed_size_batches(dataset) -> None:
+def _refuse_fixed_size_batches(dataset, metadata) -> None:
     """A dataset whose batches all have one static size is not Poisson-sampled (Poisson
-    batches have a random size): accounting it at rate b/N would be wrong."""
+    batches have a random size): accounting it at rate b/N would be wrong. The one
+    exception is rate 1, where the Poisson sample is the whole data set, N rows."""
     if not isinstance(dataset, tf.data.Dataset):
         return
     rows = tf.nest.flatten(dataset.element_spec)[0].shape
-    if rows.rank and rows[0] is not None:
+    whole_set = metadata.sampling_rate >= 1.0 and rows.rank and rows[0] == metadata.nb_samples_train
+    if rows.rank and rows[0] is not None and not whole_set:
         raise ValueError(
             f"dataset_metadata.sampling='poisson' but every batch of the dataset has "
             f"{rows[0]} rows: fixed-size batches are not Poisson samples. Pass "
