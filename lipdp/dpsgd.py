@@ -17,8 +17,9 @@ and the noise generator of :mod:`lipdp.noise`.
    rescaled cotangents so that no finite record's norm underflows or overflows;
 2. clipping factor ``C_i`` from ``||g_i||`` (over all variables), e.g.
    ``min(1, R / ||g_i||)``, or one per layer (:class:`Clipping` and its modes); rows with
-   a NaN or an infinity, in the data or in their gradient, and rows whose class-index
-   label is out of range get ``C_i = 0`` (rule S9, :mod:`lipdp.records`);
+   a NaN or an infinity, in the data or in their gradient, rows holding a token id
+   outside the range of the layer reading it and rows whose class-index label is out of
+   range get ``C_i = 0`` (rule S9, :mod:`lipdp.records`);
 3. ``g = sum_i C_i g_i / b`` with ``b`` the loss normaliser of the metadata (the batch
    size, or its expectation under Poisson sampling);
 4. Gaussian noise of standard deviation ``sigma * Delta`` on every coordinate, the
@@ -251,14 +252,25 @@ class ClippedGradientBound:
     nm_coef: float = 1.0
 
 
-def _neutralised(x, y):
-    """``(x, y, finite)`` with the rows holding a NaN or an infinity zeroed (rule S9).
-    Rows whose class label is out of range need the predictions' shape: their loss is 0
-    (:meth:`PrivateModel.per_example_losses`) and they are masked with the clipping."""
+def _neutralised(model, x, y):
+    """``(x, y, finite, ids)`` with the rows holding a NaN or an infinity (``finite``
+    False) or a token id outside the range of the layer reading it (``ids`` False;
+    ``None`` when the model reads no ids: :meth:`PrivateModel.input_ids_in_range`)
+    zeroed -- finite, and id 0 for every reader -- so that the step runs on them; they
+    are masked with the clipping (rule S9). Rows whose class label is out of range need
+    the predictions' shape: their loss is 0 (:meth:`PrivateModel.per_example_losses`) and
+    they are masked with the clipping too."""
     finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
-    x = tf.nest.map_structure(lambda t: zero_rows(finite, t), x)
-    y = zero_rows(finite, y) if y.dtype.is_floating else y
-    return x, y, finite
+    ids = model.input_ids_in_range(x)  # on the record as given, before any zeroing
+    usable = finite if ids is None else finite & ids
+    x = tf.nest.map_structure(lambda t: zero_rows(usable, t), x)
+    y = zero_rows(usable, y) if y.dtype.is_floating else y
+    return x, y, finite, ids
+
+
+def _kept(finite, ids):
+    """The rows a step may count before its labels are read: finite, ids in range."""
+    return finite if ids is None else finite & ids
 
 
 def _refuse_replicas(what) -> None:
@@ -352,6 +364,11 @@ class DPSGD_Model(PrivateModel):
                 "of one row."
             )
 
+    def _refuse_loss_reads(self, read) -> None:
+        """A loss reading a weight itself: ghost norms refuse it, the Jacobian method clips
+        its gradient with each row (:func:`lipdp.per_example.refuse_loss_reads`, where
+        the per-example gradients are taken)."""
+
     # ----------------------------------------------------------------- sensitivity
     def weighted_layers(self) -> list:
         """The layers with trainable variables, forward order (one clip radius each under
@@ -426,39 +443,41 @@ class DPSGD_Model(PrivateModel):
 
     # ----------------------------------------------------------------- training
     def clipped_gradient_sum(self, x, y):
-        """``(sum_i C_i g_i, y_pred, finite)``: the clipped per-example gradients summed
+        """``(sum_i C_i g_i, y_pred, kept)``: the clipped per-example gradients summed
         (aligned with ``trainable_variables``) as the training step computes them (with the
-        adversarial rows, if any), the predictions and the finite rows."""
+        adversarial rows, if any), the predictions and the rows not neutralised for their
+        input (finite, token ids in range: rule S9)."""
         x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
-        x, y, finite = _neutralised(x, y)
-        summed, y_pred = self._step_sum(x, y, finite)
-        return summed, y_pred, finite
+        x, y, finite, ids = _neutralised(self, x, y)
+        kept = _kept(finite, ids)
+        summed, y_pred = self._step_sum(x, y, kept)
+        return summed, y_pred, kept
 
-    def _step_sum(self, x, y, finite):
+    def _step_sum(self, x, y, kept):
         """The clipped sum of a training step on rows already neutralised (S9)."""
         if self.adversarial is None:
-            return self._clipped_sum(x, y, finite)
-        return self._adversarial_clipped_sum(x, y, finite)
+            return self._clipped_sum(x, y, kept)
+        return self._adversarial_clipped_sum(x, y, kept)
 
-    def _clipped_sum(self, x, y, finite, row_weights=None, losses=None):
+    def _clipped_sum(self, x, y, kept, row_weights=None, losses=None):
         """:meth:`clipped_gradient_sum` of rows already neutralised (S9), at DP-SAT's
         ascent point if asked (arguments of :meth:`_clipped_sum_at`)."""
 
         def compute():
-            return self._clipped_sum_at(x, y, finite, row_weights, losses)
+            return self._clipped_sum_at(x, y, kept, row_weights, losses)
 
         if self.ascent is not None and self.ascent.mode == "dp-sat":
             return self._at_dp_sat_point(compute)
         return compute()
 
-    def _adversarial_clipped_sum(self, x, y, finite):
+    def _adversarial_clipped_sum(self, x, y, kept):
         """The clipped sum of adversarial training (:mod:`lipdp.adversarial`): rows
         replaced by their adversarial versions (``mix = 1``), clean and adversarial rows
         clipped separately and weighted ``1 - mix`` and ``mix`` (``||.|| <= R``), or one
         TRADES loss per example over both (clipped as one row). Returns ``(sum,
         predictions on the adversarial rows)``."""
         x_adv = self.adversarial_examples(x, y)
-        rows = tf.shape(finite)[0]
+        rows = tf.shape(kept)[0]
         both = tf.concat([x, x_adv], 0)
         beta = self.adversarial.trades_beta
         if beta is not None:
@@ -467,17 +486,17 @@ class DPSGD_Model(PrivateModel):
                 clean, adversarial = y_pred[:rows], y_pred[rows:]
                 return self.per_example_losses(y, clean) + beta * softmax_kl(clean, adversarial)
 
-            summed, y_pred = self._clipped_sum(both, y, finite, losses=trades)
+            summed, y_pred = self._clipped_sum(both, y, kept, losses=trades)
             return summed, y_pred[rows:]
         w = self.adversarial.mix
         if w == 1.0:
-            return self._clipped_sum(x_adv, y, finite)
+            return self._clipped_sum(x_adv, y, kept)
         weights = tf.concat([tf.fill([rows], 1.0 - w), tf.fill([rows], w)], axis=0)
-        labels, keep = tf.concat([y, y], 0), tf.concat([finite, finite], 0)
+        labels, keep = tf.concat([y, y], 0), tf.concat([kept, kept], 0)
         summed, y_pred = self._clipped_sum(both, labels, keep, row_weights=weights)
         return summed, y_pred[rows:]
 
-    def _clipped_sum_at(self, x, y, finite, row_weights=None, losses=None):
+    def _clipped_sum_at(self, x, y, kept, row_weights=None, losses=None):
         """``(sum_i w_i C_i g_i, y_pred)``; ``row_weights`` ``w_i`` (default 1);
         ``losses(y_pred)``: the per-example losses (default: the compiled loss of each
         row; TRADES pairs the rows of ``x``, jacobian method only)."""
@@ -491,7 +510,7 @@ class DPSGD_Model(PrivateModel):
         y_pred = facts.y_pred
         if self.ascent is not None and self.ascent.mode == "bam":
             norms = tf.sqrt(tf.add_n(facts.sq_norms))
-            usable = finite & tf.math.is_finite(norms) & (norms > 0)
+            usable = kept & tf.math.is_finite(norms) & (norms > 0)
             safe = tf.where(usable, norms, tf.ones_like(norms))
             scales = tf.where(usable, self.ascent.radius / safe, tf.zeros_like(norms))
             facts = per_example_gradients(self, x, losses, "ghost", Ascent(facts, scales))
@@ -501,7 +520,7 @@ class DPSGD_Model(PrivateModel):
         # Rows with an out-of-range label already have loss 0 (per_example_losses): their
         # gradient is 0; masking them too keeps S9 independent of that.
         labelled = self.class_labels_in_range(y, y_pred)
-        keep = finite & labelled & tf.math.is_finite(tf.add_n(facts.sq_norms))
+        keep = kept & labelled & tf.math.is_finite(tf.add_n(facts.sq_norms))
         sums = facts.clipped_sums(factors, keep)
         summed = [
             sums[v.ref()] if v.ref() in sums else tf.zeros_like(v) for v in self.trainable_variables
@@ -528,8 +547,8 @@ class DPSGD_Model(PrivateModel):
         if self.ascent is not None and self.ascent.mode == "dp-sat":
             _refuse_replicas("DP-SAT (it moves the weights inside the step)")
         x, y, _ = self._checked_batch(data)
-        x, y, finite = _neutralised(x, y)
-        summed, y_pred = self._step_sum(x, y, finite)
+        x, y, finite, ids = _neutralised(self, x, y)
+        summed, y_pred = self._step_sum(x, y, _kept(finite, ids))
         labelled = self.class_labels_in_range(y, y_pred)
         normalizer = float(self.dataset_metadata.loss_normalizer)
         gradients = [s / normalizer for s in summed]
@@ -543,7 +562,7 @@ class DPSGD_Model(PrivateModel):
         y_logged = zero_rows(labelled, y)
         self.compute_loss(x, y_logged, y_pred)
         logs = self.compute_metrics(x, y_logged, y_pred, None)
-        return {**logs, **self._count_neutralised(finite, labelled)}
+        return {**logs, **self._count_neutralised(finite, labelled, ids)}
 
     # ------------------------------------------------------------- serialisation
     def get_config(self):

@@ -51,6 +51,7 @@ costs slightly more in theory (Whitehouse et al., 2023).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,25 +59,30 @@ import tensorflow as tf
 
 from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian, dynamic_clipping_label
 from lipdp.accounting.plan import GRADIENT_STEPS as STEPS_LABEL
+from lipdp.accounting.tuning import RandomSearch
+from lipdp.layer_walk import nested_layers
 
 logger = logging.getLogger(__name__)
 
 #: Rows of the ledger (the last ``len(KINDS)`` are overflow rows).
 CAPACITY = 64
 
-#: Columns of a row.
-KIND, SCALE, RATE, BATCH, SAMPLES, POISSON, GAUSSIANS, MERGED = range(8)
-WIDTH = 8
+#: Columns of a row (``REPRODUCIBLE``: the step's noise came from a seeded generator).
+KIND, SCALE, RATE, BATCH, SAMPLES, POISSON, GAUSSIANS, MERGED, REPRODUCIBLE = range(9)
+WIDTH = 9
 
-#: Kinds of release (column ``KIND``; 0 is an empty row).
-GRADIENT_STEPS, GAUSSIAN_RELEASE, LAPLACE_RELEASE = 1, 2, 3
-KINDS = (GRADIENT_STEPS, GAUSSIAN_RELEASE, LAPLACE_RELEASE)
+#: Kinds of row (column ``KIND``; 0 is an empty row). ``SEARCH`` rows are not releases:
+#: they record that steps ran under a declared hyper-parameter search (``SCALE``: its
+#: mean number of runs, ``RATE``: its shape), whose cost every later epsilon includes.
+GRADIENT_STEPS, GAUSSIAN_RELEASE, LAPLACE_RELEASE, SEARCH = 1, 2, 3, 4
+KINDS = (GRADIENT_STEPS, GAUSSIAN_RELEASE, LAPLACE_RELEASE, SEARCH)
 
 #: The labels of the privacy plan's releases (lipdp.accounting.plan and lipdp.dynamic).
 LABELS = {
     GRADIENT_STEPS: STEPS_LABEL,
     GAUSSIAN_RELEASE: dynamic_clipping_label("quantiles"),
     LAPLACE_RELEASE: dynamic_clipping_label("laplace"),
+    SEARCH: "declared hyper-parameter search",
 }
 
 
@@ -94,6 +100,10 @@ class LedgerEntry:
         sampling: ``"poisson"`` or ``"shuffle"`` (``""`` for other releases).
         gaussians: Gaussian mechanisms in one step (per-layer noise: one per variable).
         merged: an overflow row, dominating several mechanisms (module docstring).
+        reproducible: the noise came from a seeded generator
+            (:func:`lipdp.noise.use_reproducible_noise`): anyone with the seed can
+            regenerate it.
+        search: the :class:`~lipdp.accounting.tuning.RandomSearch` of a search row.
     """
 
     label: str
@@ -104,10 +114,16 @@ class LedgerEntry:
     sampling: str = ""
     gaussians: int = 1
     merged: bool = False
+    reproducible: bool = False
+    search: RandomSearch | None = None
 
     def describe(self) -> str:
+        if self.search is not None:
+            return f"{self.count} steps under a declared {self.search.describe()}"
         what = "no noise (non-private)" if self.mechanism is None else self.mechanism.describe()
         text = f"{self.count} x {self.label}: {what}"
+        if self.reproducible:
+            text += ", REPRODUCIBLE noise (seeded)"
         if self.label == LABELS[GRADIENT_STEPS]:
             text += f"; b = {self.batch_size}, N = {self.nb_samples}, {self.sampling} batches"
             if self.gaussians > 1:
@@ -117,11 +133,21 @@ class LedgerEntry:
         return text
 
 
-def step_row(noise_multiplier, batch_size, nb_samples, poisson, gaussians) -> np.ndarray:
+def step_row(
+    noise_multiplier, batch_size, nb_samples, poisson, gaussians, reproducible=False
+) -> np.ndarray:
     """The row of one noisy gradient step (``noise_multiplier = 0``: non-private)."""
     row = np.zeros(WIDTH)
     row[[KIND, SCALE, RATE]] = GRADIENT_STEPS, noise_multiplier, batch_size / nb_samples
     row[[BATCH, SAMPLES, POISSON, GAUSSIANS]] = batch_size, nb_samples, poisson, gaussians
+    row[REPRODUCIBLE] = reproducible
+    return row
+
+
+def search_row(search: RandomSearch) -> np.ndarray:
+    """The row recording one step run under a declared hyper-parameter search."""
+    row = np.zeros(WIDTH)
+    row[[KIND, SCALE, RATE]] = SEARCH, search.mean, search.shape
     return row
 
 
@@ -143,7 +169,9 @@ def release_row(mechanism) -> np.ndarray:
 
 def _dominating(old, new, kind):
     """A row that dominates ``old`` (an overflow row, maybe empty) and ``new``."""
-    smaller_is_worse = kind != LAPLACE_RELEASE  # a Gaussian's sigma; Laplace's epsilon
+    # A Gaussian's sigma: smaller is worse; Laplace's epsilon, a search's mean: larger.
+    smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
+    # (A search's shape, in RATE: a larger eta costs more for the same mean.)
     scale = (
         tf.minimum(old[SCALE], new[SCALE])
         if smaller_is_worse
@@ -159,6 +187,7 @@ def _dominating(old, new, kind):
             tf.minimum(old[POISSON], new[POISSON]),
             tf.maximum(old[GAUSSIANS], new[GAUSSIANS]),
             tf.constant(1.0, tf.float64),
+            tf.maximum(old[REPRODUCIBLE], new[REPRODUCIBLE]),
         ]
     )
     return tf.where(tf.equal(old[KIND], 0.0), new, merged)
@@ -213,20 +242,51 @@ class PrivacyLedger:
         table, counts = self.table.numpy(), self.counts.numpy()
         return [_entry(row, int(c)) for row, c in zip(table, counts) if c > 0]
 
+    def releases(self) -> list[LedgerEntry]:
+        """The entries that are releases (every row but the search rows)."""
+        return [entry for entry in self.entries() if entry.search is None]
+
     def terms(self) -> tuple:
         """``((mechanism, count), ...)`` for the accountants; ``None`` mechanisms (no
         noise) are kept, the plan turns them into an infinite epsilon."""
         merged = {}
-        for entry in self.entries():
+        for entry in self.releases():
             merged[entry.mechanism] = merged.get(entry.mechanism, 0) + entry.count
         return tuple(merged.items())
 
     def counts_by_label(self) -> dict:
-        """``{label: total runs}`` (e.g. the gradient steps recorded)."""
+        """``{label: total runs}`` of the releases (e.g. the gradient steps recorded)."""
         totals = {}
-        for entry in self.entries():
+        for entry in self.releases():
             totals[entry.label] = totals.get(entry.label, 0) + entry.count
         return totals
+
+    def searches(self) -> tuple:
+        """The hyper-parameter searches some step ran under."""
+        return tuple(entry.search for entry in self.entries() if entry.search is not None)
+
+    def reproducible(self) -> bool:
+        """Some step drew its noise from a seeded generator."""
+        return any(entry.reproducible for entry in self.entries())
+
+    # ------------------------------------------------------------------ lineage
+    def snapshot(self) -> tuple:
+        """The rows and counts now (numpy), for :meth:`keep_at_least`."""
+        return self.table.numpy(), self.counts.numpy()
+
+    def keep_at_least(self, snapshot) -> None:
+        """Every row of ``snapshot`` counted at least as many times as there: after the
+        variables were overwritten by older ones (weights restored to an earlier epoch,
+        chosen after later epochs were released), nothing released is forgotten."""
+        table, counts = self.table.numpy(), self.counts.numpy()
+        for row, count in zip(*snapshot):
+            if count == 0:
+                continue
+            same = np.all(table == row, axis=1)
+            now = int(counts[same].sum()) if same.any() else 0
+            if count > now:
+                self.record(row, int(count - now))
+                table, counts = self.table.numpy(), self.counts.numpy()
 
     def describe(self) -> list[str]:
         return [entry.describe() for entry in self.entries()]
@@ -234,6 +294,9 @@ class PrivacyLedger:
 
 def _entry(row, count) -> LedgerEntry:
     kind = int(row[KIND])
+    if kind == SEARCH:
+        search = RandomSearch(float(row[SCALE]), float(row[RATE]))
+        return LedgerEntry(LABELS[kind], None, count, search=search, merged=bool(row[MERGED]))
     if kind == LAPLACE_RELEASE:
         mechanism = Laplace(float(row[SCALE]))
     elif row[SCALE] == 0.0:
@@ -250,7 +313,50 @@ def _entry(row, count) -> LedgerEntry:
         sampling=("poisson" if row[POISSON] else "shuffle") if steps else "",
         gaussians=int(row[GAUSSIANS]),
         merged=bool(row[MERGED]),
+        reproducible=bool(row[REPRODUCIBLE]),
     )
+
+
+# ------------------------------------------------------------ layers and their ledger
+#: The ledger of the last private model that trained each layer (in this process; a
+#: layer saved on its own, ``layer.get_weights()``, does not carry it: save the model).
+_TRAINED_BY = weakref.WeakKeyDictionary()
+
+
+def tag_trained_layers(layers, ledger: PrivacyLedger) -> None:
+    """Record that ``ledger``'s model trains the layers of ``layers`` that have trainable
+    variables (at any depth)."""
+    for _, layer in nested_layers(layers):
+        if layer.trainable_variables:
+            _TRAINED_BY[layer] = ledger
+
+
+def ledgers_of(layers) -> dict:
+    """``{path: ledger}`` of the layers of ``layers`` (at any depth) that a private model
+    has trained in this process."""
+    found = {}
+    for path, layer in nested_layers(layers):
+        ledger = _TRAINED_BY.get(layer)
+        if ledger is not None:
+            found[path] = ledger
+    return found
+
+
+def inherited_ledger(layers) -> PrivacyLedger | None:
+    """The one ledger of the private model(s) that trained some of ``layers``, or
+    ``None``; layers trained under two different ledgers are refused (their releases
+    would have to be composed: train them in one model, or save and reload)."""
+    distinct = {}
+    for path, ledger in ledgers_of(layers).items():
+        distinct.setdefault(id(ledger.table), (path, ledger))
+    if len(distinct) > 1:
+        paths = ", ".join(repr(path) for path, _ in distinct.values())
+        raise ValueError(
+            f"Layers {paths} were trained privately by different models, each with its own "
+            "privacy ledger: a model built from them would under-report epsilon. Train them "
+            "in one model (or one after the other, building each model from the last)."
+        )
+    return next(iter(distinct.values()))[1] if distinct else None
 
 
 def is_non_private(terms) -> bool:
@@ -263,7 +369,11 @@ __all__ = [
     "LABELS",
     "LedgerEntry",
     "PrivacyLedger",
+    "inherited_ledger",
     "is_non_private",
+    "ledgers_of",
+    "tag_trained_layers",
     "release_row",
+    "search_row",
     "step_row",
 ]

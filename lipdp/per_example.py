@@ -103,7 +103,12 @@ both are what ``ROUNDOFF_SLACK`` (:mod:`lipdp.bounds`) covers.
 A variable shared by two layers would make a row's gradient the sum of two parts whose
 norms are computed separately; :func:`weighted_layers` refuses it, and the ghost method
 refuses a layer that reads, in its call, a trainable variable of another layer
-(:func:`refuse_untracked_reads`; the Jacobian method differentiates every use).
+(:func:`refuse_untracked_reads`) and a per-example loss that reads a trainable variable
+of the model itself, e.g. a weight penalty written inside the loss
+(:func:`refuse_loss_reads`): the cotangents of the layers' outputs do not carry those
+uses. The Jacobian method differentiates every use: a penalty inside the loss is part of
+each row's gradient, clipped with it (sound, though it then scales with the number of
+rows sampled; a ``kernel_regularizer`` is added outside the clipped sum instead).
 """
 
 from __future__ import annotations
@@ -164,6 +169,35 @@ def refuse_untracked_reads(layer, read, owners) -> None:
                 "without tracking it: ghost norms would drop that use's gradient. Make one "
                 "layer own both uses, or use gradient_method='jacobian'."
             )
+
+
+def refuse_loss_reads(read, owners) -> None:
+    """Refuse a per-example loss that read (``read``: the trainable variables a tape
+    watched while the losses were computed) a variable of the model (``owners``), e.g. a
+    weight penalty written inside the loss: ghost norms take each row's gradient from the
+    cotangents of the layers' outputs and would drop that path. (The Jacobian method
+    differentiates the row's whole loss: the penalty's gradient is part of each row's
+    clipped gradient.)"""
+    for v in read:
+        owner = owners.get(v.ref())
+        if owner is not None:
+            raise ValueError(
+                f"The loss reads variable {v.name!r} of layer {owner.name!r} directly: ghost "
+                "norms would drop that use's gradient. Penalise the weights with a "
+                "kernel_regularizer (added outside the clipped sum), or use "
+                "gradient_method='jacobian' (the penalty is then clipped with each row)."
+            )
+
+
+def _variable_owners(model) -> dict:
+    """``{variable ref: layer}`` for every trainable variable of the model, the layer
+    being the innermost one a ghost pass runs (nested chains expanded)."""
+    return {
+        v.ref(): leaf
+        for layer in model.layers_forward_order()
+        for leaf in _leaves(layer)
+        for v in leaf.trainable_variables
+    }
 
 
 def ghost_rule(layer) -> str:
@@ -322,12 +356,7 @@ def _recorded_forward(model, x, records, ascent=None):
     run by their own call are watched: one that reads another layer's variable is
     refused (:func:`refuse_untracked_reads`), unless both are inside one nested chain
     model: that model then runs as one layer (its fallback differentiates every use)."""
-    owners = {
-        v.ref(): leaf
-        for layer in model.layers_forward_order()
-        for leaf in _leaves(layer)
-        for v in leaf.trainable_variables
-    }
+    owners = _variable_owners(model)
 
     def watched_call(layer, h, kwargs):
         with tf.GradientTape() as probe:  # records which trainable variables the call reads
@@ -799,7 +828,10 @@ def per_example_gradients(
     records = []
     with tf.GradientTape() as tape:
         y_pred = _recorded_forward(model, x, records, ascent)
-        total = tf.reduce_sum(per_example_losses(y_pred))
+        with tf.GradientTape() as probe:  # which trainable variables the loss reads
+            losses = per_example_losses(y_pred)
+        total = tf.reduce_sum(losses)
+    refuse_loss_reads(probe.watched_variables(), _variable_owners(model))
     cotangents = tape.gradient(total, [r.outputs for r in records])
     weighted_layers([r.layer for r in records])  # refuses shared variables
     first = ascent.first.records if ascent is not None else [None] * len(records)
@@ -851,6 +883,7 @@ __all__ = [
     "PerExampleGradients",
     "ghost_rule",
     "per_example_gradients",
+    "refuse_loss_reads",
     "refuse_untracked_reads",
     "row_loop_layers",
     "weighted_layers",

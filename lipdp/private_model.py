@@ -19,6 +19,7 @@ A family implements :meth:`PrivateModel.sensitivities`, :meth:`~PrivateModel.noi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from lipdp import batch_independence, distribute, noise, validation
+from lipdp import batch_independence, distribute, ledger, noise, validation
 from lipdp.accounting.mechanisms import effective_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.tuning import RandomSearch
@@ -36,7 +37,7 @@ from lipdp.layer_walk import nested_layers
 from lipdp.ledger import PrivacyLedger, step_row
 from lipdp.metadata import DatasetMetadata
 from lipdp.noise import NOISIFY_STRATEGIES
-from lipdp.records import labels_in_range, neutralised_losses
+from lipdp.records import ids_in_range, labels_in_range, neutralised_losses, read_ids
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +162,13 @@ class PrivateModel(tf.keras.Model):
         # The input specs the batch-independence probe has passed (reset by compile).
         object.__setattr__(self, "_independence_probed", set())
         # Training examples neutralised by rule S9, per epoch, in the training logs: with a
-        # NaN or an infinity (input or label), and finite ones whose class label is out of
-        # range. Like the loss and the accuracy there, statistics of the private data for
-        # its owner, not part of the DP release. Kept out of Keras' metric list
-        # (object.__setattr__) so that evaluate() returns what it always did.
+        # NaN or an infinity (input or label), finite ones with a token id out of range
+        # and the others whose class label is out of range. Like the loss and the accuracy
+        # there, statistics of the private data for its owner, not part of the DP release.
+        # Kept out of Keras' metric list (object.__setattr__) so that evaluate() returns
+        # what it always did.
         object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
+        object.__setattr__(self, "_invalid_inputs", tf.keras.metrics.Sum(name="invalid_inputs"))
         object.__setattr__(self, "_invalid_labels", tf.keras.metrics.Sum(name="invalid_labels"))
         #: Noisy steps taken (rule S10): a model variable, so it is saved and restored with
         #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
@@ -173,7 +176,14 @@ class PrivateModel(tf.keras.Model):
         self.noisy_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noisy_steps")
         #: What the steps released, mechanism by mechanism (rule S10, :mod:`lipdp.ledger`):
         #: model variables too, saved wherever the step count is.
-        self.privacy_ledger_table, self.privacy_ledger_counts = PrivacyLedger.create_variables()
+        #: Layers another private model trained in this process bring its ledger: the
+        #: two models then share it (the lineage of those weights).
+        inherited = ledger.inherited_ledger(self.dp_layers)
+        if inherited is None:
+            table, counts = PrivacyLedger.create_variables()
+        else:
+            table, counts = inherited.table, inherited.counts
+        self.privacy_ledger_table, self.privacy_ledger_counts = table, counts
         if dataset_metadata is not None:
             if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
                 raise ValueError(
@@ -311,6 +321,7 @@ class PrivateModel(tf.keras.Model):
         params = self.dp_parameters
         return PrivacyPlan.for_training(
             ledger=self.privacy_ledger,
+            steps_done=int(self.noisy_steps.numpy()),
             noise_multipliers=self.noise_multipliers() if not params.non_private else 1.0,
             sampling_rate=metadata.sampling_rate,
             steps_per_epoch=metadata.nb_steps_per_epochs,
@@ -346,6 +357,7 @@ class PrivateModel(tf.keras.Model):
             metadata.nb_samples_train,
             metadata.sampling == "poisson",
             gaussians,
+            reproducible=noise.reproducible_noise_seed() is not None,
         )
 
     def _step_configuration(self) -> tuple:
@@ -369,7 +381,27 @@ class PrivateModel(tf.keras.Model):
             rank = len(values.shape)
             return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
 
-        return neutralised_losses(rows, y, y_pred, self._ignored_class())
+        with tf.GradientTape() as probe:  # the trainable variables the loss reads itself
+            losses = neutralised_losses(rows, y, y_pred, self._ignored_class())
+        self._refuse_loss_reads(probe.watched_variables())
+        return losses
+
+    def _refuse_loss_reads(self, read) -> None:
+        """Refuse a loss that reads (``read``: the variables a tape watched while it ran)
+        a trainable variable of the model itself, e.g. a weight penalty written inside the
+        loss: the sensitivities bound the loss's gradient through the predictions only,
+        and the penalty's gradient comes once per sampled row (clipless family: remove-one
+        ratio 2.8, ``tests/test_attacks_issue26.py``). A hook: the clipped family lets its gradient
+        method decide (:func:`lipdp.per_example.refuse_loss_reads`)."""
+        own = {v.ref() for v in self.trainable_variables}
+        for v in read:
+            if v.ref() in own:
+                raise ValueError(
+                    f"The loss reads variable {v.name!r} of the model directly: its gradient "
+                    "is outside the sensitivity bounds, which cover the loss through the "
+                    "predictions. Penalise the weights with a kernel_regularizer or "
+                    "add_loss(lambda: ...) (added outside the bounded sum)."
+                )
 
     def class_labels_in_range(self, y, y_pred):
         """``(rows,)`` booleans: the row's label is not a class index out of range
@@ -383,17 +415,30 @@ class PrivateModel(tf.keras.Model):
         config = loss.get_config() if isinstance(loss, tf.keras.losses.Loss) else {}
         return config.get("ignore_class")
 
-    def _count_neutralised(self, finite, labelled) -> dict:
+    def input_ids_in_range(self, x):
+        """``(rows,)`` booleans: every token id of the row's input is in the range of the
+        layer reading it (:func:`lipdp.records.read_ids`, e.g. ``[0, input_dim)``
+        for an ``Embedding`` fed by the input); ``None`` when no input is read as ids."""
+        usable = [ids_in_range(ids, r.size) for ids, r in read_ids(self.dp_layers, x)]
+        return tf.reduce_all(tf.stack(usable), axis=0) if usable else None
+
+    def _count_neutralised(self, finite, labelled, ids=None) -> dict:
         """Rule S9's counts for the training logs, each neutralised row counted once:
-        ``non_finite_examples`` (a NaN or an infinity in the input or the label) and
-        ``invalid_labels`` (finite rows whose class label is out of range)."""
+        ``non_finite_examples`` (a NaN or an infinity in the input or the label),
+        ``invalid_inputs`` (finite rows with a token id out of range; only for a model
+        whose input is read as ids, ``ids`` not ``None``) and ``invalid_labels`` (the
+        other rows whose class label is out of range). Inputs and labels apart: the
+        owner of the data knows which to repair."""
         self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
-        invalid = tf.reduce_sum(tf.cast(finite & ~labelled, tf.float32))
+        counts = {"non_finite_examples": self._non_finite.result()}
+        inputs_usable = finite
+        if ids is not None:
+            self._invalid_inputs.update_state(tf.reduce_sum(tf.cast(finite & ~ids, tf.float32)))
+            counts["invalid_inputs"] = self._invalid_inputs.result()
+            inputs_usable = finite & ids
+        invalid = tf.reduce_sum(tf.cast(inputs_usable & ~labelled, tf.float32))
         self._invalid_labels.update_state(invalid)
-        return {
-            "non_finite_examples": self._non_finite.result(),
-            "invalid_labels": self._invalid_labels.result(),
-        }
+        return {**counts, "invalid_labels": self._invalid_labels.result()}
 
     def adversarial_examples(self, x, y):
         """Each row's adversarial version by the model's :class:`~lipdp.adversarial.PGD`
@@ -451,6 +496,9 @@ class PrivateModel(tf.keras.Model):
         # from the same configuration): what ran is what the ledger holds.
         self.noisy_steps.assign_add(1)
         self.privacy_ledger.record(self._step_row())
+        search = self.dp_parameters.hyperparameter_search
+        if search is not None:  # its cost stays with what ran under it
+            self.privacy_ledger.record(ledger.search_row(search))
         self.project()
 
     def make_train_function(self, force=False):
@@ -463,6 +511,19 @@ class PrivateModel(tf.keras.Model):
                 "a private step would release nothing. Unfreeze a layer (layer.trainable = "
                 "True) and compile again."
             )
+        own = self.privacy_ledger
+        others = {
+            path: other
+            for path, other in ledger.ledgers_of(self.dp_layers).items()
+            if other.table is not own.table
+        }
+        if others:
+            raise ValueError(
+                f"Layer(s) {', '.join(map(repr, others))} were trained privately by another "
+                "model after this one was built, with that model's privacy ledger: build "
+                "this model after that training (it then shares that ledger)."
+            )
+        ledger.tag_trained_layers(self.dp_layers, own)
         configuration = self._step_configuration()
         if configuration != getattr(self, "_traced_configuration", None):
             force = True
@@ -519,6 +580,7 @@ class PrivateModel(tf.keras.Model):
     def reset_metrics(self):
         super().reset_metrics()
         self._non_finite.reset_state()
+        self._invalid_inputs.reset_state()
         self._invalid_labels.reset_state()
 
     @property
@@ -589,17 +651,32 @@ class PrivateModel(tf.keras.Model):
 
     def train_on_batch(self, *args, **kwargs):
         """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
+        self._refuse_changed_trainable_state()
         self.project()
         return super().train_on_batch(*args, **kwargs)
 
     def set_weights(self, weights):
-        """Set the weights, then project them onto their constraint sets (S12)."""
-        super().set_weights(weights)
+        """Set the weights, then project them onto their constraint sets (S12). The
+        privacy state is never rewound (:meth:`_keeping_the_privacy_state`)."""
+        with self._keeping_the_privacy_state():
+            super().set_weights(weights)
         self.project()
+
+    @contextlib.contextmanager
+    def _keeping_the_privacy_state(self):
+        """Weights (and with them the ledger and the step count) may be restored to an
+        earlier state -- EarlyStopping's best weights, a best checkpoint -- chosen after
+        the later steps were released: what was recorded before stays recorded (rule
+        S10). A fresh model loading a checkpoint simply gets the checkpoint's ledger."""
+        before, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        yield
+        self.privacy_ledger.keep_at_least(before)
+        self.noisy_steps.assign(max(steps, int(self.noisy_steps.numpy())))
 
     def load_weights(self, *args, **kwargs):
         """Load the weights, then project them onto their constraint sets (S12)."""
-        status = super().load_weights(*args, **kwargs)
+        with self._keeping_the_privacy_state():
+            status = super().load_weights(*args, **kwargs)
         if self.built:
             self.project()
         return status
@@ -626,9 +703,40 @@ class PrivateModel(tf.keras.Model):
                 "Remove or repair these rows before fit."
             )
 
+    def _refuse_changed_trainable_state(self) -> None:
+        """Keras 2's ``fit`` and ``train_on_batch`` train the layers that were trainable at
+        the last ``compile`` (``RespectCompiledTrainableState``), while the privacy plan and
+        the noise multipliers read the current flags: refuse until they agree (S11)."""
+        compiled = getattr(self, "_compiled_trainable_state", None)
+        if compiled is None:
+            return
+        # Layers created since compile (a nested Sequential builds its InputLayer on the
+        # first call) keep their own flags in Keras too: compare the layers of both.
+        current = self._get_trainable_state()  # noqa: SLF001
+        if any(current[layer] != flag for layer, flag in compiled.items() if layer in current):
+            raise ValueError(
+                "Layers were frozen or unfrozen after compile(): Keras would train the "
+                "layers of the last compile while the privacy plan prices the current ones. "
+                "Call compile() again."
+            )
+
+    def _refuse_invalid_inputs(self, x) -> None:
+        """Rule S9 for arrays: refuse token ids out of the range of the layer reading them
+        (:func:`lipdp.records.read_ids`), naming their rows. (Pipelines are
+        neutralised in-graph instead: such rows count zero.)"""
+        for array, ids in read_ids(self.dp_layers, x):
+            bad = np.flatnonzero(~ids_in_range(np.asarray(array), ids.size).numpy())
+            if bad.size:
+                raise ValueError(
+                    f"x has {bad.size} example(s) with a token id that is not a whole number "
+                    f"in [0, {ids.size}) (rows {_shown(bad)}): layer {ids.reader!r} reads ids "
+                    "in that range. Remove or repair these rows before fit."
+                )
+
     def _check_fit_arguments(self, x, y, batch_size, kwargs):
         if self.compiled_loss is None:
             raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
+        self._refuse_changed_trainable_state()
         b = self.batch_size
         for unsupported in ("sample_weight", "class_weight"):
             if kwargs.get(unsupported) is not None:
@@ -641,6 +749,7 @@ class PrivateModel(tf.keras.Model):
                     "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
                 )
             _check_poisson_pipeline(x, self.dataset_metadata)
+            _refuse_fixed_size_batches(x, self.dataset_metadata)
             return
         metadata = self.dataset_metadata
         if metadata.partial_last_batch:
@@ -665,6 +774,7 @@ class PrivateModel(tf.keras.Model):
         if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
             return
         _refuse_non_finite(x, y)
+        self._refuse_invalid_inputs(x)
         self._refuse_invalid_labels(x, y)
         n = len(tf.nest.flatten(x)[0])
         if batch_size is not None and batch_size != b:
@@ -674,6 +784,12 @@ class PrivateModel(tf.keras.Model):
             )
         split = kwargs.get("validation_split") or 0.0
         n_train = int(math.floor(n * (1.0 - split)))
+        if n_train != metadata.nb_samples_train:
+            raise ValueError(
+                f"fit receives {n_train} training examples but dataset_metadata declares "
+                f"nb_samples_train={metadata.nb_samples_train}: the sampling rate b/N of the "
+                "privacy accounting comes from it. Declare the number of examples trained on."
+            )
         if n_train % b:
             raise ValueError(
                 f"{n_train} training examples are not a multiple of batch_size={b}: the last "
@@ -773,6 +889,23 @@ def _check_poisson_pipeline(dataset, metadata) -> None:
             f"The Poisson pipeline has {steps} steps per epoch but dataset_metadata declares "
             f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong number "
             "of steps. Build the batches with metadata.nb_steps_per_epochs."
+        )
+
+
+def _refuse_fixed_size_batches(dataset, metadata) -> None:
+    """A dataset whose batches all have one static size is not Poisson-sampled (Poisson
+    batches have a random size): accounting it at rate b/N would be wrong. The one
+    exception is rate 1, where the Poisson sample is the whole data set, N rows."""
+    if not isinstance(dataset, tf.data.Dataset):
+        return
+    rows = tf.nest.flatten(dataset.element_spec)[0].shape
+    whole_set = metadata.sampling_rate >= 1.0 and rows.rank and rows[0] == metadata.nb_samples_train
+    if rows.rank and rows[0] is not None and not whole_set:
+        raise ValueError(
+            f"dataset_metadata.sampling='poisson' but every batch of the dataset has "
+            f"{rows[0]} rows: fixed-size batches are not Poisson samples. Pass "
+            "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch), or "
+            "declare sampling='shuffle'."
         )
 
 

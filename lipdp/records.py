@@ -1,18 +1,46 @@
 """Rule S9 in one place: which examples of a batch cannot be trained on as they are.
 
-Two kinds of rows are neutralised (they count zero in the step) instead of making the
+Three kinds of rows are neutralised (they count zero in the step) instead of making the
 contribution unbounded or the step fail -- which would reveal that the row was sampled:
 
 * a row holding a NaN or an infinity (input or label): :func:`finite_rows`;
+* a row whose input holds a token id outside the range of the layer reading it (``10``,
+  ``-1`` or ``2**31 - 1`` for an ``Embedding(10, ...)``, ``2.5``): :func:`ids_in_range`,
+  the ranges from :func:`read_ids`. The CPU's embedding lookup and ``CategoryEncoding``'s
+  assertion raise on such an id, which would stop the whole step;
 * a row whose class-index label is not a class of the predictions (``10`` or ``-1``
   with 10 classes, ``2.5``): :func:`labels_in_range`. TensorFlow's sparse
-  cross-entropy raises on such a label, which would stop the whole step.
+  cross-entropy raises on such a label, likewise.
+
+**Which ids are checked.** A record brings ids through the model's input; the layers
+that read them state their valid range: ``Embedding`` (``[0, input_dim)``) and
+``CategoryEncoding`` (``[0, num_tokens)``). :func:`input_id_ranges` finds, for each
+tensor of the model's input, the layers that read it directly -- the first layer of the
+forward loop, into nested ``Sequential`` and functional models (every layer reading the
+input tensor of their graph) and through layers that only move values (``InputLayer``,
+``Reshape``, ``Flatten``, ``Permute``) -- and keeps the narrowest range. A row is usable
+iff every entry of such a tensor is a whole number in that range (integer or float
+dtype: ``2.5``, which ``Embedding`` would truncate to 2, is refused like a label ``2.5``:
+the test is never looser than the layer). An input read by no such layer has no range
+(floats fed to ``Dense`` are values: any finite value is usable). Ids computed inside
+the model (``Hashing``, ``IntegerLookup``, ``StringLookup``) lie in the range the
+computing layer is configured for (``num_bins``, the vocabulary size): the model, not
+the record, must make it fit the ``Embedding`` after it. The clipless family has no
+layer reading ids (its first layer is ``DP_BoundedInput``, which bounds the norm of any
+finite input).
+
+A neutralised row is zeroed where it is read (finite values, id 0, in every range since
+``input_dim, num_tokens >= 1``) so that the step runs, and given clipping factor 0 (or
+loss 0 for a label) so that it contributes nothing; the training logs count it; ``fit``
+on arrays refuses it, naming the rows.
 
 Imports nothing else of lipdp, so that the input layer, the losses and the training steps
 all use the same tests.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import tensorflow as tf
 
@@ -73,16 +101,35 @@ def labels_in_range(labels, predictions, ignore_class=None):
     if not sparse_labels(labels, predictions):
         return tf.ones([rows], dtype=tf.bool)
     classes = tf.shape(predictions)[-1]
-    # Wide types: an int64 comparison for integers (K may not fit uint8 labels), float64
-    # for floats (exact for every float32 and float16 value).
-    wide = tf.int64 if labels.dtype.is_integer else tf.float64
-    values = tf.cast(tf.reshape(labels, tf.stack([rows, -1])), wide)
-    entries = (values >= 0) & (values < tf.cast(classes, wide))
+    values, entries = _whole_numbers_below(labels, classes)
+    if ignore_class is not None:
+        entries |= values == tf.cast(ignore_class, values.dtype)
+    return tf.reduce_all(entries, axis=1) | (classes < 2)
+
+
+def _whole_numbers_below(values, size):
+    """``(values, entries)``: ``values`` as ``(rows, -1)`` in a wide type and, per entry,
+    whether it is a whole number in ``[0, size)``. Wide types: an int64 comparison for
+    integers (``size`` may not fit uint8 values), float64 for floats (exact for every
+    float32 and float16 value; NaN and infinities are not in range)."""
+    wide = tf.int64 if values.dtype.is_integer else tf.float64
+    rows = tf.shape(values)[0]
+    values = tf.cast(tf.reshape(values, tf.stack([rows, -1])), wide)
+    entries = (values >= 0) & (values < tf.cast(size, wide))
     if wide == tf.float64:
         entries &= tf.math.floor(values) == values
-    if ignore_class is not None:
-        entries |= values == tf.cast(ignore_class, wide)
-    return tf.reduce_all(entries, axis=1) | (classes < 2)
+    return values, entries
+
+
+def ids_in_range(ids, size):
+    """``(batch,)`` booleans: every entry of the example is a whole number in ``[0,
+    size)`` -- a token id the layer reading it can look up (:func:`input_id_ranges`).
+    Integer or floating ids (a float id is read as the integer it equals; ``2.5`` is not
+    an id); booleans and other types are not ids (all usable). In-graph."""
+    ids = tf.convert_to_tensor(ids)
+    if not (ids.dtype.is_integer or ids.dtype.is_floating):
+        return tf.ones(tf.shape(ids)[:1], dtype=tf.bool)
+    return tf.reduce_all(_whole_numbers_below(ids, size)[1], axis=1)
 
 
 def neutralised_losses(per_example, labels, predictions, ignore_class=None):
@@ -97,4 +144,122 @@ def neutralised_losses(per_example, labels, predictions, ignore_class=None):
     return tf.where(usable, losses, tf.zeros_like(losses))
 
 
-__all__ = ["finite_rows", "labels_in_range", "neutralised_losses", "sparse_labels", "zero_rows"]
+# ------------------------------------------------------------------- id ranges
+@dataclass(frozen=True)
+class IdRange:
+    """Ids of one input tensor must be whole numbers in ``[0, size)``: the narrowest range
+    of the layers reading it, ``reader`` the path of that layer (for messages)."""
+
+    size: int
+    reader: str
+
+
+def _stated_range(layer) -> int | None:
+    """The ids ``layer`` can read: ``[0, size)``, or ``None`` (not an id reader)."""
+    if isinstance(layer, tf.keras.layers.Embedding):
+        return int(layer.input_dim)
+    if isinstance(layer, tf.keras.layers.CategoryEncoding) and layer.num_tokens is not None:
+        return int(layer.num_tokens)
+    return None
+
+
+def _moves_values(layer) -> bool:
+    """Does ``layer`` only move its input's values (the ids reach the next layer as they
+    are)? Exact classes: a subclass may change ``call``."""
+    layers = tf.keras.layers
+    return type(layer) in (layers.InputLayer, layers.Reshape, layers.Flatten, layers.Permute)
+
+
+def _narrowest(ranges) -> IdRange | None:
+    known = [r for r in ranges if r is not None]
+    return min(known, key=lambda r: r.size) if known else None
+
+
+def _is_graph(layer) -> bool:
+    """A built functional model (or a ``Sequential`` built on an input shape)."""
+    return bool(getattr(layer, "_is_graph_network", False)) and bool(layer.inputs)
+
+
+def _reading_range(layer, position, path) -> IdRange | None:
+    """The range of the ids ``layer`` reads at its ``position``-th tensor argument: its
+    own range (``Embedding``, ``CategoryEncoding``: the first argument), or the range
+    inside it (a nested model)."""
+    if _is_graph(layer):
+        return _tensor_range(layer, layer.inputs[position], path)
+    if isinstance(layer, tf.keras.Sequential):
+        return _chain_range(layer.layers, path) if position == 0 else None
+    size = _stated_range(layer)
+    return IdRange(size, path) if size is not None and position == 0 else None
+
+
+def _tensor_range(model, tensor, path) -> IdRange | None:
+    """The narrowest range of the layers of ``model``'s graph reading ``tensor`` (through
+    the layers that only move values)."""
+    ranges = []
+    for nodes in model._nodes_by_depth.values():  # noqa: SLF001 - Keras 2's graph
+        for node in nodes:
+            inputs = [] if node.is_input else node.keras_inputs
+            for position in [i for i, t in enumerate(inputs) if t is tensor]:
+                layer, where = node.layer, f"{path}/{node.layer.name}"
+                if _moves_values(layer) and len(inputs) == 1:
+                    outputs = tf.nest.flatten(node.outputs)
+                    ranges += [_tensor_range(model, t, path) for t in outputs]
+                else:
+                    ranges.append(_reading_range(layer, position, where))
+    return _narrowest(ranges)
+
+
+def _chain_range(layers, path) -> IdRange | None:
+    """The range of the first layer of ``layers`` (run in order) that does not only move
+    values."""
+    for layer in layers:
+        if not _moves_values(layer):
+            return _reading_range(layer, 0, f"{path}/{layer.name}" if path else layer.name)
+    return None
+
+
+def _several_inputs(layers):
+    """The first layer of ``layers`` that reads the input if it is a functional model
+    with several inputs, else ``None``."""
+    first = next((layer for layer in layers if not _moves_values(layer)), None)
+    return first if first is not None and _is_graph(first) and len(first.inputs) > 1 else None
+
+
+def input_id_ranges(layers) -> list:
+    """For a model running ``layers`` in order on its input: one :class:`IdRange` (or
+    ``None``: no id reader) per tensor of the input -- several only when the first layer
+    is a functional model with several inputs, in the order of its ``inputs`` (module
+    docstring)."""
+    first = _several_inputs(layers)
+    if first is not None:
+        return [_tensor_range(first, t, first.name) for t in first.inputs]
+    return [_chain_range(layers, "")]
+
+
+def read_ids(layers, x) -> list:
+    """``[(ids, IdRange)]``: the tensors (or arrays) of ``x``, the input of a model
+    running ``layers``, that are read as ids, with their ranges (:func:`input_id_ranges`;
+    several inputs are matched to the first layer's as its own call matches them, by
+    name for a dict)."""
+    first = _several_inputs(layers)
+    if first is not None:
+        inputs = first._flatten_to_reference_inputs(x)  # noqa: SLF001 - Keras 2's matching
+    else:
+        inputs = tf.nest.flatten(x)
+    ranges = input_id_ranges(layers)
+    if len(inputs) != len(ranges):
+        return []  # not the structure the first layer reads: Keras refuses it itself
+    return [(ids, r) for ids, r in zip(inputs, ranges) if r is not None]
+
+
+__all__ = [
+    "IdRange",
+    "finite_rows",
+    "ids_in_range",
+    "input_id_ranges",
+    "read_ids",
+    "labels_in_range",
+    "neutralised_losses",
+    "sparse_labels",
+    "zero_rows",
+]

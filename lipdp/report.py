@@ -138,6 +138,18 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
             f"REPRODUCIBLE NOISE (lipdp.noise.use_reproducible_noise({seed})): anyone who "
             "knows the seed can regenerate the noise; for debugging only, not a private release."
         )
+    elif model.privacy_ledger.reproducible():
+        notes.append(
+            "REPRODUCIBLE NOISE: some of this model's steps drew their noise from a seeded "
+            "generator (lipdp.noise.use_reproducible_noise; see the ledger lines): anyone "
+            "who knows the seed can regenerate it; not a private release."
+        )
+    searches = [s for s in plan.spent_searches if s != plan.search]
+    if searches:
+        notes.append(
+            "hyper-parameter search recorded in the ledger (no longer declared): epsilon "
+            "includes the most costly of " + ", ".join(s.describe() for s in searches) + "."
+        )
     releases = [r for r in plan.describe(epochs) if r["release"] != GRADIENT_STEPS]
     return PrivacyReport(
         epsilon=plan.epsilon(epochs, accountant),

@@ -19,11 +19,22 @@ BATCH = 4
 NB_CLASSES = 5
 
 
-def build(dp_layers, input_shape, loss=None, upper_bound=3.0, batch=BATCH, labels="onehot", seed=0):
+def build(
+    dp_layers,
+    input_shape,
+    loss=None,
+    upper_bound=3.0,
+    batch=BATCH,
+    labels="onehot",
+    seed=0,
+    nb_samples_train=None,
+):
+    """``nb_samples_train``: the declared training set size (``100 * batch`` when
+    omitted); ``fit`` on arrays needs it to be the number of examples fitted."""
     meta = DatasetMetadata(
         input_shape=input_shape,
         nb_classes=NB_CLASSES,
-        nb_samples_train=100 * batch,
+        nb_samples_train=nb_samples_train or 100 * batch,
         batch_size=batch,
     )
     model = DP_Sequential(

@@ -312,8 +312,10 @@ def test_clipless_adversarial_training_learns_and_reloads(tmp_path, rng):
     model.adversarial = PGD(0.3, steps=3, mix=0.5)
     before = model.evaluate(x, y, verbose=0)
     xs, ys = np.repeat(x, 4, axis=0), np.repeat(y, 4, axis=0)
-    # Little noise, so that 5 epochs on 16 rows show learning (the plan is not at stake).
+    # Little noise, so that 5 epochs on 16 rows show learning (the plan is not at stake);
+    # the 16 rows are the declared training set.
     model.dp_parameters = dataclasses.replace(model.dp_parameters, noise_multiplier=1e-3)
+    model.dataset_metadata = dataclasses.replace(model.dataset_metadata, nb_samples_train=16)
     model.fit(xs, ys, batch_size=4, epochs=5, verbose=0)
     assert model.evaluate(x, y, verbose=0) < before
     path = str(tmp_path / "adv.keras")

@@ -29,7 +29,7 @@ ALLOWED = {
     "lipdp.bounds": (),
     "lipdp.distribute": (),
     "lipdp.noise": ("lipdp.validation", "lipdp.distribute"),
-    "lipdp.ledger": ("lipdp.accounting",),
+    "lipdp.ledger": ("lipdp.accounting", "lipdp.layer_walk"),
     "lipdp.layer_walk": (),
     "lipdp.batch_independence": ("lipdp.layer_walk",),
     "lipdp.layer_support": ("lipdp.layer_walk",),

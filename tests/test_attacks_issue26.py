@@ -324,34 +324,31 @@ def test_couplings_hidden_from_the_walk_are_refused_by_the_probe(case, rng):
 
 
 # ================================================================ S13: per-example norms
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a loss reading a weight directly (a penalty written in the loss): ghost norms "
-        "drop that use's gradient silently (released kernel differs from the Jacobian "
-        "method by 0.79); refuse_untracked_reads watches layer calls, not the loss"
-    ),
-)
+def _penalised_by(dense):
+    """A weight penalty written inside the loss: every row's loss reads ``dense.kernel``."""
+
+    def penalised(labels, logits):
+        values = tf.keras.losses.categorical_crossentropy(labels, logits, from_logits=True)
+        return values + 0.5 * tf.reduce_sum(tf.square(dense.kernel))
+
+    return penalised
+
+
 def test_a_loss_reading_a_weight_is_counted_by_ghost_norms_or_refused(rng):
     """Ghost norms take cotangents at each layer's output only; a loss that reads a
     trainable variable directly (``loss + l * ||W||^2`` written by hand) has a gradient
-    path they never see: silently dropped (rule S13), while the Jacobian method clips it
-    per row. ``refuse_untracked_reads`` watches layer calls, not the loss. Fix: watch the
-    loss's call too (``tape.watched_variables()`` around ``per_example_losses``) and
-    refuse a loss that reads trainable variables (point to ``kernel_regularizer``)."""
+    path they never see: it was silently dropped (rule S13; the released kernel differed
+    from the Jacobian method's by 0.79), while the Jacobian method clips it per row. Now
+    the variables read while the per-example losses are computed are watched
+    (``per_example.refuse_loss_reads``): the ghost method refuses such a loss."""
     x, y = _data(rng, B)
     released = {}
     for method in ("ghost", "jacobian"):
         tf.keras.utils.set_random_seed(1)
         dense = K.Dense(CLASSES, input_shape=(D,))
-
-        def penalised(labels, logits, dense=dense):
-            values = tf.keras.losses.categorical_crossentropy(labels, logits, from_logits=True)
-            return values + 0.5 * tf.reduce_sum(tf.square(dense.kernel))
-
         model = _dpsgd(
             [dense],
-            loss=penalised,
+            loss=_penalised_by(dense),
             params=DPParameters("global", 0.0, DELTA, non_private=True),
             clipping=Clipping("flat", 100.0),
             gradient_method=method,
@@ -364,24 +361,71 @@ def test_a_loss_reading_a_weight_is_counted_by_ghost_norms_or_refused(rng):
         np.testing.assert_allclose(ghost, jacobian, atol=1e-5)
 
 
+def test_ghost_norms_refuse_a_loss_reading_a_weight_naming_it(rng):
+    dense = K.Dense(CLASSES, input_shape=(D,), name="head")
+    model = _dpsgd([dense], loss=_penalised_by(dense))
+    with pytest.raises(
+        ValueError,
+        match=r"The loss reads variable 'head/kernel:0' of layer 'head' directly: ghost "
+        r"norms would drop that use's gradient\. Penalise the weights with a "
+        r"kernel_regularizer .*gradient_method='jacobian'",
+    ):
+        model.train_on_batch(*_data(rng, B))
+
+
+def test_the_jacobian_method_clips_a_loss_reading_a_weight_with_each_row(rng):
+    """The Jacobian method differentiates each row's whole loss, the penalty included:
+    each row's clipped gradient holds the penalty's gradient, so removing a row moves the
+    release by at most R (sound), and the rows are clipped (not vacuous)."""
+    dense = K.Dense(CLASSES, input_shape=(D,))
+    model = _dpsgd(
+        [K.Dense(8, activation="tanh", input_shape=(D,)), dense],
+        loss=_penalised_by(dense),
+        gradient_method="jacobian",
+    )
+    x, y = _data(rng, B)
+    ratios = remove_one_ratios(model, x, y, rows=[0, 3])
+    assert ratios.max() <= 1 + TOLERANCE
+    assert ratios.max() > 0.9
+
+
+class _PenalisedTauCrossentropy(losses.DP_TauCategoricalCrossentropy):
+    """lipdp's loss with a weight penalty written inside it (its get_L() says nothing of
+    the penalty)."""
+
+    def __init__(self, kernel, **kwargs):
+        super().__init__(4.0, **kwargs)
+        self.kernel = kernel
+
+    def call(self, y_true, y_pred):
+        return super().call(y_true, y_pred) + 5.0 * tf.reduce_sum(tf.square(self.kernel))
+
+
+def test_the_clipless_family_refuses_a_loss_reading_a_weight(rng):
+    """The clipless sensitivities bound each row's loss through the predictions; a
+    penalty inside the loss adds ``grad(penalty) / b`` once per sampled row: removing a
+    row moved the release by up to 2.80 times the declared sensitivity (rows 0-7: 2.35
+    to 2.80). ``PrivateModel.per_example_losses`` now watches the variables the loss
+    reads and refuses, pointing to a kernel_regularizer."""
+    model = _clipless(upper_bound=3.0)
+    loss = _PenalisedTauCrossentropy(model.dp_layers[-1].kernel)
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss=loss)
+    x, y = _data(rng, B)
+    x *= 3.0
+    assert _sound(_worst_ratio_or_refused(model, x, y, rows=[0, 7]))
+    with pytest.raises(ValueError, match="The loss reads variable .*kernel_regularizer"):
+        model.train_on_batch(x, y)
+
+
 # ========================================================= S9 / S13: records that break steps
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a record with a token id outside [0, input_dim) makes the whole step fail "
-        "(InvalidArgumentError from the CPU gather, ghost and Jacobian methods): its "
-        "presence in a Poisson batch is observable; ids are not neutralised like labels"
-    ),
-)
 @pytest.mark.parametrize("method", ["ghost", "jacobian"])
 def test_an_out_of_range_token_id_does_not_fail_the_step(method, rng):
-    """Rule S9/S13 neutralise non-finite rows and out-of-range labels, but not integer
-    inputs: ``tf.nn.embedding_lookup`` (``per_example._embedding_linear``, Keras'
-    Embedding in the Jacobian method) raises on the CPU for an id outside ``[0,
-    input_dim)``, so the step fails iff the record is sampled; ``fit`` on arrays does not
-    refuse such ids up front either. Fix: treat such rows like out-of-range labels (ids
-    zeroed, factor 0, counted), at least for an Embedding fed by the model input, and
-    refuse them in ``_check_fit_arguments``; the same holds for ``CategoryEncoding``."""
+    """``tf.nn.embedding_lookup`` (``per_example._embedding_linear``, Keras' Embedding in
+    the Jacobian method) raises on the CPU for an id outside ``[0, input_dim)``: the step
+    failed iff the record was sampled. Now such rows are neutralised like out-of-range
+    labels (ids zeroed, factor 0, counted in ``invalid_inputs``; the range from the layer
+    reading the input, ``records.input_id_ranges``) and ``fit`` on arrays refuses them
+    (``tests/test_invalid_inputs.py``, ``CategoryEncoding`` too)."""
     model = _dpsgd(
         [K.Embedding(10, 4, input_shape=(4,)), K.Flatten(), K.Dense(CLASSES)],
         metadata=_metadata(input_shape=(4,)),
@@ -389,19 +433,13 @@ def test_an_out_of_range_token_id_does_not_fail_the_step(method, rng):
     )
     x = rng.integers(0, 10, (B, 4)).astype("int32")
     y = np.eye(CLASSES, dtype="float32")[rng.integers(0, CLASSES, B)]
-    x[3, 1] = 10
-    model.train_on_batch(x, y)
+    for row, token in zip([3, 5, 6], [10, -1, 2**31 - 1]):
+        x[row, 1] = token
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert logs["invalid_inputs"] == 3.0
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DP_BoundedInput(upper_bound=2) on a finite record with an entry of 3e38: "
-        "tf.clip_by_norm computes x * B before dividing by the (overflowed, inf) norm: "
-        "inf / inf = NaN, the released gradient and every weight become NaN"
-    ),
-)
 def test_a_huge_finite_record_stays_within_the_bounded_input(rng):
     """``DP_BoundedInput.call`` (``layers/inputs.py``) uses ``tf.clip_by_norm``, which
     computes ``x * B`` and divides by ``max(||x||, B)``: with ``B > 1`` and an entry above
@@ -441,15 +479,6 @@ def test_adversarial_class_labels_never_fail_a_step(rng):
 
 
 # ====================================================================== S10: the ledger
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "EarlyStopping(restore_best_weights=True) / load_weights of an earlier checkpoint "
-        "rewind the ledger with the weights: 4 epochs logged epsilon 1.692 (PLD), the "
-        "restored model reports 0.917 (1 epoch, 8 steps of 32), yet the choice of the epoch "
-        "used all 4 (PrivateModel.set_weights/load_weights overwrite the ledger)"
-    ),
-)
 @pytest.mark.parametrize("how", ["early-stopping", "best-checkpoint"])
 def test_restoring_earlier_weights_does_not_rewind_the_ledger(how, rng, tmp_path):
     """The ledger is "the lineage of the weights": ``set_weights``/``load_weights`` copy
@@ -479,13 +508,6 @@ def test_restoring_earlier_weights_does_not_rewind_the_ledger(how, rng, tmp_path
     assert int(model.noisy_steps.numpy()) == 4 * model.dataset_metadata.nb_steps_per_epochs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the hyper-parameter search is not recorded in the ledger: declared for 2 epochs "
-        "(epsilon 2.81), dropped from dp_parameters, one more epoch logs 1.67"
-    ),
-)
 def test_dropping_the_search_declaration_does_not_lower_epsilon(rng):
     """``PrivacyPlan.for_training`` takes ``search`` from the *current*
     ``dp_parameters``; the ledger does not record that the steps ran under a declared
@@ -503,14 +525,6 @@ def test_dropping_the_search_declaration_does_not_lower_epsilon(rng):
     assert logged[2] >= logged[1], logged
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a model built on layers another DP model trained on the same data starts with an "
-        "empty ledger: 3 epochs (epsilon 1.479) then a new head, 1 epoch: 0.917 reported, "
-        "composition (dp_accounting PLD) of the 4 epochs that shaped the backbone 1.692"
-    ),
-)
 def test_a_new_model_on_a_privately_trained_backbone_inherits_its_ledger(rng):
     """The ledger lives in the model, the weights in the layers: the same layer objects in
     a new ``PrivateModel`` (the usual way to put a new head on a trained backbone) carry
@@ -527,15 +541,6 @@ def test_a_new_model_on_a_privately_trained_backbone_inherits_its_ledger(rng):
     assert logged[-1] == pytest.approx(_pld_epsilon([(2.0, q, 4 * steps)]), rel=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "layers frozen without recompiling: Keras trains the compiled trainable set "
-        "(RespectCompiledTrainableState), the plan prices the current one: "
-        "get_eps_delta(model, 2) = 2.508 before the epoch, 3.060 logged after it (S11); "
-        "get_max_epochs over-promises the same way"
-    ),
-)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_plan_after_freezing_without_recompiling_is_what_fit_runs(family, rng):
     """Keras' ``fit`` and ``train_on_batch`` run with the trainable state of the last
@@ -594,14 +599,6 @@ def test_a_custom_loop_holding_an_old_step_records_what_it_runs(change, rng):
 
 
 # ======================================================================= sampling rate
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a Poisson-declared model (b = 8, N = 64) trained on shuffled fixed-size batches of "
-        "32 only warns: the ledger records q = 0.125, each record was in half of the "
-        "batches; 2 epochs logged epsilon 1.23, at the rate used 5.05"
-    ),
-)
 def test_a_poisson_model_refuses_fixed_size_batches_of_another_size(rng):
     """``_check_poisson_pipeline`` only warns when a dataset does not state its rate;
     ``_check_fit_arguments`` never looks at the batch axis of a Poisson model's data. A
@@ -615,14 +612,6 @@ def test_a_poisson_model_refuses_fixed_size_batches_of_another_size(rng):
         model.fit(fixed.repeat(), epochs=2, steps_per_epoch=steps, verbose=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "fit on arrays of 128 rows with dataset_metadata N = 1024 is accepted: the ledger "
-        "records q = 8/1024; 5 epochs report epsilon 1.10, at the true rate 8/128 4.57 "
-        "(_check_fit_arguments has len(x) and never compares it with nb_samples_train)"
-    ),
-)
 def test_fit_on_arrays_refuses_another_size_than_the_declared_n(rng):
     """``_check_fit_arguments`` knows ``len(x)`` (it checks divisibility by ``b``) but not
     ``nb_samples_train``, from which the rate ``b / N`` of the ledger comes; only
@@ -673,15 +662,6 @@ def test_per_layer_noise_with_a_frozen_layer_stays_within_its_sensitivity(family
 
 
 # ========================================================================= S8: noise
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "steps run with use_reproducible_noise(seed) are not recorded: once the process "
-        "is back to secure noise (or the model is reloaded elsewhere) the privacy report "
-        "neither flags them nor prices them (epsilon 1.07 for 4 steps whose noise anyone "
-        "with the seed regenerates)"
-    ),
-)
 def test_steps_with_reproducible_noise_stay_flagged(rng, tmp_path):
     """Rule S8: the report flags reproducible noise only from the *process's* current
     mode (``report.py`` reads ``noise.reproducible_noise_seed()``), not from the model's

@@ -99,8 +99,9 @@ def test_conv_operator_norm_is_below_the_adaptive_bound(constraint, strides, pad
 
 
 # ------------------------------------------------------------ adaptive bounds
-def _three_layer_model(adaptive=True, constraint="spectral", radii=(2.0, 1.5, 0.8)):
-    """d1, d2: DP_SpectralDense(16) with ``constraint``; d3: a Frobenius ball (5 logits)."""
+def _three_layer_model(adaptive=True, constraint="spectral", radii=(2.0, 1.5, 0.8), n=None):
+    """d1, d2: DP_SpectralDense(16) with ``constraint``; d3: a Frobenius ball (5 logits).
+    ``n``: the declared training set size (the examples ``fit`` receives)."""
 
     def ball(cls, units, norm, radius, name):
         return cls(units, constraint=norm, weight_norm_bound=radius, adaptive_norm=adaptive,
@@ -115,6 +116,7 @@ def _three_layer_model(adaptive=True, constraint="spectral", radii=(2.0, 1.5, 0.
             ball(L.DP_QuickFrobeniusDense, 5, "frobenius", radii[2], "d3"),
         ],
         VEC,
+        nb_samples_train=n,
     )
 
 
@@ -201,7 +203,7 @@ def test_noise_follows_the_weights_inside_a_traced_step():
 
 
 def test_a_training_step_uses_and_keeps_the_ball(rng):
-    model, x, y = _three_layer_model()
+    model, x, y = _three_layer_model(n=4)  # fit on the batch of 4 built with it
     model.fit(x, y, batch_size=x.shape[0], epochs=2, verbose=0)
     for layer, cap in zip([model.dp_layers[i] for i in (1, 3, 5)], (2.0, 1.5, 0.8)):
         matrix = _kernel_matrix(layer)
@@ -387,7 +389,7 @@ def test_image_case_builds_with_group_normalization():
 def test_parameter_averaging_is_the_ema_of_the_projected_iterates():
     from lipdp.callbacks import ParameterAveraging
 
-    model, x, y = _three_layer_model(True, "orthogonal")
+    model, x, y = _three_layer_model(True, "orthogonal", n=8)  # fit on x and -x below
     seen = []
     recorder = tf.keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda *_: seen.append([v.numpy() for v in model.trainable_variables])

@@ -26,11 +26,13 @@ def _meta(batch=8, n=800, shape=(12,)):
     return DatasetMetadata(input_shape=shape, nb_classes=5, nb_samples_train=n, batch_size=batch)
 
 
-def _model(dp_layers, strategy="global", sigma=1.0, batch=8, shape=(12,), bound=2.0, **kw):
+def _model(dp_layers, strategy="global", sigma=1.0, batch=8, shape=(12,), bound=2.0, n=800, **kw):
+    """A compiled DP_Sequential; ``n``: the declared training set size, which ``fit`` on
+    arrays requires to be the number of examples fitted."""
     model = DP_Sequential(
         [L.DP_BoundedInput(input_shape=shape, upper_bound=bound), *dp_layers],
         dp_parameters=DPParameters(strategy, sigma, 1e-5, **kw),
-        dataset_metadata=_meta(batch, shape=shape),
+        dataset_metadata=_meta(batch, n=n, shape=shape),
     )
     model.compile(
         loss=losses.DP_TauCategoricalCrossentropy(tau=1.0), optimizer=tf.keras.optimizers.SGD(1.0)
@@ -87,6 +89,7 @@ def _bias_step_change(strategy, sigma, nm_coef=1.0):
         [L.DP_QuickSpectralDense(1024), L.DP_AddBias(norm_max=1e9, nm_coef=nm_coef)],
         strategy=strategy,
         sigma=sigma,
+        n=8,
     )
     bias = model.dp_layers[-1].bias
     before = bias.numpy().copy()
@@ -149,6 +152,7 @@ def test_training_keeps_weights_feasible():
             L.DP_AddBias(norm_max=0.25),
         ],
         (6, 6, 2),
+        nb_samples_train=16,  # the 4 examples repeated 4 times below
     )
     model.compile(
         loss=losses.DP_TauCategoricalCrossentropy(tau=1.0), optimizer=tf.keras.optimizers.SGD(5.0)
@@ -169,6 +173,7 @@ def test_xla_compiled_steps_match_the_default_ones():
         model = _model(
             [L.DP_QuickSpectralDense(16), L.DP_GroupSort(2), L.DP_QuickSpectralDense(5)],
             sigma=0.0,
+            n=64,
             non_private=True,
         )
         model.compile(
@@ -190,7 +195,7 @@ def test_xla_compiled_steps_match_the_default_ones():
 
 
 def test_fit_projects_weights_set_by_hand():
-    model = _model([L.DP_QuickSpectralDense(5, constraint="spectral")])
+    model = _model([L.DP_QuickSpectralDense(5, constraint="spectral")], n=8)
     dense = model.dp_layers[1]
     dense.kernel.assign(dense.kernel * 10.0)
     x = np.zeros((8, 12), "float32")
@@ -276,7 +281,7 @@ class _SumLoss(losses.DP_MeanAbsoluteError):
 
 
 def test_partial_batches_are_refused():
-    model = _model([L.DP_QuickSpectralDense(5)])
+    model = _model([L.DP_QuickSpectralDense(5)], n=20)  # N = 20 examples, b = 8
     x = np.zeros((20, 12), "float32")
     y = np.eye(5, dtype="float32")[np.zeros(20, int)]
     with pytest.raises(ValueError, match="multiple of batch_size=8"):
@@ -343,7 +348,7 @@ def _residual_model():
             L.DP_ClipGradient(0.5),
         ],
         dp_parameters=DPParameters("per-layer", 1.5, 1e-5),
-        dataset_metadata=_meta(4, shape=(6, 6, 2)),
+        dataset_metadata=_meta(4, n=4, shape=(6, 6, 2)),
     )
     model.compile(loss=losses.DP_TauCategoricalCrossentropy(tau=8.0), optimizer="adam")
     return model
@@ -435,7 +440,8 @@ def test_shared_layers_and_extra_losses_are_refused():
             ],
             dp_parameters=DPParameters("global", 1, 1e-5),
         )
-    model = _model([_ActivationPenalty(5)])  # a penalty of the data (of the weights: supported)
+    # A penalty of the data (a penalty of the weights is supported).
+    model = _model([_ActivationPenalty(5)], n=8)
     with pytest.raises(ValueError, match="adds a loss computed in its call"):
         model.fit(
             np.zeros((8, 12), "float32"), np.zeros((8, 5), "float32"), batch_size=8, verbose=0
@@ -455,7 +461,7 @@ def test_debug_mode_logs_sensitivities(caplog):
     model = DP_Sequential(
         [L.DP_BoundedInput(input_shape=(12,), upper_bound=1.0), L.DP_QuickSpectralDense(5)],
         dp_parameters=DPParameters("global", 2.0, 1e-5),
-        dataset_metadata=_meta(8),
+        dataset_metadata=_meta(8, n=8),
         debug=True,
     )
     model.compile(loss=losses.DP_MeanAbsoluteError(), optimizer="sgd")

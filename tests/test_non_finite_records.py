@@ -147,3 +147,28 @@ def test_pipelines_train_finite_weights_and_count_the_bad_rows():
     assert math.isfinite(history.history["loss"][-1])
     # Only the training logs carry the count: evaluate() returns what it always did.
     assert isinstance(model.evaluate(data, verbose=0), float)
+
+
+def test_input_clipping_has_no_overflow_and_is_tf_clip_by_norm_elsewhere(rng):
+    """DP_BoundedInput's row clipping equals tf.clip_by_norm on ordinary rows, and keeps
+    every finite row -- entries up to the float32 limit, subnormals, zeros -- finite and
+    within the bound (tf.clip_by_norm gives NaN for an entry of 3e38 and B = 2)."""
+    from lipdp.layers.inputs import clip_rows
+
+    x = (
+        rng.normal(size=(6, 5, 3)).astype("float32")
+        * np.array([0.1, 1, 3, 10, 0, 2])[:, None, None]
+    )
+    np.testing.assert_allclose(
+        clip_rows(tf.constant(x), 2.0), tf.clip_by_norm(x, 2.0, axes=[1, 2]), rtol=1e-6, atol=1e-7
+    )
+    extreme = np.zeros((4, 3), "float32")
+    extreme[0] = [3e38, -3e38, 1.0]
+    extreme[1] = [1e-45, 0.0, -1e-45]
+    extreme[2] = [3.4e38, 3.4e38, 3.4e38]
+    out = clip_rows(tf.constant(extreme), 2.0).numpy()
+    assert np.isfinite(out).all()
+    norms = np.linalg.norm(out.astype("float64"), axis=1)
+    assert np.all(norms <= 2.0 * (1 + 1e-6))
+    np.testing.assert_allclose(norms[[0, 2]], 2.0, rtol=1e-6)
+    assert np.isnan(tf.clip_by_norm(extreme[:1], 2.0, axes=[1]).numpy()).any()

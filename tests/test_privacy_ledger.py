@@ -21,7 +21,7 @@ from lipdp import losses
 from lipdp.accounting import get_eps_delta
 from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian
 from lipdp.dpsgd import Clipping, DPSGD_Sequential
-from lipdp.ledger import CAPACITY, PrivacyLedger, release_row, step_row
+from lipdp.ledger import CAPACITY, KINDS, PrivacyLedger, release_row, step_row
 from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Accountant, DP_Sequential, DPParameters
 from lipdp.pipeline import poisson_batches
@@ -211,7 +211,7 @@ def test_a_full_ledger_merges_into_a_dominating_row():
     """Past capacity, new mechanisms go to their kind's overflow row, which keeps the
     smallest sigma and the largest rate seen there (an over-estimate)."""
     ledger = PrivacyLedger(*PrivacyLedger.create_variables())
-    regular = CAPACITY - 3
+    regular = CAPACITY - len(KINDS)
     for k in range(regular):
         ledger.record(step_row(1.0 + k, 8, 64, True, 1))
     ledger.record(step_row(0.5, 8, 128, True, 1), count=5)
@@ -250,7 +250,7 @@ def test_dynamic_clipping_releases_are_recorded_as_they_happen():
     labels = {e.label: e.count for e in model.privacy_ledger.entries()}
     assert labels == {"noisy gradient steps": 16, "dynamic clipping (laplace)": 2}
     assert history.history["epsilon"][-1] == get_eps_delta(model, 2)[0]
-    fresh_plan = replace(model.privacy_plan(), spent=(), spent_counts=())
+    fresh_plan = replace(model.privacy_plan(), spent=(), spent_counts=(), steps_done=None)
     assert history.history["epsilon"][-1] == fresh_plan.epsilon(2)
 
 
@@ -261,3 +261,41 @@ def test_a_model_with_every_layer_frozen_is_refused_with_the_fix():
     x, y = _data()
     with pytest.raises(ValueError, match="no trainable variables"):
         model.train_on_batch(x[:8], y[:8])
+
+
+def test_layers_trained_under_two_ledgers_are_refused():
+    """A layer carries the ledger of the model that trained it (in this process): a model
+    built from layers trained by two different models, or built before another model
+    trained its layers, is refused -- either would under-report epsilon."""
+    x, y = _data()
+    first, second = (tf.keras.layers.Dense(8, activation="tanh", input_shape=(D,)) for _ in "ab")
+    for layer in (first, second):
+        model = DPSGD_Sequential(
+            [layer, tf.keras.layers.Dense(K)],
+            dp_parameters=DPParameters("global", 2.0, DELTA),
+            dataset_metadata=_metadata(8),
+        )
+        _compile(model)
+        model.train_on_batch(x[:8], y[:8])
+    with pytest.raises(ValueError, match="trained privately by different models"):
+        DPSGD_Sequential(
+            [first, second, tf.keras.layers.Dense(K)],
+            dp_parameters=DPParameters("global", 2.0, DELTA),
+            dataset_metadata=_metadata(8),
+        )
+    head = tf.keras.layers.Dense(K)
+    early = DPSGD_Sequential(
+        [tf.keras.layers.Dense(8, input_shape=(D,)), head],
+        dp_parameters=DPParameters("global", 2.0, DELTA),
+        dataset_metadata=_metadata(8),
+    )
+    _compile(early)
+    other = DPSGD_Sequential(
+        [tf.keras.layers.Dense(8, input_shape=(D,)), head],
+        dp_parameters=DPParameters("global", 2.0, DELTA),
+        dataset_metadata=_metadata(8),
+    )
+    _compile(other)
+    other.train_on_batch(x[:8], y[:8])
+    with pytest.raises(ValueError, match="trained privately by another model"):
+        early.train_on_batch(x[:8], y[:8])

@@ -264,13 +264,14 @@ def test_bad_configurations_are_refused_with_the_fix():
 
 # ------------------------------------------------------------ in models and features
 def _metadata(shape=(12, 12, 1), n=64, batch=16):
+    """``n``: the declared training set; ``fit`` on arrays needs the arrays to hold it."""
     return DatasetMetadata(
         input_shape=shape, nb_classes=3, nb_samples_train=n, batch_size=batch, max_norm=4.0
     )
 
 
 def test_scattering_net_saves_and_reloads_with_its_bounds(tmp_path):
-    meta = _metadata()
+    meta = _metadata(n=16)  # the 16 examples fitted below
     model = zoo.build_model(
         "scattering_net", meta, DPParameters("global", 1.0, 1e-5), J=2, L=4, groups=5, widths=(4,)
     )
@@ -321,7 +322,7 @@ def test_the_clipped_family_takes_the_layer():
             tf.keras.layers.Dense(3),
         ],
         dp_parameters=DPParameters("global", 1.0, 1e-5),
-        dataset_metadata=_metadata(),
+        dataset_metadata=_metadata(n=16),  # the 16 examples fitted below
     )
     model.compile(
         loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
@@ -334,7 +335,7 @@ def test_the_clipped_family_takes_the_layer():
 
 
 def test_a_dp_model_with_the_layer_trains():
-    meta = _metadata()
+    meta = _metadata(n=16)  # the 16 examples fitted below
     model = DP_Sequential(
         zoo.scattering_net(meta, J=2, L=4, groups=None),
         dp_parameters=DPParameters("global", 1.0, 1e-5),

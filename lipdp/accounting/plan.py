@@ -60,6 +60,12 @@ class PrivacyPlan:
         spent: ``((mechanism, count), ...)``: what the model has already released (its
             :class:`~lipdp.ledger.PrivacyLedger`; ``None`` for steps without noise).
         spent_counts: ``((label, count), ...)``: the releases already made, per label.
+        steps_done: the gradient steps this model has taken (``None``: those of
+            ``spent_counts``); the remaining steps of ``E`` epochs are counted from it.
+            (They differ when the ledger also holds the steps of another model that
+            trained the same layers.)
+        spent_searches: hyper-parameter searches some recorded step ran under: the
+            epsilon is that of the most costly of them and ``search``.
 
     **Past and future.** ``epsilon(E)`` is the guarantee of the model once it has trained
     ``E`` epochs *in total*: the releases already made (``spent``), priced as they ran,
@@ -79,6 +85,8 @@ class PrivacyPlan:
     search: RandomSearch | None = None
     spent: tuple = ()
     spent_counts: tuple = ()
+    steps_done: int | None = None
+    spent_searches: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "search", RandomSearch.coerce(self.search))
@@ -87,6 +95,7 @@ class PrivacyPlan:
         object.__setattr__(self, "noise_multipliers", tuple(self.noise_multipliers))
         object.__setattr__(self, "spent", tuple((m, int(c)) for m, c in self.spent if c))
         object.__setattr__(self, "spent_counts", tuple(dict(self.spent_counts).items()))
+        object.__setattr__(self, "spent_searches", tuple(self.spent_searches))
 
     # ------------------------------------------------------------------- building
     @classmethod
@@ -102,6 +111,7 @@ class PrivacyPlan:
         noise_multiplier=None,
         search=None,
         ledger=None,
+        steps_done=None,
     ) -> PrivacyPlan:
         """The plan of DP-SGD: ``steps_per_epoch`` subsampled Gaussian steps per epoch
         (``sigma_eff`` of :func:`~lipdp.accounting.mechanisms.effective_noise_multiplier`
@@ -109,12 +119,18 @@ class PrivacyPlan:
         ``noise_multiplier``: the ``sigma`` the multipliers are proportional to (default:
         the single multiplier). ``search``: the :class:`RandomSearch` the run was selected
         by, if any. ``ledger``: the :class:`~lipdp.ledger.PrivacyLedger` of what the model
-        has already released (class docstring)."""
+        has already released (class docstring); ``steps_done``: the steps the model has
+        taken itself."""
         steps_per_epoch = validation.count("steps_per_epoch", steps_per_epoch, 1)
         rate = validation.probability("sampling_rate", sampling_rate)
-        spent = {} if ledger is None else {"spent": ledger.terms()}
+        spent = {}
         if ledger is not None:
-            spent["spent_counts"] = tuple(ledger.counts_by_label().items())
+            spent = {
+                "spent": ledger.terms(),
+                "spent_counts": tuple(ledger.counts_by_label().items()),
+                "spent_searches": ledger.searches(),
+                "steps_done": steps_done,
+            }
         if non_private:
             return cls((), delta, (), non_private=True, **spent)
         sigmas = noise_multiplier_list(noise_multipliers)
@@ -153,7 +169,10 @@ class PrivacyPlan:
     def future_count(self, release: Release, epochs: int) -> int:
         """Runs of ``release`` still to come before ``epochs`` epochs in total (class
         docstring)."""
-        return max(0, release.count(epochs) - dict(self.spent_counts).get(release.label, 0))
+        done = dict(self.spent_counts).get(release.label, 0)
+        if release.label == GRADIENT_STEPS and self.steps_done is not None:
+            done = self.steps_done
+        return max(0, release.count(epochs) - done)
 
     def terms(self, epochs: int) -> tuple:
         """``((mechanism, count), ...)`` of the model after ``epochs`` epochs in total:
@@ -180,20 +199,24 @@ class PrivacyPlan:
             return 0.0
         if any(mechanism is None for mechanism, _ in terms):
             return math.inf
-        if self.search is not None:
+        searches = set(self.spent_searches) | ({self.search} if self.search else set())
+        if searches:
             if getattr(engine, "name", None) != "rdp":
                 raise ValueError(
                     f"The cost of a hyper-parameter search is computed in RDP (Papernot & "
                     f"Steinke); accountant={accountant!r} cannot account for it: use "
                     "accountant='rdp'."
                 )
-            return search_epsilon(terms, self.delta, self.search)
+            # Steps that ran under several declared searches: the most costly one.
+            return max(search_epsilon(terms, self.delta, search) for search in searches)
         return float(engine.epsilon(terms, self.delta))
 
     def steps(self, epochs: int) -> int:
         """Gradient steps of the model after ``epochs`` epochs in total (spent and to
         come)."""
         done = dict(self.spent_counts).get(GRADIENT_STEPS, 0)
+        if self.steps_done is not None:
+            done = max(done, self.steps_done)
         steps = [r for r in self.releases if r.label == GRADIENT_STEPS]
         future = sum(self.future_count(r, epochs) for r in steps)
         return done + future

@@ -57,8 +57,7 @@ class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
         inputs = zero_rows(finite_rows(inputs), inputs)  # also unclipped: NaN is never <= B
         if not self.enforce_clipping:
             return inputs
-        axes = list(range(1, len(inputs.shape)))
-        return tf.clip_by_norm(inputs, self.upper_bound, axes=axes)
+        return clip_rows(inputs, self.upper_bound)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -72,6 +71,23 @@ class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
         config = super().get_config()
         config.update(upper_bound=self.upper_bound, enforce_clipping=self.enforce_clipping)
         return config
+
+
+def clip_rows(inputs, bound):
+    """Each row ``x`` as ``x min(1, B / ||x||)``, without overflow for any finite row.
+
+    ``tf.clip_by_norm`` forms ``x B`` and ``sum x^2``, which overflow for entries near the
+    float32 limit (an entry of 3e38 gives ``inf / inf = NaN``). Here each row is divided by
+    its largest magnitude ``s`` first: with ``u = x / s`` (entries in [-1, 1], ``||u|| <=
+    sqrt(d)``) the output is ``u min(s, B / ||u||)``, the same function, whose norm
+    ``min(||x||, B)`` is computed from finite numbers only; a zero row stays zero.
+    """
+    axes = list(range(1, len(inputs.shape)))
+    scale = tf.reduce_max(tf.abs(inputs), axis=axes, keepdims=True)
+    unit = inputs / tf.where(scale > 0, scale, tf.ones_like(scale))
+    norm = tf.sqrt(tf.reduce_sum(tf.square(unit), axis=axes, keepdims=True))
+    safe_norm = tf.where(norm > 0, norm, tf.ones_like(norm))
+    return unit * tf.minimum(scale, tf.cast(bound, inputs.dtype) / safe_norm)
 
 
 @register
