@@ -596,8 +596,8 @@ class _Replay:
     stateless random ops with a fixed seed each (Keras 2 supports its three generator
     types in every random layer): the same numbers in every pass, and, indexed by element,
     the same numbers for the other rows of a batch minus its last row; the state of every
-    ``tf.random.Generator`` the layers hold, and a seeded global generator in place of the
-    user's; TensorFlow's eager op-seed sequence under the global seed :data:`PROBE_SEED`
+    ``tf.random.Generator`` the layers hold and of the global generator;
+    TensorFlow's eager op-seed sequence under the global seed :data:`PROBE_SEED`
     (for ``tf.random`` ops called directly); numpy's and Python's global random states.
     Stateful random kernels keep their state in TensorFlow's kernel cache: with
     ``clear_kernels`` each reset also clears it, as ``tf.random.set_seed`` does (slower:
@@ -626,8 +626,10 @@ class _Replay:
         self.op_seeds = getattr(self.context, "_rng", None)
         self.numpy_state = np.random.get_state()
         self.python_state = random.getstate()
+        # tf.random.get_global_generator()'s, if it exists (created on first use)
         self.global_generator = stateful_random_ops.global_generator
-        self.seeded_global = None  # the global generator of the probe's passes
+        if self.global_generator is not None:
+            self.global_state = self.global_generator.state.numpy()
 
     def _seed_context(self, seed, op_seeds) -> None:
         """TensorFlow's global seed and op-seed sequence (not public API)."""
@@ -646,11 +648,7 @@ class _Replay:
             g._rng_type, g._built, g._seed = _STATELESS_RNG, True, PROBE_SEED + index  # noqa: SLF001
         for (_, g), state in zip(self.tensorflow, self.tensorflow_states):
             g.state.assign(state)
-        if self.seeded_global is None:
-            self.seeded_global = tf.random.Generator.from_seed(PROBE_SEED)
-            self.seeded_state = self.seeded_global.state.numpy()
-        self.seeded_global.state.assign(self.seeded_state)
-        stateful_random_ops.global_generator = self.seeded_global
+        self._reset_global_generator()
         np.random.set_state(self.numpy_state)
         random.setstate(self.python_state)
 
@@ -663,9 +661,17 @@ class _Replay:
             g._rng_type, g._seed, g._built, g._generator = saved  # noqa: SLF001
         for (_, g), state in zip(self.tensorflow, self.tensorflow_states):
             g.state.assign(state)
-        stateful_random_ops.global_generator = self.global_generator
+        self._reset_global_generator()
         np.random.set_state(self.numpy_state)
         random.setstate(self.python_state)
+
+    def _reset_global_generator(self) -> None:
+        """The global generator as it was (none: one a pass creates is dropped, so two
+        passes differ, refused; the probe creates no variable: a ``tf.function``
+        being traced again may not)."""
+        stateful_random_ops.global_generator = self.global_generator
+        if self.global_generator is not None:
+            self.global_generator.state.assign(self.global_state)
 
     def variable_values(self) -> list:
         return [v.numpy() for v in self.variables]
