@@ -576,7 +576,7 @@ def _held_step_noise(model, x, y, step):
     return float(np.std(moved[0]))
 
 
-@pytest.mark.parametrize("change", ["sigma", "batch-size"])
+@pytest.mark.parametrize("change", [pytest.param("sigma", marks=pytest.mark.slow), "batch-size"])
 def test_a_custom_loop_holding_an_old_step_records_what_it_runs(change, rng):
     """A ``tf.function`` of ``train_step`` traced before a change keeps the noise and the
     batch size it was traced with: the noise it draws and the ledger row it writes agree

@@ -124,8 +124,8 @@ def with_bad_ids(x, ids=BAD_IDS):
     "kind, method, dtype",
     [
         ("embedding", "ghost", "int32"),
-        ("embedding", "jacobian", "int32"),
-        ("embedding", "ghost", "float32"),
+        pytest.param("embedding", "jacobian", "int32", marks=pytest.mark.slow),  # 10 s
+        pytest.param("embedding", "ghost", "float32", marks=pytest.mark.slow),  # 7 s
         ("category-encoding", "ghost", "int32"),
     ],
 )

@@ -189,9 +189,9 @@ def test_clipped_step_releases_the_gradient_without_out_of_range_rows(
 @pytest.mark.parametrize(
     "loss, adversarial",
     [
-        (SparseTauCrossentropy(), None),
+        pytest.param(SparseTauCrossentropy(), None, marks=pytest.mark.slow),  # 9 s
         (LipschitzSparseCrossentropy(), None),
-        (LipschitzSparseCrossentropy(), ATTACK),
+        pytest.param(LipschitzSparseCrossentropy(), ATTACK, marks=pytest.mark.slow),  # 13 s
     ],
     ids=["dp_loss_subclass", "keras_sparse_crossentropy", "adversarial"],
 )

@@ -394,7 +394,12 @@ def _remove_one_cases():
         "nested-branch-stays-on-the-fallback",
     ]:
         for mode, (clipping, strategy) in {"flat": flat, "per-layer": per_layer}.items():
-            slow = "branch" in name or (mode == "flat" and "cnn" not in name)
+            # Default run: the CNN with a frozen block (flat) and the functional chain
+            # (per-layer); the other combinations run in make test-slow.
+            slow = "branch" in name or (name, mode) not in {
+                ("nested-sequential-cnn-frozen-block", "flat"),
+                ("nested-functional-chain", "per-layer"),
+            }
             marks = [pytest.mark.slow] if slow else []
             cases.append(pytest.param(name, clipping, strategy, marks=marks, id=f"{name}-{mode}"))
     return cases
@@ -477,7 +482,7 @@ def _naive_bam_sum(model, x, y, radius, clip_norm):
         "conv-same",
         "conv-gram",
         "embedding",
-        "fallback-normalisations",
+        pytest.param("fallback-normalisations", marks=pytest.mark.slow),  # 7 s
         "fallback-grouped-conv-row-loop",
         "nested-dense-after-masked-embedding",
         *[

@@ -165,7 +165,9 @@ def _jacobian_norms(layer, x, iterations=40):
 @pytest.mark.parametrize(
     "shape, options, tightness",
     [
-        ((28, 28, 1), dict(J=2, L=8, padding="zeros"), 0.9),
+        pytest.param(  # ~45 s: make test-slow
+            (28, 28, 1), dict(J=2, L=8, padding="zeros"), 0.9, marks=pytest.mark.slow
+        ),
         ((12, 10, 1), dict(J=2, L=4, padding="reflect"), 0.6),
         ((9, 9, 1), dict(J=1, L=6, padding="reflect", max_order=1), 0.45),
     ],

@@ -90,7 +90,7 @@ def _penalty_gradient(model, regularised):
 
 @pytest.mark.parametrize(
     "family",
-    ["dpsgd-ghost", "dpsgd-jacobian", "clipless"],
+    ["dpsgd-ghost", pytest.param("dpsgd-jacobian", marks=pytest.mark.slow), "clipless"],
 )
 def test_weight_penalty_is_added_to_the_released_gradient_outside_the_sensitivity(family, rng):
     if family == "clipless":
