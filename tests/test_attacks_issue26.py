@@ -12,9 +12,11 @@ Each attack is one of:
 * a record that must not make a step fail (or release NaN) depending on whether it was
   sampled.
 
-Tests marked ``xfail(strict=True)`` are attacks that break the guarantee today: the
-reason gives the numbers measured, the docstring the diagnosis (where, why, a fix). The
-other tests are the strongest attacks that failed: they guard against regressions.
+Every attack here broke the guarantee (or failed a step) when it was written; the
+docstrings give the numbers measured then and the diagnosis. They all fail now (a ratio
+within tolerance, a refusal, an epsilon that never decreases) and guard against
+regressions; an attack that breaks the guarantee again is marked
+``xfail(strict=True)`` with its numbers until it is fixed.
 """
 
 from dataclasses import replace
