@@ -30,19 +30,20 @@ all with the protocol of the chosen space (``SPACES``): Adam, batches of (expect
 for ``published`` and ``published-search`` (Tramer & Boneh's) — Poisson batches for
 lipdp's two families, the sampling the accountant analyses — delta = 1e-5.
 
-**Private search** (``lipdp.tuning.private_random_search``, Papernot & Steinke 2022): the
-number of runs ``K`` is geometric with mean 3, each run draws ``lr`` in {3e-3, 1e-2,
-3e-2}, ``groups`` in {9, 27, 81} and ``c`` in {0.1, 0.3, 1} (``--space first``; ``--space
-revised``: lr in {1e-3, 3e-3}, c in {0.1, 0.3}, written after the first searches;
-``--space published-search``: lr in {8, 16, 32}, groups as above, c = 0.1 / 63, around
-Tramer & Boneh's command; ``--space published``: their command alone, one run, no
-search, so (a) = (b)); the run with the best validation accuracy is released. The noise multiplier of every run is
-calibrated so that the **whole search** meets the target epsilon (``calibrate_noise_multiplier(...,
-search=...)``), and each selected model is reported twice: (a) the epsilon of its own
-run, as papers report, and (b) the epsilon of the search (the target; the selected
-model's ``privacy_report`` states it). Both methods use the same generator seed: the
-same ``K`` and the same configurations (the search budget is identical by construction);
-the generator is seeded by ``(--seed, 10 epsilon)``, so ``K`` differs across epsilons.
+**Private search** (``lipdp.tuning.private_random_search``, Papernot & Steinke 2022):
+the number of runs ``K`` is geometric with mean 3, each run draws ``lr`` in {3e-3, 1e-2,
+3e-2}, ``groups`` in {9, 27, 81} and ``c`` in {0.1, 0.3, 1} (``--space first``;
+``--space revised``: lr in {1e-3, 3e-3}, c in {0.1, 0.3}, written after the first
+searches; ``--space published-search``: lr in {8, 16, 32}, groups as above, c = 0.1 /
+63, around Tramer & Boneh's command; ``--space published``: their command alone, one
+run, no search, so (a) = (b)); the run with the best validation accuracy is released.
+The noise multiplier of every run is calibrated so that the **whole search** meets the
+target epsilon (``calibrate_noise_multiplier(..., search=...)``), and each selected
+model is reported twice: (a) the epsilon of its own run, as papers report, and (b) the
+epsilon of the search (the target; the selected model's ``privacy_report`` states it).
+Both methods use the same generator seed: the same ``K`` and the same configurations
+(the search budget is identical by construction); the generator is seeded by ``(--seed,
+10 epsilon)``, so ``K`` differs across epsilons.
 
 **Validation data**: 5 000 training images (a permutation seeded by ``--seed``) are held
 out and *treated as public* (the guarantee covers the 55 000 training records; a score
@@ -331,7 +332,9 @@ def train_tfp(config, sigma, data, epochs, seed, log):
     model.fit(batches, epochs=epochs, verbose=0)
     steps = epochs * (len(x) // SPACE.batch)
     score = accuracy(model, normalised(val, config["groups"]), y_val)
-    run_epsilon = dp_sgd_epsilon(sigma, SPACE.batch / len(x), steps, DELTA) if sigma > 0 else math.inf
+    run_epsilon = (
+        dp_sgd_epsilon(sigma, SPACE.batch / len(x), steps, DELTA) if sigma > 0 else math.inf
+    )
     log.append(
         dict(config, validation=score, epsilon_run=run_epsilon, seconds=time.perf_counter() - start)
     )
