@@ -31,6 +31,7 @@ from lipdp import layers as DL
 from lipdp import losses
 from lipdp.accounting import get_eps_delta
 from lipdp.accounting.tuning import RandomSearch
+from lipdp.data.sampling import stating_rate
 from lipdp.dpsgd import Clipping, DPSGD_Sequential
 from lipdp.metadata import DatasetMetadata
 from lipdp.model import DP_Accountant, DP_Sequential, DPParameters
@@ -612,6 +613,45 @@ def test_a_poisson_model_refuses_fixed_size_batches_of_another_size(rng):
     steps = model.dataset_metadata.nb_steps_per_epochs
     with pytest.raises(ValueError):
         model.fit(fixed.repeat(), epochs=2, steps_per_epoch=steps, verbose=0)
+
+
+def test_a_poisson_sample_at_rate_one_is_the_whole_set_of_static_size(rng):
+    """At ``q = 1`` a Poisson sample keeps every record: batches of static size ``N`` are
+    exactly that mechanism and are accepted; batches of a static size below ``N`` are
+    not Poisson samples and stay refused."""
+    model = _dpsgd(
+        [K.Dense(CLASSES, input_shape=(D,))], metadata=_metadata(nb_samples=N, batch_size=N)
+    )
+    x, y = _data(rng)
+    assert model.dataset_metadata.sampling_rate == 1.0
+    whole = tf.data.Dataset.from_tensors((x, y))  # static batch axis of N rows
+    model.fit(stating_rate(whole, 1.0, 1), epochs=1, verbose=0)
+    assert int(model.noisy_steps.numpy()) == 1
+    halves = tf.data.Dataset.from_tensor_slices((x, y)).batch(N // 2, drop_remainder=True)
+    with pytest.raises(ValueError, match="fixed-size batches are not Poisson samples"):
+        model.fit(stating_rate(halves, 1.0, 1), epochs=1, verbose=0)
+
+
+def test_flags_changed_after_compile_are_refused_until_compile_runs_again(rng):
+    """Keras 2 trains the trainable set of the last ``compile``; the plan prices the
+    current flags. A nested ``Sequential`` without an input shape builds its
+    ``InputLayer`` on the first call, after ``compile``: a new layer, not a changed flag,
+    so it trains; freezing a layer after ``compile`` is refused until ``compile``."""
+    backbone = tf.keras.Sequential([K.Dense(4, activation="relu"), K.Dense(4)], name="backbone")
+    model = _dpsgd([K.InputLayer((D,)), backbone, K.Dense(CLASSES)])
+    x, y = _data(rng)
+    _fit(model, x, y)
+    backbone.layers[0].trainable = False
+    with pytest.raises(
+        ValueError, match=r"frozen or unfrozen after compile\(\).*compile\(\) again"
+    ):
+        _fit(model, x, y)
+    model.compile(
+        optimizer=tf.keras.optimizers.SGD(0.05),
+        loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+    )
+    _fit(model, x, y)
+    assert int(model.noisy_steps.numpy()) == 2 * model.dataset_metadata.nb_steps_per_epochs
 
 
 def test_fit_on_arrays_refuses_another_size_than_the_declared_n(rng):
