@@ -20,13 +20,21 @@ _compat.require_keras_2()
 __version__ = "0.1.0"
 
 
-def __getattr__(name):
-    # ``lipdp.fix_batch_coupling`` without importing TensorFlow on ``import lipdp``.
-    if name == "fix_batch_coupling":
-        from lipdp.batch_independence import fix_batch_coupling
+#: Top-level names and the module defining each, imported on first use so that
+#: ``import lipdp`` does not import TensorFlow.
+_LAZY = {
+    "fix_batch_coupling": "lipdp.batch_independence",
+    "make_private": "lipdp.entry",
+    "private_batches": "lipdp.entry",
+}
 
-        return fix_batch_coupling
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'lipdp' has no attribute {name!r}")
 
 
-__all__ = ["fix_batch_coupling"]
+__all__ = list(_LAZY)

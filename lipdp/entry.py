@@ -1,0 +1,236 @@
+r"""One call that makes a model private: :func:`make_private`.
+
+The classes (:class:`~lipdp.model.DP_Sequential`, :class:`~lipdp.dpsgd.DPSGD_Sequential`)
+take five configuration objects for full control. :func:`make_private` takes the
+numbers a user knows -- the target ``(epsilon, delta)``, the epochs, the batch size and
+the size of the private training set -- and returns a model of the right family whose
+noise multiplier is the smallest that meets the target (as Opacus'
+``make_private_with_epsilon`` and jax-privacy's ``make_private``):
+
+.. code-block:: python
+
+    model = lipdp.make_private(
+        [tf.keras.layers.Dense(64, activation="relu", input_shape=(64,)),
+         tf.keras.layers.Dense(10)],
+        epsilon=3.0, delta=1e-5, epochs=10, batch_size=128, dataset_size=len(x),
+    )
+    model.compile(optimizer="adam",
+                  loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True))
+    model.fit(lipdp.private_batches(model, x, y), epochs=10)
+
+How ``sigma`` is found: the model is built with ``sigma = 1``, then
+:func:`lipdp.accounting.calibrate_noise_multiplier` rescales the model's own privacy plan
+(every Gaussian of a step, per-layer coefficients kept; the sampling rate ``q = b / N``
+and ``epochs * floor(N / b)`` steps) to the smallest ``sigma`` whose ``epsilon`` after
+``epochs`` epochs is at most the target. The plan is the one ``fit`` records in the
+model's privacy ledger, so the ``epsilon`` reported after ``epochs`` epochs is the
+target (up to the bisection's tolerance, from below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import tensorflow as tf
+
+from lipdp import validation
+from lipdp.accounting import calibrate_noise_multiplier
+from lipdp.data.sampling import poisson_batches
+from lipdp.dpsgd import CLIPPING_MODES, Clipping, DPSGD_Sequential
+from lipdp.layers import DP_BoundedInput
+from lipdp.layers.base import DPLayer
+from lipdp.metadata import DatasetMetadata
+from lipdp.model import DP_Sequential
+from lipdp.private_model import DPParameters
+
+logger = logging.getLogger(__name__)
+
+#: ``method`` values: the two families, or ``"auto"`` (clipless when every layer is one of
+#: lipdp's DP layers, clipped DP-SGD otherwise).
+METHODS = ("auto", "clipless", "clipped")
+
+
+def make_private(
+    model_or_layers,
+    *,
+    epsilon,
+    delta,
+    epochs,
+    batch_size,
+    dataset_size,
+    method="auto",
+    clip_norm=1.0,
+    clipping="flat",
+    noise="global",
+    input_bound=None,
+    sampling="poisson",
+    accountant="rdp",
+    **model_options,
+):
+    """A private model meeting ``(epsilon, delta)`` after ``epochs`` epochs (module doc).
+
+    Args:
+        model_or_layers: a list of Keras layers (the first with an ``input_shape``, or an
+            ``InputLayer``), a ``tf.keras.Sequential`` (its layers are used, which then
+            train in place), or any other Keras model (nested as one layer: the clipped
+            family only).
+        epsilon, delta: the target; ``epsilon`` of the whole training.
+        epochs: the number of epochs the budget is planned for.
+        batch_size: the (expected, under Poisson sampling) batch size ``b``.
+        dataset_size: ``N``, the number of private training records.
+        method: ``"clipless"`` (Lipschitz DP layers, :mod:`lipdp.model`), ``"clipped"``
+            (ordinary Keras layers, :mod:`lipdp.dpsgd`), or ``"auto"``.
+        clip_norm, clipping: the clipped family's radius ``R`` and mode
+            (:data:`lipdp.dpsgd.CLIPPING_MODES`); refused for the clipless family.
+        noise: ``"global"`` or ``"per-layer"`` (``noisify_strategy``).
+        input_bound: clipless only: the public bound on an input's norm, for a
+            :class:`~lipdp.layers.DP_BoundedInput` put in front when the layers do not
+            start with one.
+        sampling: ``"poisson"`` (what the accountant analyses; feed
+            :func:`private_batches`) or ``"shuffle"``.
+        accountant: ``"rdp"``, ``"pld"`` or ``"gdp"``, for the calibration.
+        **model_options: passed to the model class (``gradient_method``, ``ascent``, ...).
+
+    Returns:
+        A ``DP_Sequential`` or ``DPSGD_Sequential``, not compiled (``compile`` it as any
+        Keras model; the clipless family needs a loss of :mod:`lipdp.losses`).
+    """
+    layers = _layers_of(model_or_layers)
+    method = _family(validation.choice("method", method, METHODS), layers)
+    epochs = validation.count("epochs", epochs, minimum=1)
+    metadata = DatasetMetadata(
+        input_shape=_input_shape(layers),
+        nb_classes=_output_units(layers),
+        nb_samples_train=validation.count("dataset_size", dataset_size, minimum=1),
+        batch_size=validation.count("batch_size", batch_size, minimum=1),
+        sampling=sampling,
+    )
+    parameters = DPParameters(noise, 1.0, validation.probability("delta", delta))
+    if method == "clipless":
+        _refuse_clipping_options(clip_norm, clipping)
+        model = DP_Sequential(
+            _bounded(layers, input_bound, metadata.input_shape),
+            dp_parameters=parameters,
+            dataset_metadata=metadata,
+            **model_options,
+        )
+    else:
+        if input_bound is not None:
+            raise ValueError("input_bound is for method='clipless'; clipping bounds the rest.")
+        clipping = Clipping(validation.choice("clipping", clipping, CLIPPING_MODES), clip_norm)
+        model = DPSGD_Sequential(
+            layers,
+            dp_parameters=parameters,
+            clipping=clipping,
+            dataset_metadata=metadata,
+            **model_options,
+        )
+    sigma = calibrate_noise_multiplier(epsilon, epochs, model=model, accountant=accountant)
+    model.dp_parameters = dataclasses.replace(model.dp_parameters, noise_multiplier=sigma)
+    logger.info(
+        "make_private: %s family, sigma = %.4g for (epsilon, delta) = (%g, %g) after %d "
+        "epochs of %d steps (q = %.4g).",
+        method, sigma, epsilon, delta, epochs, metadata.nb_steps_per_epochs,
+        metadata.sampling_rate,
+    )  # fmt: skip
+    return model
+
+
+def private_batches(model, x, y, seed=None) -> tf.data.Dataset:
+    """One epoch of Poisson batches of ``(x, y)`` at the model's rate ``q = b / N`` and
+    steps per epoch (:func:`lipdp.pipeline.poisson_batches`); pass it to ``fit`` with
+    ``epochs=E`` (fresh draws every epoch). ``seed=None``: drawn from the operating
+    system, as amplification by subsampling assumes (rule S8)."""
+    metadata = model.dataset_metadata
+    if len(x) != metadata.nb_samples_train:
+        raise ValueError(
+            f"x has {len(x)} records but the model was made private for dataset_size="
+            f"{metadata.nb_samples_train}: the sampling rate, and epsilon, come from it."
+        )
+    return poisson_batches(x, y, metadata.sampling_rate, metadata.nb_steps_per_epochs, seed)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _layers_of(model_or_layers) -> list:
+    if isinstance(model_or_layers, tf.keras.Sequential):
+        layers = list(model_or_layers.layers)
+        if model_or_layers.built and not _is_input_layer(layers[0]):
+            # A built Sequential's InputLayer is not in .layers: put its shape back.
+            shape = tuple(model_or_layers.input_shape[1:])
+            layers.insert(0, tf.keras.layers.InputLayer(input_shape=shape))
+        return layers
+    if isinstance(model_or_layers, tf.keras.Model):
+        shape = tuple(model_or_layers.input_shape[1:])
+        return [tf.keras.layers.InputLayer(input_shape=shape), model_or_layers]
+    if isinstance(model_or_layers, (list, tuple)) and model_or_layers:
+        return list(model_or_layers)
+    raise TypeError(
+        "make_private takes a list of Keras layers or a Keras model, got "
+        f"{type(model_or_layers).__name__}."
+    )
+
+
+def _family(method, layers) -> str:
+    if method != "auto":
+        return method
+    dp = [isinstance(layer, DPLayer) for layer in layers if not _is_input_layer(layer)]
+    if all(dp):
+        return "clipless"
+    if any(dp):
+        raise ValueError(
+            "The layers mix lipdp DP layers and ordinary Keras layers: pass method='clipless' "
+            "(DP layers only) or method='clipped' (ordinary layers)."
+        )
+    return "clipped"
+
+
+def _input_shape(layers) -> tuple:
+    first = layers[0]
+    shape = getattr(first, "_batch_input_shape", None)
+    if shape is None:
+        raise ValueError(
+            f"The first layer ({first.name}) has no input shape: give it input_shape=... "
+            "or start with tf.keras.layers.InputLayer(input_shape=...)."
+        )
+    return tuple(shape[1:])
+
+
+def _is_input_layer(layer) -> bool:
+    return isinstance(layer, tf.keras.layers.InputLayer)
+
+
+def _output_units(layers) -> int:
+    """The last dimension of the output (the classes), layer by layer."""
+    shape = tf.TensorShape((None, *_input_shape(layers)))
+    for layer in layers:
+        if not _is_input_layer(layer):
+            shape = tf.TensorShape(layer.compute_output_shape(shape))
+    units = shape[-1]
+    if units is None:
+        raise ValueError("The model's output has no static last dimension (its classes).")
+    return int(units)
+
+
+def _bounded(layers, input_bound, input_shape) -> list:
+    if isinstance(layers[0], DP_BoundedInput):
+        return layers
+    if input_bound is None:
+        raise ValueError(
+            "The clipless family needs a public bound on the inputs' norm: pass "
+            "input_bound=..., or start the layers with lipdp.layers.DP_BoundedInput."
+        )
+    layers = [layer for layer in layers if not _is_input_layer(layer)]
+    bound = DP_BoundedInput(input_shape=input_shape, upper_bound=float(input_bound))
+    return [bound, *layers]
+
+
+def _refuse_clipping_options(clip_norm, clipping) -> None:
+    if clip_norm != 1.0 or clipping != "flat":
+        raise ValueError(
+            "clip_norm and clipping are for method='clipped': the clipless family bounds "
+            "each gradient through its Lipschitz layers, without clipping."
+        )
+
+
+__all__ = ["METHODS", "make_private", "private_batches"]
