@@ -3,7 +3,8 @@
 ``lipdp train`` trains a Lipschitz CNN under a privacy budget and prints the privacy
 report and the test accuracy. With no option it uses scikit-learn's digits (bundled)
 and (epsilon, delta) = (3, 1e-5); the number of epochs is the largest one that stays
-within the budget (``get_max_epochs``) unless ``--epochs`` is given.
+within the budget (``get_max_epochs``) unless ``--epochs`` is given. ``--save PATH``
+writes the trained model as ``.keras`` (with its privacy ledger).
 
 ``lipdp evaluate`` trains the same model (or loads a saved one with ``--model PATH``)
 and prints the privacy report, the test accuracy, the certified accuracy at a few
@@ -12,6 +13,10 @@ the AUROC of membership-inference attacks (see :mod:`lipdp.evaluation`).
 
 ``--adversarial-radius R`` (with ``--adversarial-norm``, ``--adversarial-steps``,
 ``--adversarial-mix``) trains on PGD adversarial examples (:mod:`lipdp.adversarial`).
+
+Errors are one line on stderr and exit status 2: a bad value, and a flag the user typed
+that the run would ignore (another method's, clipping's or optimiser's flag, a training
+flag with ``evaluate --model``; :func:`_inapplicable_options`).
 """
 
 from __future__ import annotations
