@@ -115,7 +115,7 @@ def _keras_path(text):
     return text
 
 
-#: ``lipdp --help``'s description: plain text (the module docstring has Markdown markup).
+#: ``lipdp --help``'s description: plain text (the module docstring's markup would show).
 DESCRIPTION = (
     "lipdp: train Keras networks with differential privacy (Lipschitz networks without "
     "clipping, or clipped DP-SGD) and evaluate them."
