@@ -3,7 +3,8 @@
 ``lipdp train`` trains a Lipschitz CNN under a privacy budget and prints the privacy
 report and the test accuracy. With no option it uses scikit-learn's digits (bundled)
 and (epsilon, delta) = (3, 1e-5); the number of epochs is the largest one that stays
-within the budget (``get_max_epochs``) unless ``--epochs`` is given.
+within the budget (``get_max_epochs``) unless ``--epochs`` is given. ``--save PATH``
+writes the trained model as ``.keras`` (with its privacy ledger).
 
 ``lipdp evaluate`` trains the same model (or loads a saved one with ``--model PATH``)
 and prints the privacy report, the test accuracy, the certified accuracy at a few
@@ -12,6 +13,10 @@ the AUROC of membership-inference attacks (see :mod:`lipdp.evaluation`).
 
 ``--adversarial-radius R`` (with ``--adversarial-norm``, ``--adversarial-steps``,
 ``--adversarial-mix``) trains on PGD adversarial examples (:mod:`lipdp.adversarial`).
+
+Errors are one line on stderr and exit status 2: a bad value, and a flag the user typed
+that the run would ignore (another method's, clipping's or optimiser's flag, a training
+flag with ``evaluate --model``; :func:`_inapplicable_options`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,18 @@ METHODS = ("lipdp", "lip-dp-sgd", "dp-sgd")
 #: Public value ranges of the features (pixels in [0, 1]; breast cancer mapped to
 #: [-1, 1]): adversarial examples are kept in them.
 FEATURE_RANGES = {"digits": (0.0, 1.0), "fashion_mnist": (0.0, 1.0), "breast_cancer": (-1.0, 1.0)}
+
+#: Per data set, the defaults of --batch-size, --noise-multiplier, --learning-rate.
+_DEFAULTS = {
+    "digits": (512, 6.0, 0.02),
+    "fashion_mnist": (2048, 2.0, 0.01),
+    "breast_cancer": (64, 2.0, 0.01),
+}
+
+
+def _defaults_text(column) -> str:
+    """``"512 (digits), 2048 (fashion_mnist), ..."``: the help's statement of a default."""
+    return ", ".join(f"{values[column]:g} ({name})" for name, values in _DEFAULTS.items())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,40 +108,85 @@ def _keras_path(text):
         raise argparse.ArgumentTypeError(
             f"must end with .keras (the format that saves the privacy state), got {text!r}"
         )
+    # Checked now, not after a training of minutes that could then not be saved.
+    directory = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"no such directory: {directory!r}")
     return text
 
 
+#: ``lipdp --help``'s description: plain text (the module docstring's markup would show).
+DESCRIPTION = (
+    "lipdp: train Keras networks with differential privacy (Lipschitz networks without "
+    "clipping, or clipped DP-SGD) and evaluate them."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lipdp", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="lipdp", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a Lipschitz network under a privacy budget")
+    summary = "train a private network under a privacy budget and report its test accuracy"
+    train = commands.add_parser("train", help=summary, description=summary)
     _add_run_arguments(train)
+    _add_save_argument(train)
     train.set_defaults(handler=train_command)
     _add_evaluate_parser(commands)
     return parser
 
 
+def _subcommand_parsers(parser) -> dict:
+    """``{"train": parser, "evaluate": parser}``: the parsers of the subcommands."""
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return subparsers.choices
+
+
+def _add_save_argument(parser) -> None:
+    parser.add_argument(
+        "--save",
+        type=_keras_path,
+        default=None,
+        metavar="PATH",
+        help="save the trained model to this .keras path (with its privacy ledger)",
+    )
+
+
 def _add_run_arguments(parser) -> None:
     """The options of a training run, shared by ``train`` and ``evaluate``."""
-    parser.add_argument("--dataset", choices=sorted(INPUT_BOUNDS), default="digits")
     parser.add_argument(
-        "--data-dir", type=_directory, default=None, help="directory of IDX files (fashion_mnist)"
+        "--dataset",
+        choices=sorted(INPUT_BOUNDS),
+        default="digits",
+        help="digits (default) and breast_cancer are bundled; fashion_mnist is read from "
+        "local files (--data-dir)",
     )
     parser.add_argument(
-        "--epsilon", type=_positive_float, default=3.0, help="privacy budget epsilon"
+        "--data-dir",
+        type=_directory,
+        default=None,
+        help="fashion_mnist only: directory of its IDX files (default: the places "
+        "lipdp.datasets looks in)",
     )
-    parser.add_argument("--delta", type=_probability, default=1e-5)
+    parser.add_argument(
+        "--epsilon", type=_positive_float, default=3.0, help="privacy budget epsilon (default 3)"
+    )
+    parser.add_argument(
+        "--delta",
+        type=_probability,
+        default=1e-5,
+        help="privacy parameter delta, in (0, 1); keep it below 1/N (default 1e-5)",
+    )
     parser.add_argument(
         "--batch-size",
         type=_positive_int,
         default=None,
-        help="expected batch size b; default: 512 (digits), 2048 (fashion_mnist)",
+        help=f"expected batch size b; default: {_defaults_text(0)}",
     )
     parser.add_argument(
         "--noise-multiplier",
         type=_positive_float,
         default=None,
-        help="default: 6.0 (digits), 2.0 (fashion_mnist)",
+        help=f"sigma, the noise standard deviation over the sensitivity; default: "
+        f"{_defaults_text(1)}",
     )
     parser.add_argument(
         "--epochs",
@@ -231,7 +293,13 @@ def _add_run_arguments(parser) -> None:
         help="evaluate the exponential moving average of the weights with this decay "
         "(e.g. 0.99; post-processing, no privacy cost)",
     )
-    parser.add_argument("--strategy", choices=["global", "per-layer"], default="global")
+    parser.add_argument(
+        "--strategy",
+        choices=["global", "per-layer"],
+        default="global",
+        help="global (default): one Gaussian mechanism on the whole gradient; per-layer: one "
+        "per layer, each with its own sensitivity (dp-sgd: with --clipping per-layer only)",
+    )
     parser.add_argument(
         "--mirrored",
         type=_number(int, lambda v: v >= 2, "an integer >= 2"),
@@ -248,7 +316,12 @@ def _add_run_arguments(parser) -> None:
         help="rdp (default) or pld: upper bounds; gdp: the central-limit approximation of "
         "Bu et al. (not a proven bound, flagged in the report)",
     )
-    parser.add_argument("--learning-rate", type=_positive_float, default=None)
+    parser.add_argument(
+        "--learning-rate",
+        type=_positive_float,
+        default=None,
+        help=f"step size of the optimiser; default: {_defaults_text(2)}",
+    )
     parser.add_argument(
         "--optimizer",
         choices=["adam", "sgd"],
@@ -323,9 +396,7 @@ def _add_evaluate_parser(commands) -> None:
         default=None,
         help="a saved .keras lipdp model to evaluate (no training)",
     )
-    evaluate.add_argument(
-        "--save", type=_keras_path, default=None, help="save the trained model to this .keras path"
-    )
+    _add_save_argument(evaluate)
     _add_run_arguments(evaluate)
     evaluate.add_argument(
         "--radii",
@@ -365,12 +436,158 @@ def _add_evaluate_parser(commands) -> None:
     evaluate.set_defaults(handler=evaluate_command)
 
 
-_DEFAULTS = {
-    # dataset: batch size, noise multiplier, learning rate
-    "digits": (512, 6.0, 0.02),
-    "fashion_mnist": (2048, 2.0, 0.01),
-    "breast_cancer": (64, 2.0, 0.01),
-}
+def _explicit_options(argv) -> set:
+    """The options typed on the command line (``{"--clip-norm", ...}``): ``argv`` parsed
+    again with every default suppressed, so that a default never counts as the user's
+    choice (``--clip-norm`` defaults to 1 for every method)."""
+    parser = _parser()
+    for subparser in _subcommand_parsers(parser).values():
+        for action in subparser._actions:
+            action.default = argparse.SUPPRESS
+    typed = vars(parser.parse_args(argv))
+    return {"--" + dest.replace("_", "-") for dest in typed}
+
+
+def _refuse_inapplicable_options(args, typed) -> None:
+    """A ``ValueError`` (one line: the flag, why, the fix) for the first typed option that
+    the run would ignore: the CLI never silently drops a flag the user chose."""
+    refusals = _inapplicable_options(args)
+    for flag in _option_order(_subcommand_parsers(_parser())[args.command]):
+        if flag in typed and flag in refusals:
+            raise ValueError(refusals[flag])
+
+
+def _option_order(parser) -> list:
+    """The long options of ``parser`` in the order of its ``--help``."""
+    return [a.option_strings[-1] for a in parser._actions if a.option_strings]
+
+
+def _inapplicable_options(args) -> dict:
+    """``{flag: message}`` for every option that does not apply to the run ``args``
+    describes (whether typed or not: the caller keeps the typed ones)."""
+    if getattr(args, "model", None) is not None:
+        refusals = _options_unused_by_a_saved_model()
+    else:
+        refusals = _family_refusals(args)
+        refusals.update(_clipping_refusals(args))
+        refusals.update(_group_norm_refusals(args))
+        refusals.update(_adversarial_refusals(args))
+    if args.optimizer != "sgd":
+        refusals.setdefault(
+            "--momentum",
+            "--momentum applies to --optimizer sgd only (Adam keeps its own moment "
+            "estimates): drop --momentum or add --optimizer sgd.",
+        )
+    if args.dataset != "fashion_mnist":
+        refusals["--data-dir"] = (
+            f"--data-dir applies to --dataset fashion_mnist only ({args.dataset} is "
+            "bundled): drop --data-dir or add --dataset fashion_mnist."
+        )
+    if args.command == "evaluate" and args.attack_steps == 0:
+        for flag in ("--attack-restarts", "--attack-norms", "--attack-examples"):
+            refusals[flag] = (
+                f"{flag} applies to the PGD attack, which --attack-steps 0 turns off: drop "
+                f"{flag} or give --attack-steps N >= 1."
+            )
+    return refusals
+
+
+def _family_refusals(args) -> dict:
+    """The options of the other family than ``--method``'s."""
+    if args.method != "dp-sgd":
+        why = (
+            f"--method {args.method} clips no gradient: its sensitivities come from the "
+            "layers' Lipschitz bounds"
+        )
+        flags = ("--clipping", "--clip-norm", "--clip-threshold", "--gradient-method")
+        refusals = {
+            f: f"{f} applies to --method dp-sgd only ({why}): drop {f} or add --method dp-sgd."
+            for f in flags
+        }
+        for flag in ("--bam", "--dp-sat"):
+            refusals[flag] = (
+                f"{flag} applies to --method dp-sgd only (the clipless methods have no "
+                f"sharpness-aware step): drop {flag} or add --method dp-sgd."
+            )
+        return refusals
+    return {
+        "--gradient-clip": "--gradient-clip applies to the clipless methods; dp-sgd clips "
+        "per-example gradients with --clip-norm.",
+        "--weight-norm-bound": "--weight-norm-bound applies to the clipless methods (lipdp, "
+        "lip-dp-sgd) only: dp-sgd's layers have unconstrained kernels (their gradients are "
+        "clipped at --clip-norm): drop --weight-norm-bound.",
+    }
+
+
+def _clipping_refusals(args) -> dict:
+    if args.method == "dp-sgd" and args.clipping != "global":
+        return {
+            "--clip-threshold": f"--clip-threshold applies to --clipping global only "
+            f"({args.clipping} clipping drops no example): drop --clip-threshold or add "
+            "--clipping global."
+        }
+    return {}
+
+
+def _group_norm_refusals(args) -> dict:
+    """Group normalisation: in the clipless networks (``--group-norm``, ``--group-norm-alpha``)
+    and in either family's scattering network (``--group-norm`` only: its alpha is fixed)."""
+    refusals = {}
+    if args.method == "dp-sgd" and not args.scattering:
+        refusals["--group-norm"] = (
+            "--group-norm applies to the clipless methods, or to dp-sgd with --scattering "
+            "(dp-sgd's plain network has no group normalisation): drop --group-norm."
+        )
+    if args.scattering:
+        refusals["--group-norm-alpha"] = (
+            "--group-norm-alpha does not apply to --scattering, whose group normalisation "
+            "has its own alpha (lipdp.zoo.SCATTERING_ALPHA): drop --group-norm-alpha."
+        )
+    elif args.method == "dp-sgd":
+        refusals["--group-norm-alpha"] = (
+            "--group-norm-alpha applies to the clipless methods only (dp-sgd's plain "
+            "network has no group normalisation): drop --group-norm-alpha."
+        )
+    elif args.group_norm is None:
+        refusals["--group-norm-alpha"] = (
+            "--group-norm-alpha needs --group-norm G (without it the network has no group "
+            "normalisation): add --group-norm G or drop --group-norm-alpha."
+        )
+    return refusals
+
+
+def _adversarial_refusals(args) -> dict:
+    if args.adversarial_radius is None:
+        flags = ("--adversarial-norm", "--adversarial-steps", "--adversarial-mix", "--trades")
+        return {
+            f: f"{f} needs --adversarial-radius R (the ball of its attack; without it there "
+            f"is no adversarial training): add --adversarial-radius R or drop {f}."
+            for f in flags
+        }
+    if args.trades is not None:
+        return {
+            "--adversarial-mix": "--adversarial-mix does not apply with --trades (the TRADES "
+            "loss replaces the mixed loss): drop one of them."
+        }
+    return {}
+
+
+def _options_unused_by_a_saved_model() -> dict:
+    """``evaluate --model``: no training, so every training option would be ignored; the
+    data set, the accountant of the report and the seed of the evaluations still apply."""
+    used = {"--dataset", "--data-dir", "--accountant", "--seed"}
+    training = _subcommand_parsers(_parser())["train"]
+    refusals = {
+        flag: f"{flag} configures training, and evaluate --model evaluates a saved model "
+        f"without training: drop {flag}."
+        for flag in _option_order(training)
+        if flag not in used
+    }
+    refusals["--save"] = (
+        "--save saves the model this command trains, and --model loads one already saved: "
+        "drop --save."
+    )
+    return refusals
 
 
 def _load(name, data_dir):
@@ -567,7 +784,7 @@ def _train_private_model(args, data, verb):
         f"lipdp {verb}: {args.dataset}, {len(x_train)} training examples, batch {batch_size}"
         f"{devices}, method {args.method} ({_method_detail(args)}), "
         f"noise multiplier {sigma}, {args.strategy} noise, budget (epsilon = {args.epsilon}, "
-        f"delta = {args.delta}) -> {epochs} epochs"
+        f"delta = {args.delta}) -> {epochs} epoch{'' if epochs == 1 else 's'}"
     )
     callbacks = [DP_Accountant(epsilon_budget=args.epsilon, accountant=args.accountant)]
     if args.averaging is not None:
@@ -603,9 +820,11 @@ def _distribution_strategy(replicas):
 
     if replicas is None:
         return tf.distribute.get_strategy()
-    if len(tf.config.list_physical_devices("GPU")) >= replicas:
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    if gpus >= replicas:
         devices = [d.name for d in tf.config.list_logical_devices("GPU")[:replicas]]
         return mirrored_strategy(devices)
+    _refuse_more_replicas_than_cores(replicas, gpus)
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(
@@ -620,6 +839,32 @@ def _distribution_strategy(replicas):
             "started its devices before they could be split); run lipdp in a new process."
         )
     return mirrored_strategy(devices[:replicas])
+
+
+def _usable_cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the system tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _refuse_more_replicas_than_cores(replicas, gpus) -> None:
+    """TensorFlow splits the CPU into as many logical devices as asked, but they share its
+    cores: replicas beyond the cores add copies of the step to trace and all-reduces to
+    wait for, with no parallelism (on 2 cores one epoch of the demo took 15 s with 3
+    replicas, 80 s with 16; 99 replicas spend minutes before the first step). Refused."""
+    cores = _usable_cpu_cores()
+    if replicas <= cores:
+        return
+    most = max(gpus, cores)
+    fix = {0: "drop --mirrored", 1: "drop --mirrored", 2: "use --mirrored 2"}.get(
+        most, f"use --mirrored R with R <= {most}"
+    )
+    raise ValueError(
+        f"--mirrored {replicas}: this machine gives at most {most} device(s) ({gpus} GPU(s), "
+        f"{cores} CPU core(s); more logical CPU devices than cores only slow training "
+        f"down): {fix}."
+    )
 
 
 def _built_cli_model(args, data, batch_size, sigma):
@@ -644,7 +889,7 @@ def _built_cli_model(args, data, batch_size, sigma):
         scattering=_scattering(args),
         optimizer=args.optimizer,
         momentum=args.momentum,
-        gradient_clip=_gradient_clip(args),
+        gradient_clip=args.gradient_clip,
     )
 
 
@@ -652,15 +897,6 @@ def _scattering(args) -> bool:
     if args.scattering and args.dataset == "breast_cancer":
         raise ValueError("--scattering needs images; breast_cancer is tabular.")
     return args.scattering
-
-
-def _gradient_clip(args):
-    if args.gradient_clip is not None and args.method == "dp-sgd":
-        raise ValueError(
-            "--gradient-clip applies to the clipless methods; dp-sgd clips per-example "
-            "gradients with --clip-norm."
-        )
-    return args.gradient_clip
 
 
 def _optimizer(name, learning_rate, momentum):
@@ -687,24 +923,18 @@ def _clipping(args):
 
 
 def _ascent(args):
-    """The ``--bam`` / ``--dp-sat`` ascent (dp-sgd only)."""
+    """The ``--bam`` / ``--dp-sat`` ascent (dp-sgd only: :func:`_family_refusals`)."""
     from lipdp.dpsgd import SharpnessAscent
 
     mode, radius = ("bam", args.bam) if args.bam is not None else ("dp-sat", args.dp_sat)
-    if radius is None:
-        return None
-    if args.method != "dp-sgd":
-        raise ValueError(f"--{mode} applies to --method dp-sgd only.")
-    return SharpnessAscent(mode, radius)
+    return None if radius is None else SharpnessAscent(mode, radius)
 
 
 def _adversarial(args):
     """The ``--adversarial-*`` PGD (or ``None``), kept in the data set's value range."""
     from lipdp.adversarial import PGD
 
-    if args.adversarial_radius is None:
-        if args.trades is not None:
-            raise ValueError("--trades needs --adversarial-radius R (the ball of its attack).")
+    if args.adversarial_radius is None:  # (--trades etc. alone: _adversarial_refusals)
         return None
     return PGD(
         args.adversarial_radius,
@@ -780,7 +1010,16 @@ def train_command(args) -> int:
     print()
     print(privacy_report(model, accountant=args.accountant))
     print(f"test accuracy: {accuracy:.4f} ({len(data.x_test)} examples, {seconds:.1f} s training)")
+    if args.save:
+        _save(model, args.save)
     return 0
+
+
+def _save(model, path) -> None:
+    """The ``.keras`` file keeps the privacy ledger: ``evaluate --model`` reports the same
+    epsilon."""
+    model.save(path)
+    print(f"saved to {path}")
 
 
 def _load_model(path):
@@ -796,6 +1035,24 @@ def _load_model(path):
     if not isinstance(model, PrivateModel):
         raise ValueError(f"--model: {path!r} holds a {type(model).__name__}, not a lipdp DP model.")
     return model
+
+
+def _refuse_other_data(model, data, args) -> None:
+    """A saved model evaluated on a data set of other inputs or classes fails deep inside
+    Keras with a long traceback: one line instead, before any evaluation."""
+    metadata = model.dataset_metadata
+    if metadata is not None:
+        shape, classes = tuple(metadata.input_shape), metadata.nb_classes
+    else:  # a model saved without metadata: read its layers
+        shape, classes = tuple(model.input_shape[1:]), model.output_shape[-1]
+    data_shape = tuple(data.x_train.shape[1:])
+    if shape == data_shape and classes == data.nb_classes:
+        return
+    raise ValueError(
+        f"--model {args.model!r} takes inputs of shape {shape} in {classes} classes, but "
+        f"--dataset {args.dataset} has inputs of shape {data_shape} in {data.nb_classes} "
+        "classes: give the --dataset the model was trained on."
+    )
 
 
 def evaluate_command(args) -> int:
@@ -818,6 +1075,7 @@ def evaluate_command(args) -> int:
     data = _load(args.dataset, args.data_dir)
     if args.model is not None:
         model = _load_model(args.model)
+        _refuse_other_data(model, data, args)
         metadata = model.dataset_metadata
         n_train = len(data.x_train) if metadata is None else metadata.nb_samples_train
         x_train = data.x_train[:n_train]
@@ -826,8 +1084,7 @@ def evaluate_command(args) -> int:
     else:
         model, x_train, y_train, _ = _train_private_model(args, data, "evaluate")
         if args.save:
-            model.save(args.save)
-            print(f"saved to {args.save}")
+            _save(model, args.save)
 
     print()
     optimizer = getattr(model, "optimizer", None)
@@ -938,6 +1195,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     with _native_logs_silenced():
         try:
+            _refuse_inapplicable_options(args, _explicit_options(argv))
             return args.handler(args)
         except (ValueError, FileNotFoundError) as error:
             print(f"lipdp {args.command}: error: {error}", file=sys.stderr)

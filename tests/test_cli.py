@@ -27,6 +27,7 @@ MISUSES = [
     (["train", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
     (["evaluate", "--model", "/nonexistent.keras"], "argument --model: no such file"),
     (["evaluate", "--save", "model.h5"], "argument --save: must end with .keras"),
+    (["train", "--save", "/nonexistent/m.keras"], "argument --save: no such directory"),
     (["evaluate", "--bins", "0"], "argument --bins: must be an integer >= 1"),
     (["evaluate", "--radii", "-0.1"], "argument --radii: must be a finite number >= 0"),
     (["train", "--method", "clipping"], "argument --method: invalid choice: 'clipping'"),
@@ -321,5 +322,219 @@ def test_cli_mirrored_training_reports_the_single_device_epsilon(capsys):
         return [line.split("epsilon")[1].split("(")[0] for line in lines]  # not the time
 
     assert epsilons(mirrored) == epsilons(single) and len(epsilons(single)) == 1
+    # More than the 2 devices: refused, by the core count (on 2 cores) or because
+    # conftest.py's split had already started 2 devices (on more).
     assert cli.main([*argv, "--mirrored", "3"]) == 2
-    assert "--mirrored 3: only 2 device(s)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lipdp train: error: --mirrored 3: ")
+
+
+# A flag the run would ignore: (argv, the one-line refusal). Refused before any training.
+_DP_SGD_ONLY = (
+    "{f} applies to --method dp-sgd only (--method {m} clips no gradient: its sensitivities "
+    "come from the layers' Lipschitz bounds): drop {f} or add --method dp-sgd."
+)
+_NEEDS_RADIUS = (
+    "{f} needs --adversarial-radius R (the ball of its attack; without it there is no "
+    "adversarial training): add --adversarial-radius R or drop {f}."
+)
+_SAVED_MODEL = (
+    "{f} configures training, and evaluate --model evaluates a saved model without "
+    "training: drop {f}."
+)
+_ATTACK_OFF = (
+    "{f} applies to the PGD attack, which --attack-steps 0 turns off: drop {f} or give "
+    "--attack-steps N >= 1."
+)
+_NO_GROUP_NORM_IN_DP_SGD = (
+    "--group-norm applies to the clipless methods, or to dp-sgd with --scattering "
+    "(dp-sgd's plain network has no group normalisation): drop --group-norm."
+)
+_SCATTERING_ALPHA = (
+    "--group-norm-alpha does not apply to --scattering, whose group normalisation has its "
+    "own alpha (lipdp.zoo.SCATTERING_ALPHA): drop --group-norm-alpha."
+)
+_MOMENTUM = (
+    "--momentum applies to --optimizer sgd only (Adam keeps its own moment estimates): drop "
+    "--momentum or add --optimizer sgd."
+)
+INAPPLICABLE = [
+    (["train", "--clip-norm", "2"], _DP_SGD_ONLY.format(m="lipdp", f="--clip-norm")),
+    (
+        ["train", "--method", "lip-dp-sgd", "--clipping", "automatic"],
+        _DP_SGD_ONLY.format(m="lip-dp-sgd", f="--clipping"),
+    ),
+    (["train", "--clip-threshold", "5"], _DP_SGD_ONLY.format(m="lipdp", f="--clip-threshold")),
+    (
+        ["train", "--gradient-method", "jacobian"],
+        _DP_SGD_ONLY.format(m="lipdp", f="--gradient-method"),
+    ),
+    (
+        ["train", "--method", "dp-sgd", "--clip-threshold", "5"],
+        "--clip-threshold applies to --clipping global only (flat clipping drops no example): "
+        "drop --clip-threshold or add --clipping global.",
+    ),
+    (
+        ["train", "--bam", "0.1"],
+        "--bam applies to --method dp-sgd only (the clipless methods have no sharpness-aware "
+        "step): drop --bam or add --method dp-sgd.",
+    ),
+    (
+        ["train", "--method", "lip-dp-sgd", "--dp-sat", "0.1"],
+        "--dp-sat applies to --method dp-sgd only (the clipless methods have no "
+        "sharpness-aware step): drop --dp-sat or add --method dp-sgd.",
+    ),
+    (
+        ["train", "--method", "dp-sgd", "--gradient-clip", "0.1"],
+        "--gradient-clip applies to the clipless methods; dp-sgd clips per-example gradients "
+        "with --clip-norm.",
+    ),
+    (
+        ["train", "--method", "dp-sgd", "--weight-norm-bound", "2"],
+        "--weight-norm-bound applies to the clipless methods (lipdp, lip-dp-sgd) only: "
+        "dp-sgd's layers have unconstrained kernels (their gradients are clipped at "
+        "--clip-norm): drop --weight-norm-bound.",
+    ),
+    (["train", "--method", "dp-sgd", "--group-norm", "4"], _NO_GROUP_NORM_IN_DP_SGD),
+    (
+        ["train", "--method", "dp-sgd", "--group-norm-alpha", "0.5"],
+        "--group-norm-alpha applies to the clipless methods only (dp-sgd's plain network has "
+        "no group normalisation): drop --group-norm-alpha.",
+    ),
+    (
+        ["train", "--group-norm-alpha", "0.5"],
+        "--group-norm-alpha needs --group-norm G (without it the network has no group "
+        "normalisation): add --group-norm G or drop --group-norm-alpha.",
+    ),
+    (["train", "--scattering", "--group-norm", "9", "--group-norm-alpha", "2"], _SCATTERING_ALPHA),
+    (["train", "--method", "dp-sgd", "--scattering", "--group-norm-alpha", "2"], _SCATTERING_ALPHA),
+    (["train", "--momentum", "0.9"], _MOMENTUM),
+    (["train", "--momentum", "0"], _MOMENTUM),  # typed, even at its default value
+    (["train", "--adversarial-norm", "linf"], _NEEDS_RADIUS.format(f="--adversarial-norm")),
+    (["train", "--adversarial-steps", "3"], _NEEDS_RADIUS.format(f="--adversarial-steps")),
+    (["train", "--adversarial-mix", "0.5"], _NEEDS_RADIUS.format(f="--adversarial-mix")),
+    (["train", "--trades", "2"], _NEEDS_RADIUS.format(f="--trades")),
+    (
+        ["train", "--method", "dp-sgd", "--adversarial-radius", "0.1", "--trades", "2"]
+        + ["--adversarial-mix", "0.5"],
+        "--adversarial-mix does not apply with --trades (the TRADES loss replaces the mixed "
+        "loss): drop one of them.",
+    ),
+    (
+        ["train", "--data-dir", "/tmp"],
+        "--data-dir applies to --dataset fashion_mnist only (digits is bundled): drop "
+        "--data-dir or add --dataset fashion_mnist.",
+    ),
+    *[
+        (["evaluate", "--attack-steps", "0", flag, value], _ATTACK_OFF.format(f=flag))
+        for flag, value in [
+            ("--attack-norms", "linf"),
+            ("--attack-restarts", "3"),
+            ("--attack-examples", "10"),
+        ]
+    ],
+    *[
+        (["evaluate", "--model", __file__, flag, *values], _SAVED_MODEL.format(f=flag))
+        for flag, values in [
+            ("--epochs", ["3"]),
+            ("--method", ["dp-sgd"]),
+            ("--clip-norm", ["2"]),
+            ("--momentum", ["0.9"]),
+            ("--quiet", []),
+        ]
+    ],
+    (
+        ["evaluate", "--model", __file__, "--save", "m.keras"],
+        "--save saves the model this command trains, and --model loads one already saved: "
+        "drop --save.",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "argv,message", INAPPLICABLE, ids=lambda v: " ".join(v) if isinstance(v, list) else ""
+)
+def test_a_flag_the_run_would_ignore_is_refused_in_one_line(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"lipdp {argv[0]}: error: {message}\n"
+
+
+def _check_options(argv):
+    args = cli._parser().parse_args(argv)
+    cli._refuse_inapplicable_options(args, cli._explicit_options(argv))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--method", "dp-sgd", "--clipping", "global", "--clip-threshold", "5"],
+        ["train", "--method", "dp-sgd", "--scattering", "--group-norm", "9"],
+        ["train", "--group-norm", "4", "--group-norm-alpha", "0.5"],
+        ["train", "--optimizer", "sgd", "--momentum", "0.9"],
+        ["train", "--dataset", "fashion_mnist", "--data-dir", "/tmp"],
+        ["train", "--adversarial-radius", "0.1", "--adversarial-steps", "3"],
+        ["evaluate", "--attack-steps", "5", "--attack-norms", "linf"],
+        ["evaluate", "--model", __file__, "--dataset", "digits", "--accountant", "pld"]
+        + ["--seed", "3", "--radii", "0.1", "--bins", "5"],
+    ],
+    ids=" ".join,
+)
+def test_flags_that_apply_are_accepted(argv):
+    _check_options(argv)
+
+
+def test_defaults_never_count_as_typed():
+    """A default is not the user's choice: --clip-norm 1, --momentum 0, --adversarial-steps
+    10, ... trigger no refusal, whatever the method."""
+    typed = cli._explicit_options(["train", "--momentum", "0", "--quiet"])
+    assert {"--momentum", "--quiet"} <= typed and "--clip-norm" not in typed
+    for method in cli.METHODS:
+        _check_options(["train", "--method", method])
+    _check_options(["evaluate", "--model", __file__])
+
+
+def test_mirrored_beyond_the_usable_cores_is_refused_at_once(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_usable_cpu_cores", lambda: 2)
+    assert cli.main(["train", "--mirrored", "99"]) == 2
+    assert capsys.readouterr().err == (
+        "lipdp train: error: --mirrored 99: this machine gives at most 2 device(s) (0 GPU(s), "
+        "2 CPU core(s); more logical CPU devices than cores only slow training down): use "
+        "--mirrored 2.\n"
+    )
+    monkeypatch.setattr(cli, "_usable_cpu_cores", lambda: 1)
+    assert cli.main(["train", "--mirrored", "2"]) == 2
+    assert capsys.readouterr().err.endswith("only slow training down): drop --mirrored.\n")
+
+
+def test_train_saves_a_model_that_loads_with_its_ledger(tmp_path, capsys):
+    """``train --save``: the .keras file keeps the privacy ledger (the epsilon the training
+    reported), and ``evaluate --model`` of it on another data set is one line. (And "1
+    epoch", singular.)"""
+    import tensorflow as tf
+
+    from lipdp.report import privacy_report
+
+    path = tmp_path / "digits.keras"
+    assert cli.main(["train", "--quiet", "--epochs", "1", "--save", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "-> 1 epoch\n" in out
+    assert out.endswith(f"saved to {path}\n")
+    report = privacy_report(tf.keras.models.load_model(path))
+    assert f"(epsilon = {report.epsilon:.4f}, delta = 1e-05)" in out
+    assert str(report) in out  # steps, sensitivities and ledger as trained
+    assert cli.main(["evaluate", "--model", str(path), "--dataset", "breast_cancer"]) == 2
+    assert capsys.readouterr().err == (
+        f"lipdp evaluate: error: --model {str(path)!r} takes inputs of shape (8, 8, 1) in 10 "
+        "classes, but --dataset breast_cancer has inputs of shape (30,) in 2 classes: give "
+        "the --dataset the model was trained on.\n"
+    )
+
+
+def test_every_option_has_help_and_no_markup():
+    parser = cli._parser()
+    assert "``" not in parser.format_help()
+    for name, subparser in cli._subcommand_parsers(parser).items():
+        missing = [a.option_strings[-1] for a in subparser._actions if not a.help]
+        assert missing == [], f"lipdp {name}: options without help: {missing}"
+        text = subparser.format_help()
+        assert "``" not in text and ":mod:" not in text and ":func:" not in text
