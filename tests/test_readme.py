@@ -27,6 +27,10 @@ def test_readme_snippets_run_in_order():
     report = namespace["privacy_report"](model)
     assert report.epsilon == pytest.approx(history["epsilon"][-1]) and report.epochs == 40
     assert "exactly as trained" in report.sampling_assumption
+    # make_private's model: trained 10 epochs within the budget it was calibrated for.
+    clipped = namespace["clipped"]
+    assert int(clipped.noisy_steps.numpy()) == 10 * 3
+    assert 2.9 < namespace["privacy_report"](clipped).epsilon <= 3.0
 
 
 def test_docs_first_model_is_the_tested_quick_start():
