@@ -96,6 +96,9 @@ def _keras_path(text):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lipdp", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {sys.modules['lipdp'].__version__}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a Lipschitz network under a privacy budget")
     _add_run_arguments(train)
