@@ -17,7 +17,26 @@ from lipdp import compat as _compat
 _compat.prefer_legacy_keras()
 _compat.require_keras_2()
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    # One source of truth: ``version`` in setup.cfg, read back from the installed package's
+    # metadata. A source checkout imported without being installed reads setup.cfg itself.
+    from importlib import metadata
+
+    try:
+        return metadata.version("lipdp")
+    except metadata.PackageNotFoundError:
+        import configparser
+        from pathlib import Path
+
+        config = configparser.ConfigParser(interpolation=None)
+        config.read(Path(__file__).resolve().parents[1] / "setup.cfg", encoding="utf-8")
+        if config.get("metadata", "name", fallback=None) == "lipdp":
+            return config.get("metadata", "version", fallback="0+unknown")
+        return "0+unknown"  # neither installed nor in its source tree
+
+
+__version__ = _version()
 
 
 #: Top-level names and the module defining each, imported on first use so that

@@ -124,6 +124,9 @@ DESCRIPTION = (
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lipdp", description=DESCRIPTION)
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {sys.modules['lipdp'].__version__}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     summary = "train a private network under a privacy budget and report its test accuracy"
     train = commands.add_parser("train", help=summary, description=summary)

@@ -1,6 +1,6 @@
 r"""Calibration of the predicted probabilities.
 
-Bu, Wang, Zha & Karypis (*On the Convergence and Calibration of Deep Learning with
+Bu, Wang, Dai & Long (*On the Convergence and Calibration of Deep Learning with
 Differential Privacy*, TMLR 2023) show that DP training (with per-sample clipping)
 can leave classifiers badly mis-calibrated, and measure it with the expected and
 maximum calibration errors of Guo et al. (*On Calibration of Modern Neural
