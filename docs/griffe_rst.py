@@ -184,9 +184,7 @@ def rest_to_markdown(text: str, obj: griffe.Object, loader: griffe.GriffeLoader)
             f"<code>{html.escape(title)}</code></autoref>"
         )
 
-    text = _MATH_DIRECTIVE.sub(
-        lambda m: f"{m.group(1)}\n{m.group(1)}$${m.group(2)}$$\n", text
-    )
+    text = _MATH_DIRECTIVE.sub(lambda m: f"{m.group(1)}\n{m.group(1)}$${m.group(2)}$$\n", text)
     text = _MATH_ROLE.sub(lambda m: f"\\({' '.join(m.group(1).split())}\\)", text)
     text = _ROLE.sub(role, text)
     text = _split_grouped_params(text)

@@ -31,8 +31,20 @@ _RULE = re.compile(r"(?<![\w])S(1[0-3]|[1-9])(?![\w])")
 
 _SKIP = {"a", "code", "pre", "script", "style", "textarea", "h1", "h2", "h3", "h4", "h5", "h6"}
 _VOID = {
-    "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param",
-    "source", "track", "wbr",
+    "area",
+    "base",
+    "br",
+    "col",
+    "embed",
+    "hr",
+    "img",
+    "input",
+    "link",
+    "meta",
+    "param",
+    "source",
+    "track",
+    "wbr",
 }
 
 
@@ -42,7 +54,9 @@ def rule_anchor(number: int) -> str:
 
 
 def _link_text(text: str, base: str) -> str:
-    return _RULE.sub(lambda m: f'<a href="{base}#{rule_anchor(int(m.group(1)))}">{m.group(0)}</a>', text)
+    return _RULE.sub(
+        lambda m: f'<a href="{base}#{rule_anchor(int(m.group(1)))}">{m.group(0)}</a>', text
+    )
 
 
 def link_rules(html: str, base: str) -> str:

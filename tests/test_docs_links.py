@@ -34,7 +34,9 @@ def link(number: int, base: str = BASE) -> str:
 
 def test_plain_citations_become_links():
     html = "<p>Checked by rule S2 and by S9).</p>"
-    assert rule_links.link_rules(html, BASE) == f"<p>Checked by rule {link(2)} and by {link(9)}).</p>"
+    assert (
+        rule_links.link_rules(html, BASE) == f"<p>Checked by rule {link(2)} and by {link(9)}).</p>"
+    )
 
 
 def test_s10_to_s13_are_not_read_as_s1():
@@ -87,7 +89,7 @@ def test_definition_is_not_linked_to_itself():
     )
     assert rule_links.link_rules(html, "") == (
         f'<p><strong id="s4">S4 — projections land.</strong> Unlike {link(3, "")}, '
-        f'see {link(4, "")}.</p>'
+        f"see {link(4, '')}.</p>"
         f'<p><strong id="s10">S10 — <em>the state</em> (S10).</strong> {link(1, "")}</p>'
     )
 
