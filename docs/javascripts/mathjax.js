@@ -14,9 +14,17 @@ window.MathJax = {
   },
 };
 
-// Material's instant navigation replaces the page without reloading scripts.
+// MathJax typesets the page it is loaded on by itself. Material's instant navigation
+// (if enabled) swaps pages without reloading scripts: typeset each new page then. The
+// first emission of document$ is the page MathJax is already typesetting; clearing its
+// caches then would drop the CSS of the glyphs it is drawing (blank formulas).
 if (typeof document$ !== "undefined") {
+  let first = true;
   document$.subscribe(() => {
+    if (first) {
+      first = false;
+      return;
+    }
     if (window.MathJax && MathJax.typesetPromise) {
       MathJax.startup.output.clearCache();
       MathJax.typesetClear();
