@@ -11,8 +11,9 @@ loaded (the modules themselves are not touched):
   target is rendered somewhere in the site, plain code otherwise (never a
   warning). Relative names are resolved in the scope of the documented object;
   a leading ``~`` shows the last component only, as in Sphinx;
-* ``:math:`x``` and ``.. math:: x`` become inline code (the site loads no
-  JavaScript from the network, so no MathJax);
+* ``:math:`x``` and ``.. math:: x`` become inline and display formulas,
+  ``\\(x\\)`` and ``$$x$$`` (``pymdownx.arithmatex``; MathJax is served by the site
+  itself, see ``docs/hooks.py``);
 * reST simple tables (rows framed by ``====  ====`` lines) become Markdown
   tables;
 * an ``Args:`` entry documenting several parameters at once (``x, y: ...``, a
@@ -183,8 +184,8 @@ def rest_to_markdown(text: str, obj: griffe.Object, loader: griffe.GriffeLoader)
             f"<code>{html.escape(title)}</code></autoref>"
         )
 
-    text = _MATH_DIRECTIVE.sub(lambda m: f"{m.group(1)}`{m.group(2)}`", text)
-    text = _MATH_ROLE.sub(lambda m: f"`{m.group(1)}`", text)
+    text = _MATH_DIRECTIVE.sub(lambda m: f"{m.group(1)}\n{m.group(1)}$${m.group(2)}$$\n", text)
+    text = _MATH_ROLE.sub(lambda m: f"\\({' '.join(m.group(1).split())}\\)", text)
     text = _ROLE.sub(role, text)
     text = _split_grouped_params(text)
     return _tables_to_markdown(text)
