@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from lipdp import validation
+from lipdp.config import Config
 from lipdp.records import finite_rows
 
 #: The balls of the attack.
@@ -134,7 +135,7 @@ def pgd_step(delta, grad, norm, radius, step_size):
 
 # ------------------------------------------------------------------------ training
 @dataclass(frozen=True)
-class PGD:
+class PGD(Config):
     """Adversarial training by PGD (module docstring): every training row is replaced by
     (or mixed with) its adversarial version, computed inside the training step from the
     current weights.
@@ -162,6 +163,8 @@ class PGD:
             (log p_k - log q_k - KL)``, has no bound. ``None`` (default): no TRADES.
     """
 
+    argument_name = "adversarial"
+
     radius: float
     norm: str = "l2"
     steps: int = 10
@@ -172,15 +175,14 @@ class PGD:
     trades_beta: float | None = None
 
     def __post_init__(self):
-        set_field = object.__setattr__  # normalisation of a frozen dataclass
-        set_field(self, "radius", validation.positive("PGD radius", self.radius))
+        self._set("radius", validation.positive("PGD radius", self.radius))
         validation.choice("PGD norm", self.norm, NORMS)
-        set_field(self, "steps", validation.count("PGD steps", self.steps, minimum=1))
+        self._set("steps", validation.count("PGD steps", self.steps, minimum=1))
         if self.step_size is not None:
-            set_field(self, "step_size", validation.positive("PGD step_size", self.step_size))
-        set_field(self, "random_start", bool(self.random_start))
+            self._set("step_size", validation.positive("PGD step_size", self.step_size))
+        self._set("random_start", bool(self.random_start))
         mix = validation.real("PGD mix", self.mix, low=0.0, high=1.0, high_open=False)
-        set_field(self, "mix", mix)
+        self._set("mix", mix)
         if self.clip_values is not None:
             low, high = (validation.real("PGD clip_values", v) for v in self.clip_values)
             if not low < high:
@@ -188,9 +190,9 @@ class PGD:
                     f"PGD clip_values must be (low, high) with low < high, got "
                     f"{self.clip_values!r}."
                 )
-            set_field(self, "clip_values", (low, high))
+            self._set("clip_values", (low, high))
         if self.trades_beta is not None:
-            set_field(self, "trades_beta", validation.positive("PGD trades_beta", self.trades_beta))
+            self._set("trades_beta", validation.positive("PGD trades_beta", self.trades_beta))
             if not self.random_start:
                 raise ValueError(
                     "TRADES needs random_start=True: the KL term and its gradient are 0 at x."
@@ -200,29 +202,6 @@ class PGD:
     def alpha(self) -> float:
         """The step size: ``step_size`` or ``2.5 r / steps``."""
         return self.step_size if self.step_size is not None else 2.5 * self.radius / self.steps
-
-    @classmethod
-    def coerce(cls, value):
-        """A :class:`PGD`, its config dict, or ``None``."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            return cls(**value)
-        raise TypeError(
-            f"adversarial must be a lipdp.adversarial.PGD or its config, got {value!r}."
-        )
-
-    def to_config(self) -> dict:
-        return {
-            "radius": self.radius,
-            "norm": self.norm,
-            "steps": self.steps,
-            "step_size": self.step_size,
-            "random_start": self.random_start,
-            "mix": self.mix,
-            "clip_values": None if self.clip_values is None else list(self.clip_values),
-            "trades_beta": self.trades_beta,
-        }
 
     def describe(self) -> str:
         """One line for logs and reports."""

@@ -61,6 +61,7 @@ from lipdp import distribute, noise, validation
 from lipdp.adversarial import softmax_kl
 from lipdp.batch_independence import refuse_coupling_layers
 from lipdp.bounds import ROUNDOFF_SLACK
+from lipdp.config import Config
 from lipdp.layer_support import check_layer_support
 from lipdp.per_example import (
     GRADIENT_METHODS,
@@ -76,7 +77,7 @@ CLIPPING_MODES = ("flat", "per-layer", "automatic", "global")
 
 
 @dataclass(frozen=True)
-class Clipping:
+class Clipping(Config):
     r"""How per-example gradients ``g_i`` are scaled, ``C_i g_i``, and why every scaled
     gradient has norm at most ``R`` (the sensitivity of the sum):
 
@@ -110,6 +111,9 @@ class Clipping:
             ``"per-layer"`` (default: equal).
     """
 
+    argument_name = "clipping"
+    optional = False
+
     mode: str = "flat"
     clip_norm: float = 1.0
     gamma: float = 0.01
@@ -118,32 +122,20 @@ class Clipping:
 
     def __post_init__(self):
         validation.choice("clipping mode", self.mode, CLIPPING_MODES)
-        set_field = object.__setattr__  # normalisation of a frozen dataclass
-        set_field(self, "clip_norm", validation.positive("clip_norm", self.clip_norm))
-        set_field(self, "gamma", validation.positive("gamma", self.gamma))
+        self._set("clip_norm", validation.positive("clip_norm", self.clip_norm))
+        self._set("gamma", validation.positive("gamma", self.gamma))
         if (self.mode == "global") != (self.threshold is not None):
             raise ValueError(
                 "threshold=Z is required with mode='global' (examples whose gradient norm "
                 "exceeds Z are dropped) and only then."
             )
         if self.threshold is not None:
-            set_field(self, "threshold", validation.positive("threshold", self.threshold))
+            self._set("threshold", validation.positive("threshold", self.threshold))
         if self.layer_shares is not None:
             if self.mode != "per-layer":
                 raise ValueError("layer_shares applies to mode='per-layer' only.")
             shares = tuple(validation.positive("layer share", s) for s in self.layer_shares)
-            set_field(self, "layer_shares", shares)
-
-    @classmethod
-    def coerce(cls, value) -> Clipping:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            config = dict(value)
-            if config.get("layer_shares") is not None:
-                config["layer_shares"] = tuple(config["layer_shares"])
-            return cls(**config)
-        raise TypeError(f"clipping must be a Clipping or its config dict, got {value!r}.")
+            self._set("layer_shares", shares)
 
     def per_example_bound(self) -> float:
         """Norm bound on one row's scaled gradient: ``R`` in every mode (class docstring)."""
@@ -182,15 +174,6 @@ class Clipping:
         z = tf.cast(self.threshold, norms.dtype)
         return tf.where(norms <= z, r / z, tf.zeros_like(norms))
 
-    def to_config(self) -> dict:
-        return {
-            "mode": self.mode,
-            "clip_norm": self.clip_norm,
-            "gamma": self.gamma,
-            "threshold": self.threshold,
-            "layer_shares": None if self.layer_shares is None else list(self.layer_shares),
-        }
-
 
 def _capped(norms, radius):
     """``min(1, r / ||g||)``, 1 for a zero gradient."""
@@ -203,7 +186,7 @@ ASCENT_MODES = ("bam", "dp-sat")
 
 
 @dataclass(frozen=True)
-class SharpnessAscent:
+class SharpnessAscent(Config):
     r"""A sharpness-aware ascent step before the per-example gradients are taken.
 
     * ``"bam"`` (Knolle et al., *Bias-Aware Minimisation*, Algorithm 2): row ``i``'s
@@ -224,23 +207,14 @@ class SharpnessAscent:
         radius: ``lambda`` (BAM) or ``rho`` (DP-SAT), ``> 0``.
     """
 
+    argument_name = "ascent"
+
     mode: str
     radius: float
 
     def __post_init__(self):
         validation.choice("ascent mode", self.mode, ASCENT_MODES)
-        object.__setattr__(self, "radius", validation.positive("ascent radius", self.radius))
-
-    @classmethod
-    def coerce(cls, value):
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            return cls(**value)
-        raise TypeError(f"ascent must be a SharpnessAscent or its config dict, got {value!r}.")
-
-    def to_config(self) -> dict:
-        return {"mode": self.mode, "radius": self.radius}
+        self._set("radius", validation.positive("ascent radius", self.radius))
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
@@ -95,6 +95,7 @@ from lipdp.accounting.mechanisms import (
     dynamic_clipping_label,
 )
 from lipdp.callbacks import epochs_trained
+from lipdp.config import Config
 from lipdp.layers import DP_ClipGradient
 from lipdp.ledger import release_row
 
@@ -124,7 +125,7 @@ DEFAULT_MIN_CLIP_VALUE = 1e-3
 
 # ---------------------------------------------------------------------- declaration
 @dataclass(frozen=True)
-class DynamicClippingSpec:
+class DynamicClippingSpec(Config):
     """What a dynamic-clipping callback releases, declared before training (rule S11).
 
     A DP model with ``DP_ClipGradient(mode="dynamic")`` layers must declare it, in
@@ -153,28 +154,26 @@ class DynamicClippingSpec:
 
     def __post_init__(self):
         validation.choice("dynamic clipping mode", self.mode, ("laplace", "quantiles"))
-        object.__setattr__(self, "patience", validation.count("`patience`", self.patience, 1))
+        self._set("patience", validation.count("`patience`", self.patience, 1))
         steps = validation.count("`steps_per_update`", self.steps_per_update, 1)
-        object.__setattr__(self, "steps_per_update", steps)
+        self._set("steps_per_update", steps)
         if self.mode == "laplace":
-            object.__setattr__(self, "epsilon", validation.positive("`epsilon`", self.epsilon))
+            self._set("epsilon", validation.positive("`epsilon`", self.epsilon))
         else:
             sigma = validation.positive("`noise_multiplier`", self.noise_multiplier)
-            object.__setattr__(self, "noise_multiplier", sigma)
+            self._set("noise_multiplier", sigma)
             if self.sampling_rate is not None:
                 rate = validation.probability("`sampling_rate`", self.sampling_rate)
-                object.__setattr__(self, "sampling_rate", rate)
+                self._set("sampling_rate", rate)
 
     @classmethod
     def coerce(cls, value) -> DynamicClippingSpec | None:
         """``None``, a spec, its config dict, or anything with a ``spec`` (a callback)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            return cls(**value)
         spec = getattr(value, "spec", None)
         if isinstance(spec, cls):
             return spec
+        if value is None or isinstance(value, (cls, dict)):
+            return super().coerce(value)
         raise TypeError(
             "dynamic_clipping must be None, a dynamic clipping callback of lipdp.dynamic or a "
             f"DynamicClippingSpec, got {value!r}."
@@ -190,9 +189,6 @@ class DynamicClippingSpec:
             mechanism = SubsampledGaussian(self.noise_multiplier, rate)
         label = dynamic_clipping_label(self.mode)
         return Release(mechanism, label, per_round=per_round, patience=self.patience)
-
-    def to_config(self) -> dict:
-        return asdict(self)
 
 
 # ------------------------------------------------------------------- layers and bounds

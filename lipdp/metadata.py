@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lipdp.config import Config
+
 #: How training batches are drawn.
 #: ``"shuffle"``: fixed-size batches of a shuffled data set (what most pipelines do);
 #: the accountant nevertheless analyses Poisson subsampling, as the original package
@@ -49,7 +51,7 @@ def steps_per_epoch(nb_samples: int, batch_size: int, partial_last_batch: bool =
 
 
 @dataclass(frozen=True)
-class DatasetMetadata:
+class DatasetMetadata(Config):
     """Public description of a training set.
 
     Attributes:
@@ -114,10 +116,6 @@ class DatasetMetadata:
         self._set("class_names", list(self.class_names))
         self._set("notes", list(self.notes))
 
-    def _set(self, name, value):
-        # Normalisation in __post_init__ of a frozen dataclass.
-        object.__setattr__(self, name, value)
-
     # ------------------------------------------------------------------ sampling
     @property
     def sampling_rate(self) -> float:
@@ -155,27 +153,6 @@ class DatasetMetadata:
         the number of releases, so this is an upper bound on the spent budget.
         """
         return math.ceil(_whole("steps", steps, 0) / self.nb_steps_per_epochs)
-
-    # ------------------------------------------------------------- serialisation
-    def to_config(self) -> dict:
-        return {
-            "input_shape": list(self.input_shape),
-            "nb_classes": self.nb_classes,
-            "nb_samples_train": self.nb_samples_train,
-            "nb_samples_test": self.nb_samples_test,
-            "class_names": list(self.class_names),
-            "nb_steps_per_epochs": self.nb_steps_per_epochs,
-            "batch_size": self.batch_size,
-            "max_norm": self.max_norm,
-            "sampling": self.sampling,
-            "multiplicity": self.multiplicity,
-            "partial_last_batch": self.partial_last_batch,
-            "notes": list(self.notes),
-        }
-
-    @classmethod
-    def from_config(cls, config: dict) -> DatasetMetadata:
-        return cls(**config)
 
 
 def default_delta_value(dataset_metadata: DatasetMetadata) -> float:

@@ -32,6 +32,7 @@ from lipdp.accounting.mechanisms import effective_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.tuning import RandomSearch
 from lipdp.adversarial import PGD, softmax_kl
+from lipdp.config import Config
 from lipdp.dynamic import DynamicClippingSpec
 from lipdp.layer_walk import nested_layers
 from lipdp.ledger import PrivacyLedger, step_row
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DPParameters:
+class DPParameters(Config):
     """Privacy parameters of a training run.
 
     Attributes:
@@ -76,12 +77,11 @@ class DPParameters:
 
     def __post_init__(self):
         validation.choice("noisify_strategy", self.noisify_strategy, NOISIFY_STRATEGIES)
-        set_field = object.__setattr__  # normalisation of a frozen dataclass
-        set_field(self, "dynamic_clipping", DynamicClippingSpec.coerce(self.dynamic_clipping))
-        set_field(self, "hyperparameter_search", RandomSearch.coerce(self.hyperparameter_search))
+        self._set("dynamic_clipping", DynamicClippingSpec.coerce(self.dynamic_clipping))
+        self._set("hyperparameter_search", RandomSearch.coerce(self.hyperparameter_search))
         sigma = validation.non_negative("noise_multiplier", self.noise_multiplier)
-        set_field(self, "noise_multiplier", sigma)
-        set_field(self, "non_private", bool(self.non_private))
+        self._set("noise_multiplier", sigma)
+        self._set("non_private", bool(self.non_private))
         if self.non_private:
             if self.noise_multiplier != 0:
                 raise ValueError(
@@ -92,20 +92,7 @@ class DPParameters:
                 f"noise_multiplier must be > 0, got {self.noise_multiplier}. For a "
                 "non-private reference run pass non_private=True and noise_multiplier=0."
             )
-        set_field(self, "delta", validation.delta(self.delta))
-
-    def to_config(self) -> dict:
-        config = {
-            "noisify_strategy": self.noisify_strategy,
-            "noise_multiplier": self.noise_multiplier,
-            "delta": self.delta,
-            "non_private": self.non_private,
-        }
-        if self.dynamic_clipping is not None:
-            config["dynamic_clipping"] = self.dynamic_clipping.to_config()
-        if self.hyperparameter_search is not None:
-            config["hyperparameter_search"] = self.hyperparameter_search.to_config()
-        return config
+        self._set("delta", validation.delta(self.delta))
 
 
 class PrivateModel(tf.keras.Model):

@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lipdp"
 #: module (or package prefix) -> lipdp modules it may import (prefixes).
 ALLOWED = {
     "lipdp.compat": (),
-    "lipdp.metadata": (),
+    "lipdp.config": (),
+    "lipdp.metadata": ("lipdp.config",),
     "lipdp.validation": (),
     "lipdp.records": (),
     "lipdp.projections": ("lipdp.validation",),
@@ -33,7 +34,7 @@ ALLOWED = {
     "lipdp.layer_walk": (),
     "lipdp.batch_independence": ("lipdp.layer_walk",),
     "lipdp.layer_support": ("lipdp.layer_walk",),
-    "lipdp.accounting": ("lipdp.accounting", "lipdp.validation", "lipdp.metadata"),
+    "lipdp.accounting": ("lipdp.accounting", "lipdp.validation", "lipdp.metadata", "lipdp.config"),
     "lipdp.data": ("lipdp.data", "lipdp.validation", "lipdp.metadata"),
 }
 

@@ -42,10 +42,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from lipdp import validation
+from lipdp.config import Config
 
 
 @dataclass(frozen=True)
-class RandomSearch:
+class RandomSearch(Config):
     """A hyper-parameter search of ``K ~ D_{eta, gamma}`` runs (module docstring).
 
     Attributes:
@@ -55,13 +56,15 @@ class RandomSearch:
             mean, with a heavier tail of long searches.
     """
 
+    argument_name = "search"
+
     mean: float
     shape: float = 1.0
 
     def __post_init__(self):
         mean = validation.real("RandomSearch mean", self.mean, low=1.0, low_open=False)
-        object.__setattr__(self, "mean", mean)
-        object.__setattr__(self, "shape", validation.non_negative("RandomSearch shape", self.shape))
+        self._set("mean", mean)
+        self._set("shape", validation.non_negative("RandomSearch shape", self.shape))
 
     # ---------------------------------------------------------------- the law of K
     @property
@@ -119,18 +122,6 @@ class RandomSearch:
             self.shape, f"truncated negative binomial (eta = {self.shape:g})"
         )
         return f"random search: K ~ {law} with E[K] = {self.mean:g} (gamma = {self.gamma:.4g})"
-
-    def to_config(self) -> dict:
-        return {"mean": self.mean, "shape": self.shape}
-
-    @classmethod
-    def coerce(cls, value):
-        """A :class:`RandomSearch`, its config dict, or ``None``."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            return cls(**value)
-        raise TypeError(f"search must be a RandomSearch or its config dict, got {value!r}.")
 
 
 def truncated_negative_binomial_mean(gamma: float, shape: float) -> float:
