@@ -22,6 +22,8 @@ ROUNDOFF_SLACK`` and, to be sure the check is not vacuous, that some ratio comes
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -41,6 +43,17 @@ def released_gradient(model, x, y) -> list[np.ndarray]:
     """The released (noisy) gradient of one real training step on ``(x, y)``, aligned
     with ``model.trainable_variables``; the model, its optimizer and the noise generator
     are left as they were before the step."""
+    with _recorded_steps(model) as step:
+        return step(x, y)
+
+
+@contextlib.contextmanager
+def _recorded_steps(model):
+    """Yields ``step(x, y)``: :func:`released_gradient` for several batches of one
+    unchanged model, every step from the state (variables, noise generator) the model had
+    on entry. The recording step is traced once and kept until the exit (Keras' step
+    function relaxes the batch dimension at the second batch size: one more trace, then
+    every other batch of that size reuses it); nothing may change the model meanwhile."""
     if model.optimizer is None:
         raise ValueError("compile the model first")
     generator = noise.noise_generator()
@@ -62,17 +75,23 @@ def released_gradient(model, x, y) -> list[np.ndarray]:
     if hasattr(model.optimizer, "build"):  # slots exist before the snapshot
         model.optimizer.build(model.trainable_variables)
     variables, values = _snapshot(model)
+
+    def step(x, y):
+        try:
+            model.train_on_batch(x, y)
+        finally:
+            generator.state.assign(noise_state)
+            for v, value in zip(variables, values):  # metrics created by the step are left
+                v.assign(value)
+        return [s.numpy().astype(np.float64) for s in captured["stores"]]
+
     model.release_step = recording_release_step
     model.train_function = None  # traced again, with the recording step
     try:
-        model.train_on_batch(x, y)
+        yield step
     finally:
         del model.release_step
         model.train_function = None
-        generator.state.assign(noise_state)
-        for v, value in zip(variables, values):  # metrics created by the step are left
-            v.assign(value)
-    return [s.numpy().astype(np.float64) for s in captured["stores"]]
 
 
 def mechanism_groups(model) -> list[tuple[float, list[int]]]:
@@ -107,17 +126,18 @@ def remove_one_ratios(model, x, y, rows=None) -> np.ndarray:
     x, y = np.asarray(x), np.asarray(y)
     rows = range(len(x)) if rows is None else rows
     groups = mechanism_groups(model)
-    full = released_gradient(model, x, y)
     ratios = []
-    for i in rows:
-        keep = np.arange(len(x)) != i
-        without = released_gradient(model, x[keep], y[keep])
-        ratios.append(
-            [
-                np.sqrt(sum(np.sum((full[j] - without[j]) ** 2) for j in indices)) / delta
-                for delta, indices in groups
-            ]
-        )
+    with _recorded_steps(model) as step:
+        full = step(x, y)
+        for i in rows:
+            keep = np.arange(len(x)) != i
+            without = step(x[keep], y[keep])
+            ratios.append(
+                [
+                    np.sqrt(sum(np.sum((full[j] - without[j]) ** 2) for j in indices)) / delta
+                    for delta, indices in groups
+                ]
+            )
     return np.asarray(ratios)
 
 

@@ -169,18 +169,23 @@ def test_cli_trains_dp_sgd_with_bam_and_per_layer_clipping(capsys):
     assert out.count("(per-layer clipping): 0.01105") == 2
 
 
-def test_cli_trains_adversarially_in_both_families(capsys):
+# One family per case; dp-sgd's (2-3 s, the same flags and report as lipdp's; adversarial
+# DP-SGD training itself is in tests/test_adversarial.py) runs in make test-slow.
+_LIPDP_THEN_SLOW_DP_SGD = ["lipdp", pytest.param("dp-sgd", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("method", _LIPDP_THEN_SLOW_DP_SGD)
+def test_cli_trains_adversarially_in_both_families(method, capsys):
     """--adversarial-*: the PGD of the run is stated, kept in the data's range, and the
     report notes it (epsilon unchanged: tests/test_adversarial.py)."""
     common = ["--dataset", "breast_cancer", "--quiet", "--epochs", "1", "--delta", "0.002"]
     attack = ["--adversarial-radius", "0.1", "--adversarial-norm", "linf"]
     attack += ["--adversarial-steps", "3", "--adversarial-mix", "0.5"]
-    for method in ("lipdp", "dp-sgd"):
-        assert cli.main(["train", "--method", method, *common, *attack]) == 0
-        out = capsys.readouterr().out
-        described = "adversarial PGD linf radius 0.1, 3 steps of 0.0833, random start, mix 0.5"
-        assert described in out and "box (-1.0, 1.0)" in out
-        assert "note: adversarial training (PGD linf radius 0.1" in out
+    assert cli.main(["train", "--method", method, *common, *attack]) == 0
+    out = capsys.readouterr().out
+    described = "adversarial PGD linf radius 0.1, 3 steps of 0.0833, random start, mix 0.5"
+    assert described in out and "box (-1.0, 1.0)" in out
+    assert "note: adversarial training (PGD linf radius 0.1" in out
 
 
 def _digits_model(**options):
@@ -192,15 +197,15 @@ def _digits_model(**options):
     return cli.cli_model(data, "digits", 256, DPParameters("global", 2.0, 1e-3), **options)[0]
 
 
-def test_cli_trains_scattering_models_in_both_families(capsys):
+@pytest.mark.parametrize("method", _LIPDP_THEN_SLOW_DP_SGD)  # dp-sgd's: ~3 s
+def test_cli_trains_scattering_models_in_both_families(method, capsys):
     from lipdp.layers import DP_ScatteringTransform
 
-    for method in ("lipdp", "dp-sgd"):
-        model = _digits_model(method=method, scattering=True)
-        assert any(isinstance(layer, DP_ScatteringTransform) for layer in model.layers)
-        argv = ["train", "--method", method, "--scattering", "--quiet", "--epochs", "1"]
-        assert cli.main(argv) == 0
-        assert "epsilon" in capsys.readouterr().out
+    model = _digits_model(method=method, scattering=True)
+    assert any(isinstance(layer, DP_ScatteringTransform) for layer in model.layers)
+    argv = ["train", "--method", method, "--scattering", "--quiet", "--epochs", "1"]
+    assert cli.main(argv) == 0
+    assert "epsilon" in capsys.readouterr().out
 
 
 def test_cli_trains_with_sgd_and_momentum(capsys):

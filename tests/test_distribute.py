@@ -46,17 +46,24 @@ def _fit(model, x, y, pipeline, strategy):
         model.fit(distributed_poisson_batches(strategy, x, y, 1.0, 1), epochs=2, verbose=0)
 
 
-@pytest.mark.parametrize(
-    "pipeline",
-    [
-        "arrays",
-        "arrays-adversarial",
-        "poisson",
-        "poisson-random-sizes",
-        pytest.param("partitioned", marks=pytest.mark.smoke),
-    ],
-)
-@pytest.mark.parametrize("family", h.FAMILIES)
+def _noiseless_cases():
+    """Every pipeline runs by default in DP-SGD; the clipless family keeps arrays with
+    adversarial training (its clean and adversarial losses, mix = 0.5) and the partitioned
+    Poisson pipeline by default; its plain arrays and global Poisson pipelines (4-9 s
+    each, pipelines DP-SGD's default cases cover) run in make test-slow."""
+    cases = []
+    for family in h.FAMILIES:
+        for pipeline in ["arrays", "arrays-adversarial", "poisson", "poisson-random-sizes"]:
+            slow = family == "clipless" and pipeline != "arrays-adversarial"
+            marks = [pytest.mark.slow] if slow else []
+            cases.append(pytest.param(family, pipeline, marks=marks, id=f"{family}-{pipeline}"))
+        cases.append(
+            pytest.param(family, "partitioned", marks=pytest.mark.smoke, id=f"{family}-partitioned")
+        )
+    return cases
+
+
+@pytest.mark.parametrize("family, pipeline", _noiseless_cases())
 def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
     """Same initial weights, same global batches, no noise: two replicas and one device
     reach the same weights (the replicas' losses are scaled for the global batch, summed

@@ -142,21 +142,27 @@ def _worst_pair_ratio(layer, shape, steps, seed=0, batch=8):
 
 def _jacobian_norms(layer, x, iterations=40):
     """Largest singular value of the autodiff Jacobian at each point of ``x``: power
-    iteration on ``J^T J`` (a forward-mode JVP, then a VJP), from below."""
+    iteration on ``J^T J`` (a forward-mode JVP, then a VJP), from below. One iteration is
+    one traced function (the eager layer calls took ~90 % of the test's time)."""
+
+    @tf.function
+    def iterate(point, v):
+        v = v / tf.norm(v)
+        with tf.GradientTape() as tape:
+            tape.watch(point)
+            with tf.autodiff.ForwardAccumulator(point, v) as accumulator:
+                y = layer(point)
+            jv = accumulator.jvp(y)
+            scalar = tf.reduce_sum(tf.stop_gradient(jv) * y)
+        return tape.gradient(scalar, point)  # J^T J v
+
     norms = []
     for point in x:
         point = tf.constant(point[None])
         v = tf.random.stateless_normal(point.shape, seed=(0, 1))
         sigma = 0.0
         for _ in range(iterations):
-            v = v / tf.norm(v)
-            with tf.GradientTape() as tape:
-                tape.watch(point)
-                with tf.autodiff.ForwardAccumulator(point, v) as accumulator:
-                    y = layer(point)
-                jv = accumulator.jvp(y)
-                scalar = tf.reduce_sum(tf.stop_gradient(jv) * y)
-            v = tape.gradient(scalar, point)  # J^T J v
+            v = iterate(point, v)
             sigma = float(tf.sqrt(tf.norm(v)))
         norms.append(sigma)
     return norms
