@@ -642,23 +642,22 @@ class _Replay:
     def reset(self) -> None:
         """The state every pass starts from."""
         self._seed_context(PROBE_SEED, random.Random(PROBE_SEED))
-        for v, value in zip(self.variables, self.values):
-            v.assign(value)
         for index, (_, g) in enumerate(self.keras):
             g._rng_type, g._built, g._seed = _STATELESS_RNG, True, PROBE_SEED + index  # noqa: SLF001
-        for (_, g), state in zip(self.tensorflow, self.tensorflow_states):
-            g.state.assign(state)
-        self._reset_global_generator()
-        np.random.set_state(self.numpy_state)
-        random.setstate(self.python_state)
+        self._put_back_saved_state()
 
     def restore(self) -> None:
         """The state before the probe."""
         self._seed_context(self.global_seed, self.op_seeds)
-        for v, value in zip(self.variables, self.values):
-            v.assign(value)
         for (_, g), saved in zip(self.keras, self.keras_saved):
             g._rng_type, g._seed, g._built, g._generator = saved  # noqa: SLF001
+        self._put_back_saved_state()
+
+    def _put_back_saved_state(self) -> None:
+        """What every pass and the end of the probe share: the variables, the
+        ``tf.random.Generator`` states, the global generator, numpy's and Python's states."""
+        for v, value in zip(self.variables, self.values):
+            v.assign(value)
         for (_, g), state in zip(self.tensorflow, self.tensorflow_states):
             g.state.assign(state)
         self._reset_global_generator()
