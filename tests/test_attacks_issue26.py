@@ -569,14 +569,15 @@ def test_the_plan_after_freezing_without_recompiling_is_what_fit_runs(family, rn
 
 def _held_step_noise(model, x, y, step):
     """The noise of one call of a held ``tf.function`` on an empty batch (its clipped sum
-    is 0, so the released gradient is the noise), by the kernel's empirical std."""
+    is 0, so the released gradient is the noise), by the empirical std of all its
+    coordinates (643: relative standard error about 2.8 %)."""
     before = [v.numpy() for v in model.trainable_variables]
     step((tf.constant(x[:0]), tf.constant(y[:0])))
     # SGD(0.05): the update is -0.05 * released
     moved = [(v.numpy() - b) / -0.05 for v, b in zip(model.trainable_variables, before)]
     for v, b in zip(model.trainable_variables, before):
         v.assign(b)
-    return float(np.std(moved[0]))
+    return float(np.std(np.concatenate([m.ravel() for m in moved])))
 
 
 @pytest.mark.parametrize("change", [pytest.param("sigma", marks=pytest.mark.slow), "batch-size"])
@@ -588,12 +589,14 @@ def test_a_custom_loop_holding_an_old_step_records_what_it_runs(change, rng):
     x, y = _data(rng)
     step = tf.function(model.train_step)
     expected = 2.0 * 1.0 / B  # sigma R / b
-    assert _held_step_noise(model, x, y, step) == pytest.approx(expected, rel=0.1)
+    # rel 0.2 (7 standard errors: the privacy noise is not seeded, rule S8) still tells
+    # the held step's noise from the changed configuration's (0.5x or 0.25x).
+    assert _held_step_noise(model, x, y, step) == pytest.approx(expected, rel=0.2)
     if change == "sigma":
         model.dp_parameters = replace(model.dp_parameters, noise_multiplier=0.5)
     else:
         model.dataset_metadata = _metadata(batch_size=2 * B)
-    assert _held_step_noise(model, x, y, step) == pytest.approx(expected, rel=0.1)
+    assert _held_step_noise(model, x, y, step) == pytest.approx(expected, rel=0.2)
     (entry,) = model.privacy_ledger.entries()
     assert entry.count == 2 and entry.batch_size == B
     assert entry.mechanism.noise_multiplier == 2.0
