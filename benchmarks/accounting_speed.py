@@ -29,10 +29,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 from dp_accounting.pld import PLDAccountant as DpAccountingPLD  # noqa: E402
 
-from lipdp import accounting, layers  # noqa: E402
+from lipdp import accounting  # noqa: E402
 from lipdp.accounting import DPGD_Mechanism, get_eps_delta, training_dp_event  # noqa: E402
-from lipdp.metadata import DatasetMetadata  # noqa: E402
-from lipdp.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp.clipless import layers
+from lipdp.clipless.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp.core.metadata import DatasetMetadata  # noqa: E402
 from lipdp.sensitivity import get_max_epochs  # noqa: E402
 
 SIGMA, BATCH, N, DELTA = 2.0, 1000, 60000, 1e-5

@@ -26,9 +26,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from common import machine_description  # noqa: E402
 
-from lipdp import losses, zoo  # noqa: E402
-from lipdp.metadata import DatasetMetadata  # noqa: E402
-from lipdp.model import DPParameters  # noqa: E402
+from lipdp.clipless import losses  # noqa: E402
+from lipdp.clipless.model import DPParameters  # noqa: E402
+from lipdp.core.metadata import DatasetMetadata  # noqa: E402
+from lipdp.recipes import zoo
 
 NETWORKS = {
     # name: (builder, input shape, classes, batch, options)

@@ -7,7 +7,7 @@ lipdp, and clipped DP-SGD (tensorflow-privacy), at (epsilon, delta = 1/n).
 Protocol (Barczewski & Ramon, Table 1 / 5: 80/20 split, 10 runs, delta = 1/n):
 
 * Data: scikit-learn's Wisconsin diagnostic set, every feature clipped to its public
-  range and mapped to [-1, 1] (``lipdp.datasets.load_breast_cancer``: no statistic of
+  range and mapped to [-1, 1] (``lipdp.data.sources.load_breast_cancer``: no statistic of
   the rows is used; row norm <= sqrt(30)); stratified 80/20 split (455 / 114).
   ``delta = 1 / 569``.
 * Search (not private, as in the paper): every method gets the same number of
@@ -22,7 +22,7 @@ Protocol (Barczewski & Ramon, Table 1 / 5: 80/20 split, 10 runs, delta = 1/n):
 
 Methods (one hidden layer of 32 units, ReLU, cross-entropy, Adam):
 
-* ``lip-dp-sgd``: ``lipdp.zoo.lip_mlp``: kernels in spectral balls of radius C, bounds
+* ``lip-dp-sgd``: ``lipdp.recipes.zoo.lip_mlp``: kernels in spectral balls of radius C, bounds
   from the current norms (``adaptive_norm=True``), Poisson batches, global noise.
   Searched: batch, epochs, learning rate, C, tau, and the public row-norm bound
   (``DP_BoundedInput`` clips every row to it: 2, 3 or sqrt(30)).
@@ -52,12 +52,13 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from common import dp_sgd_epsilon, machine_description  # noqa: E402
 
-from lipdp import losses, zoo  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
-from lipdp.datasets import load_breast_cancer  # noqa: E402
-from lipdp.metadata import DatasetMetadata  # noqa: E402
-from lipdp.model import DPParameters  # noqa: E402
+from lipdp.clipless import losses  # noqa: E402
+from lipdp.clipless.model import DPParameters  # noqa: E402
+from lipdp.core.metadata import DatasetMetadata  # noqa: E402
+from lipdp.data.sources import load_breast_cancer  # noqa: E402
 from lipdp.pipeline import poisson_batches  # noqa: E402
+from lipdp.recipes import zoo
 
 N_TOTAL = 569
 DELTA = 1.0 / N_TOTAL

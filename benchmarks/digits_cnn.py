@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/digits_cnn.py [--epochs 40] [--seeds 3]
 
-Trains the CNN of ``lipdp train`` on digits (``lipdp.zoo.pooled_cnn``, input bound 5):
+Trains the CNN of ``lipdp train`` on digits (``lipdp.recipes.zoo.pooled_cnn``, input bound 5):
 DP_BoundedInput -> DP_QuickSpectralConv2D(16, 3) -> DP_GroupSort(2) ->
 DP_ScaledL2NormPooling2D(2) -> DP_Flatten -> DP_QuickSpectralDense(10) with
 DP_TauCategoricalCrossentropy(tau=8), Adam(0.02), batch 256, 1 536 training and 261
@@ -22,9 +22,10 @@ import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
-from lipdp import losses, zoo  # noqa: E402
-from lipdp.model import DPParameters  # noqa: E402
+from lipdp.clipless import losses  # noqa: E402
+from lipdp.clipless.model import DPParameters  # noqa: E402
 from lipdp.pipeline import DatasetMetadata  # noqa: E402
+from lipdp.recipes import zoo
 
 N_TRAIN, BATCH = 1536, 256
 

@@ -39,7 +39,7 @@ tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
 )
 
-from lipdp.distribute import mirrored_strategy  # noqa: E402
+from lipdp.core.distribute import mirrored_strategy  # noqa: E402
 
 try:
     from benchmarks import step_speed

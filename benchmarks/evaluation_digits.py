@@ -30,9 +30,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from lipdp import datasets  # noqa: E402
-from lipdp.audit import conv_operator_norm, dense_operator_norm  # noqa: E402
 from lipdp.cli import cli_model  # noqa: E402
+from lipdp.clipless.audit import conv_operator_norm, dense_operator_norm  # noqa: E402
+from lipdp.clipless.model import DPParameters
+from lipdp.core.callbacks import DP_Accountant  # noqa: E402
+from lipdp.core.report import privacy_report  # noqa: E402
+from lipdp.data import sources as datasets  # noqa: E402
 from lipdp.evaluation import (  # noqa: E402
     calibration_report,
     certified_accuracy,
@@ -42,10 +45,7 @@ from lipdp.evaluation import (  # noqa: E402
     membership_inference,
     pgd_l2_attack,
 )
-from lipdp.evaluation.calibration import softmax  # noqa: E402
-from lipdp.evaluation.robustness import predict_logits  # noqa: E402
-from lipdp.model import DP_Accountant, DPParameters  # noqa: E402
-from lipdp.report import privacy_report  # noqa: E402
+from lipdp.evaluation.outputs import predict_logits, softmax  # noqa: E402
 from lipdp.sensitivity import get_max_epochs  # noqa: E402
 
 RADII = np.round(np.arange(0.0, 2.01, 0.25), 2)

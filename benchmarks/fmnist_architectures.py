@@ -8,7 +8,7 @@ epsilon = 3, and is it limited by the noise or by the network? (issue 15, item 2
 Today's reference is ``fmnist_utility.py``'s lipdp CNN (``zoo.strided_cnn(widths=(16,
 64))``, 82.0 % at epsilon = 3, best of 3 trials picked on the test set), which reaches
 only 85-86 % without noise (``fmnist_capacity.py``). This script trains a handful of
-*end-to-end* Lipschitz networks of :mod:`lipdp.zoo` (no scattering or other fixed
+*end-to-end* Lipschitz networks of :mod:`lipdp.recipes.zoo` (no scattering or other fixed
 features; the list is :data:`ARCHITECTURES`) with one fixed protocol, twice each:
 
 * **private**: epsilon = 3, delta = 1e-5, the noise multiplier the smallest that meets
@@ -22,7 +22,7 @@ non-private column says whether it is limited by the network.
 
 Protocol (fixed before any run; nothing is tuned on the test set):
 
-* data: Fashion-MNIST (``lipdp.datasets.load_fashion_mnist``); 5 000 of the 60 000
+* data: Fashion-MNIST (``lipdp.data.sources.load_fashion_mnist``); 5 000 of the 60 000
   training images (a permutation seeded by 0) are held out as validation data *treated
   as public* (the guarantee covers the other 55 000); both validation and test accuracy
   are reported, the test set is never used for a choice. Every image is divided by its
@@ -83,12 +83,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from lipdp import datasets, losses, zoo  # noqa: E402
-from lipdp import layers as L  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
-from lipdp.metadata import DatasetMetadata  # noqa: E402
-from lipdp.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp.clipless import layers as L  # noqa: E402
+from lipdp.clipless import losses
+from lipdp.clipless.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp.core.metadata import DatasetMetadata  # noqa: E402
+from lipdp.data import sources as datasets  # noqa: E402
 from lipdp.pipeline import bound_normalize, poisson_batches  # noqa: E402
+from lipdp.recipes import zoo
 
 try:
     from benchmarks.common import machine_description

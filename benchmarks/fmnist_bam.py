@@ -12,7 +12,7 @@ normalisation and weight standardisation; lambda (BAM 0.02, DP-SAT 0.086 on CIFA
 from a 200-trial random search per method after DP-SGD's hyper-parameters were fixed.
 CIFAR-10 at that scale does not fit this 2-core machine: Fashion-MNIST stands in.
 
-Methods, all ``lipdp.dpsgd.DPSGD_Sequential`` with ``Clipping("flat", 10)`` on the
+Methods, all ``lipdp.clipped.model.DPSGD_Sequential`` with ``Clipping("flat", 10)`` on the
 tempered-sigmoid CNN of ``fmnist_utility.py`` (26 010 parameters, cross-entropy on
 logits, Adam, batch 2 000 = ``TFP_TRIALS[1]``'s, ``--epochs`` epochs, 8 by default):
 
@@ -48,7 +48,7 @@ Data and seeds: 5 000 images of the training set (a permutation seeded by ``--se
 held out for validation, every run trains on the other 55 000, the 10 000 test images are
 used only for the reported accuracy. One seed (``--seed``, 0) for the split, the data
 order and the initialisation: every trial starts from the same weights and sees the same
-batches. The privacy noise is not seeded (``lipdp.noise`` draws it from a generator seeded
+batches. The privacy noise is not seeded (``lipdp.core.noise`` draws it from a generator seeded
 by the operating system), so a rerun differs.
 
 Running: the 18 runs (3 epsilons x 3 methods x 2 trials) take several hours' worth of
@@ -83,8 +83,8 @@ from fmnist_calibration import BATCH, LARGE_R, LR, cross_entropy, split_data  # 
 from fmnist_utility import DELTA, accuracy, batches, tempered_sigmoid_cnn  # noqa: E402
 
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
-from lipdp.dpsgd import Clipping, DPSGD_Sequential, SharpnessAscent  # noqa: E402
-from lipdp.model import DPParameters  # noqa: E402
+from lipdp.clipless.model import DPParameters  # noqa: E402
+from lipdp.clipped.model import Clipping, DPSGD_Sequential, SharpnessAscent  # noqa: E402
 from lipdp.pipeline import DatasetMetadata  # noqa: E402
 
 EPSILONS = (1.0, 2.0, 10.0)

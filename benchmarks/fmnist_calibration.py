@@ -14,7 +14,7 @@ What is measured: the test accuracy, ECE, MCE and NLL (``lipdp.evaluation.calibr
 over-confident), the noise multiplier, epsilon from lipdp's RDP accountant
 (``get_eps_delta``) and the wall time of these methods:
 
-* the DP-SGD modes of ``lipdp.dpsgd`` on the tempered-sigmoid CNN of
+* the DP-SGD modes of ``lipdp.clipped.model`` on the tempered-sigmoid CNN of
   ``fmnist_utility.py`` (26 010 parameters, cross-entropy on logits, Adam):
   ``flat-small-R`` (``Clipping("flat", 0.1)``, the clip norm of the best tf-privacy trial
   at epsilon = 3), ``flat-large-R`` (``Clipping("flat", 10)``), ``global``
@@ -83,16 +83,16 @@ from fmnist_utility import (  # noqa: E402
     tempered_sigmoid_cnn,
 )
 
-from lipdp import losses  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
-from lipdp.dpsgd import Clipping, DPSGD_Sequential  # noqa: E402
+from lipdp.clipless import losses  # noqa: E402
+from lipdp.clipless.model import DPParameters  # noqa: E402
+from lipdp.clipped.model import Clipping, DPSGD_Sequential  # noqa: E402
+from lipdp.clipped.per_example import per_example_gradients  # noqa: E402
 from lipdp.evaluation.calibration import (  # noqa: E402
     calibration_report,
     plot_reliability_diagram,
     predict_probabilities,
 )
-from lipdp.model import DPParameters  # noqa: E402
-from lipdp.per_example import per_example_gradients  # noqa: E402
 from lipdp.pipeline import DatasetMetadata, bound_normalize  # noqa: E402
 
 #: The best tf-privacy trial at epsilon = 3 (README, "Fashion-MNIST"): batch, lr, clip.

@@ -18,8 +18,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 from fmnist_utility import DELTA, accuracy, batches, lipdp_model, load  # noqa: E402
 
-from lipdp import losses  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
+from lipdp.clipless import losses  # noqa: E402
 from lipdp.pipeline import bound_normalize  # noqa: E402
 
 #: (label, widths, batch, epochs, learning rate, tau, epsilon target or None).

@@ -13,12 +13,12 @@ Fashion-MNIST images).
 
 Two families, four models each, all at epsilon = 3.8, delta = 1e-5 when private:
 
-* **clipped DP-SGD** (``lipdp.dpsgd.DPSGD_Sequential``): the tempered-sigmoid CNN of
+* **clipped DP-SGD** (``lipdp.clipped.model.DPSGD_Sequential``): the tempered-sigmoid CNN of
   ``fmnist_utility.py``, flat clipping R = 1 (the seed's), Adam lr 1e-2, batch 2 000,
   8 epochs; adversarial training ``PGD(0.1, "linf", steps=10, mix=1, box (0, 1))``. The
   nominal and robust models are the same step without noise (``non_private=True``) and
   with R = 1e6 (no clipping): standard (adversarial) training.
-* **clipless lipdp** (``lipdp.model.DP_Sequential``): the ``strided_cnn`` of
+* **clipless lipdp** (``lipdp.clipless.model.DP_Sequential``): the ``strided_cnn`` of
   ``fmnist_utility.lipdp_model`` (``DP_ClipGradient(0.3)`` on the logits), tau 64,
   Adam lr 5e-3, batch 2 000, 5 epochs (the configuration of ``fmnist_calibration.py``),
   on the pixels divided by 10 (a public constant: ``||x|| <= 1`` for most images, the
@@ -66,13 +66,13 @@ from fmnist_utility import (  # noqa: E402
     tempered_sigmoid_cnn,
 )
 
-from lipdp import losses  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
-from lipdp.adversarial import PGD  # noqa: E402
-from lipdp.dpsgd import Clipping, DPSGD_Sequential  # noqa: E402
-from lipdp.evaluation import robustness  # noqa: E402
-from lipdp.metadata import DatasetMetadata  # noqa: E402
-from lipdp.model import DPParameters  # noqa: E402
+from lipdp.clipless import losses  # noqa: E402
+from lipdp.clipless.model import DPParameters  # noqa: E402
+from lipdp.clipped.model import Clipping, DPSGD_Sequential  # noqa: E402
+from lipdp.core.adversarial import PGD  # noqa: E402
+from lipdp.core.metadata import DatasetMetadata  # noqa: E402
+from lipdp.evaluation import outputs, robustness  # noqa: E402
 
 EPSILON = 3.8
 CLIPPED_EPOCHS, CLIPPED_LR, CLIP = 8, 1e-2, 1.0
@@ -156,7 +156,7 @@ def evaluate(model, family, scale, data, args):
         ).tolist()
         if family == "clipless":
             lipschitz = robustness.lipschitz_constant(model)
-            logits = robustness.predict_logits(model, x)
+            logits = outputs.predict_logits(model, x)
             wide = [r * np.sqrt(784) if norm == "linf" else r for r in scaled]
             curves[f"certified_{norm}"] = robustness.certified_accuracy_from_logits(
                 logits, y, wide, lipschitz
@@ -267,7 +267,7 @@ def report(records):
 
 
 def plot(records, path):
-    from lipdp.evaluation.calibration import new_figure
+    from lipdp.evaluation.outputs import new_figure
 
     figure = new_figure(figsize=(11.0, 8.0))
     for row, family in enumerate(("clipped", "clipless")):

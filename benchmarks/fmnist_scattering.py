@@ -7,7 +7,7 @@ accounted in epsilon (issue 15).
 Tramer & Boneh (ICLR 2021) reach 89.7 % at epsilon = 3, delta = 1e-5 with a linear model
 on ScatterNet features (Kymatio, J = 2, L = 8) trained by DP-SGD. Here, with lipdp:
 
-* **features** (``lipdp.features.fixed_features``): ``DP_BoundedInput(28)`` ->
+* **features** (``lipdp.clipless.features.fixed_features``): ``DP_BoundedInput(28)`` ->
   ``DP_ScatteringTransform(J=2, L=8, padding="zeros")`` (certified 0.255-Lipschitz) ->
   ``DP_GroupNormalization(groups, alpha=1e-4)``: (7, 7, 81) per image, computed once (a
   fixed per-record map: no statistic of the data enters it), public norm bound
@@ -30,7 +30,7 @@ all with the protocol of the chosen space (``SPACES``): Adam, batches of (expect
 for ``published`` and ``published-search`` (Tramer & Boneh's) — Poisson batches for
 lipdp's two families, the sampling the accountant analyses — delta = 1e-5.
 
-**Private search** (``lipdp.tuning.private_random_search``, Papernot & Steinke 2022):
+**Private search** (``lipdp.recipes.tuning.private_random_search``, Papernot & Steinke 2022):
 the number of runs ``K`` is geometric with mean 3, each run draws ``lr`` in {3e-3, 1e-2,
 3e-2}, ``groups`` in {9, 27, 81} and ``c`` in {0.1, 0.3, 1} (``--space first``;
 ``--space revised``: lr in {1e-3, 3e-3}, c in {0.1, 0.3}, written after the first
@@ -75,18 +75,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from lipdp import datasets, losses, zoo  # noqa: E402
-from lipdp import layers as L  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
 from lipdp.accounting.plan import PrivacyPlan  # noqa: E402
-from lipdp.accounting.tuning import RandomSearch  # noqa: E402
-from lipdp.dpsgd import Clipping, DPSGD_Sequential  # noqa: E402
-from lipdp.features import fixed_features  # noqa: E402
-from lipdp.metadata import DatasetMetadata  # noqa: E402
-from lipdp.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp.accounting.tuning_cost import RandomSearch  # noqa: E402
+from lipdp.clipless import layers as L  # noqa: E402
+from lipdp.clipless import losses
+from lipdp.clipless.features import fixed_features  # noqa: E402
+from lipdp.clipless.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp.clipped.model import Clipping, DPSGD_Sequential  # noqa: E402
+from lipdp.core.metadata import DatasetMetadata  # noqa: E402
+from lipdp.core.report import privacy_report  # noqa: E402
+from lipdp.data import sources as datasets  # noqa: E402
 from lipdp.pipeline import poisson_batches  # noqa: E402
-from lipdp.report import privacy_report  # noqa: E402
-from lipdp.tuning import SearchResult, private_random_search  # noqa: E402
+from lipdp.recipes import zoo
+from lipdp.recipes.tuning import SearchResult, private_random_search  # noqa: E402
 
 try:
     from benchmarks.common import dp_sgd_epsilon, machine_description
@@ -140,7 +142,13 @@ SPACES = {
     # A private search around it (lr halved / doubled, the group axis of "first"): its
     # centre comes from a publication, not from this benchmark's results.
     "published-search": Space(
-        (TB_LR / 2, TB_LR, 2 * TB_LR), (9, 27, 81), (TB_CLIP,), 8192, 40, "sgd", True,
+        (TB_LR / 2, TB_LR, 2 * TB_LR),
+        (9, 27, 81),
+        (TB_CLIP,),
+        8192,
+        40,
+        "sgd",
+        True,
         "around Tramer & Boneh's command",
     ),
 }
@@ -519,8 +527,7 @@ def main():
     results = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("search_*.json"))]
     ceilings = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("ceiling_*.json"))]
     protocols = "; ".join(
-        f"{name}: {space.optimizer}, batch {space.batch}, {space.epochs} epochs "
-        f"({space.origin})"
+        f"{name}: {space.optimizer}, batch {space.batch}, {space.epochs} epochs ({space.origin})"
         for name, space in SPACES.items()
     )
     header = (

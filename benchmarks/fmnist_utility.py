@@ -4,7 +4,7 @@
         [--contenders lipdp lip-dp-sgd tfp] [--seed 0] [--quick]
 
 Data: Fashion-MNIST from the Debian package ``dataset-fashion-mnist`` (or any place
-``lipdp.datasets`` looks), 60 000 training / 10 000 test images, pixels in [0, 1].
+``lipdp.data.sources`` looks), 60 000 training / 10 000 test images, pixels in [0, 1].
 Both contenders train on fixed-size batches of a fresh shuffle every epoch (remainder
 dropped); both accountants analyse Poisson sampling at rate ``q = b / N`` (RDP, the
 convention of lipdp's privacy report and of tensorflow-privacy's tutorials).
@@ -14,7 +14,7 @@ first ones of a fixed list; for every trial the noise multiplier is the smallest
 keeps epsilon <= target after its epochs, ``lipdp.accounting.calibrate_noise_multiplier``):
 
 * ``lipdp``: Clipless DP-SGD, the CNN of ``examples/01_getting_started.ipynb``
-  (``lipdp.zoo.strided_cnn`` with ``clip=0.3``): every
+  (``lipdp.recipes.zoo.strided_cnn`` with ``clip=0.3``): every
   image normalised to norm 1 (``bound_normalize()``, a public bound, no statistic of the
   data) -> DP_BoundedInput(1) -> DP_QuickSpectralConv2D(16, 2, strides=2) ->
   DP_GroupSort(2) -> DP_QuickSpectralConv2D(64, 2, strides=2) -> DP_GroupSort(2) ->
@@ -70,10 +70,12 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from common import dp_sgd_epsilon, machine_description  # noqa: E402
 
-from lipdp import datasets, losses, zoo  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
-from lipdp.model import DPParameters  # noqa: E402
+from lipdp.clipless import losses
+from lipdp.clipless.model import DPParameters  # noqa: E402
+from lipdp.data import sources as datasets  # noqa: E402
 from lipdp.pipeline import DatasetMetadata, bound_normalize  # noqa: E402
+from lipdp.recipes import zoo
 
 DELTA = 1e-5
 QUICK_SUBSET = 5000

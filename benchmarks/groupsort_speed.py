@@ -13,7 +13,7 @@ function (pairs of adjacent channels sorted):
 
 * ``relu``: reference cost of the cheapest activation;
 * ``deel-lip``: ``deel.lip.layers.GroupSort(2)``;
-* ``lipdp sort_pairs``: :func:`lipdp.layers.activations.sort_pairs` (what
+* ``lipdp sort_pairs``: :func:`lipdp.clipless.layers.activations.sort_pairs` (what
   ``DP_GroupSort(2)`` now runs): ``s = swap(x)``, ``y = where(t, s, x)`` with a
   custom gradient ``where(t, swap(g), g)``; ``y`` is an exact permutation of ``x`` and
   the gradient the same permutation of ``g``, so outputs and gradients are bit-identical
@@ -52,7 +52,7 @@ def main():
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     import deel.lip.layers
 
-    from lipdp.layers.activations import sort_pairs, sort_pairs_xla
+    from lipdp.clipless.layers.activations import sort_pairs, sort_pairs_xla
 
     shapes = [(256, 28, 28, 32), (256, 14, 14, 64), (4096, 64)]
     print(f"TF {tf.__version__}, {os.cpu_count()} cores, TF threads: {args.threads}\n")

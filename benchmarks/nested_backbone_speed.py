@@ -14,7 +14,7 @@ ghost norms, sigma = 1, SGD). Three variants, each its own model with the same w
   ``Conv2D`` and ``Dense`` inside, the vectorised fallback for each ``GroupNormalization``
   alone;
 * ``nested-as-one-layer``: the same model traced with the recursion switched off
-  (``lipdp.per_example._chain_layers`` patched to return ``None`` while the step is
+  (``lipdp.clipped.per_example._chain_layers`` patched to return ``None`` while the step is
   traced): every trainable variable of the backbone materialised per row by
   ``tf.vectorized_map`` over the backbone's own vector-Jacobian product -- the engine
   before the change;
@@ -37,9 +37,9 @@ from unittest import mock
 import numpy as np
 import tensorflow as tf
 
-from lipdp.dpsgd import Clipping, DPSGD_Sequential
-from lipdp.metadata import DatasetMetadata
-from lipdp.model import DPParameters
+from lipdp.clipless.model import DPParameters
+from lipdp.clipped.model import Clipping, DPSGD_Sequential
+from lipdp.core.metadata import DatasetMetadata
 
 try:
     from benchmarks.common import machine_description
@@ -110,7 +110,7 @@ def variants(batch):
     flat_head.build((None, 64))
     flat_head.set_weights(head.get_weights())
     flat = dp_model([*flat_layers(flat_net), flat_head], batch)
-    no_recursion = mock.patch("lipdp.per_example._chain_layers", return_value=None)
+    no_recursion = mock.patch("lipdp.clipped.per_example._chain_layers", return_value=None)
     return {
         "nested": (nested, contextlib.nullcontext()),
         "nested-as-one-layer": (as_one, no_recursion),

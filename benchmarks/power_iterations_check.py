@@ -5,7 +5,7 @@
 Supports fix proposal 2 of benchmarks/README.md (power_iterations 8 -> 1 in the Quick
 layers). The bound never depends on the power iteration (the orthogonal projection
 divides by ``max(sigma_est (1 + margin), sqrt(Gershgorin) / 2)`` before Björck, see
-``lipdp.projections``); the estimate only decides how close to orthogonal the projected
+``lipdp.clipless.projections``); the estimate only decides how close to orthogonal the projected
 kernel is. This trains the benchmark network of ``step_speed.py`` (global noise,
 sigma = 1, Adam(0.05), batch 256, random data) with the default 8 and with 1 power
 iteration and prints the extreme and mean singular values of every kernel at the end
@@ -23,8 +23,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from step_speed import _lipdp_layers, _shape  # noqa: E402
 
-from lipdp import losses  # noqa: E402
-from lipdp.model import DP_Sequential, DPParameters  # noqa: E402
+from lipdp.clipless import losses  # noqa: E402
+from lipdp.clipless.model import DP_Sequential, DPParameters  # noqa: E402
 from lipdp.pipeline import DatasetMetadata  # noqa: E402
 
 

@@ -42,12 +42,13 @@ import tensorflow as tf
 
 import lipdp
 from lipdp.accounting import calibrate_noise_multiplier
-from lipdp.datasets import load_fashion_mnist
-from lipdp.dpsgd import Clipping, DPSGD_Sequential
-from lipdp.metadata import DatasetMetadata
-from lipdp.model import DP_Accountant, DPParameters
+from lipdp.clipless.model import DPParameters
+from lipdp.clipped.model import Clipping, DPSGD_Sequential
+from lipdp.core.callbacks import DP_Accountant
+from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.report import privacy_report
+from lipdp.data.sources import load_fashion_mnist
 from lipdp.pipeline import poisson_batches
-from lipdp.report import privacy_report
 
 try:
     from benchmarks.common import machine_description

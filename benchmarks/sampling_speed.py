@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/sampling_speed.py [--rounds 3] [--batch-size 2048]
 
-The CLI's Fashion-MNIST CNN (``lipdp.zoo.pooled_cnn``, widths 32/64, b = 2048, global
+The CLI's Fashion-MNIST CNN (``lipdp.recipes.zoo.pooled_cnn``, widths 32/64, b = 2048, global
 noise) is trained one epoch at a time on the two pipelines of
 ``load_and_prepare_images_data`` (``sampling="shuffle"`` and ``sampling="poisson"``), in
 one process, round-robin (shuffle, poisson, shuffle, ...) after one warm-up epoch each,
@@ -22,9 +22,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 from common import machine_description  # noqa: E402
 
-from lipdp import losses, zoo  # noqa: E402
-from lipdp.model import DPParameters  # noqa: E402
+from lipdp.clipless import losses  # noqa: E402
+from lipdp.clipless.model import DPParameters  # noqa: E402
 from lipdp.pipeline import load_and_prepare_images_data  # noqa: E402
+from lipdp.recipes import zoo
 
 
 def setup(sampling, batch_size):

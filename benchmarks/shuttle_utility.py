@@ -24,7 +24,7 @@ private, as in the paper; the best configuration is then re-trained with
 ``--confirm-seeds`` other seeds, same split, to show the seed-to-seed spread):
 
 * ``lipdp``: Clipless DP-SGD, the network of ``examples/03_tabular.ipynb``
-  (``lipdp.zoo.tabular_mlp``): DP_BoundedInput(3) -> DP_QuickSpectralDense(64) ->
+  (``lipdp.recipes.zoo.tabular_mlp``): DP_BoundedInput(3) -> DP_QuickSpectralDense(64) ->
   DP_AddBias -> DP_GroupSort(2) -> DP_QuickSpectralDense(64) -> DP_AddBias ->
   DP_GroupSort(2) -> DP_QuickSpectralDense(2), DP_TauCategoricalCrossentropy(tau), Adam,
   global noise. Searched: batch size, epochs, learning rate, tau. The noise multiplier
@@ -32,7 +32,7 @@ private, as in the paper; the best configuration is then re-trained with
   (``lipdp.accounting.calibrate_noise_multiplier``); epsilon is then recomputed with
   ``lipdp.accounting.get_eps_delta``.
 * ``lip-dp-sgd``: the same network with norm-adaptive bounds (issue 12,
-  ``lipdp.zoo.lip_mlp(width=64, depth=2, bias=1.0, activation="groupsort")``): kernels in
+  ``lipdp.recipes.zoo.lip_mlp(width=64, depth=2, bias=1.0, activation="groupsort")``): kernels in
   spectral balls of radius ``C = LIP_DP_SGD_RADIUS`` (2), sensitivities from their
   current norms. Same 12 trials as ``lipdp`` (C is not searched).
 * ``tfp``: DP-SGD with per-example clipping, ``tensorflow_privacy.DPSequential``
@@ -60,11 +60,12 @@ import tensorflow as tf  # noqa: E402
 from common import dp_sgd_epsilon, machine_description  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
-from lipdp import losses, zoo  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
-from lipdp.datasets import load_adbench_data  # noqa: E402
-from lipdp.model import DPParameters  # noqa: E402
+from lipdp.clipless import losses  # noqa: E402
+from lipdp.clipless.model import DPParameters  # noqa: E402
+from lipdp.data.sources import load_adbench_data  # noqa: E402
 from lipdp.pipeline import prepare_tabular_data  # noqa: E402
+from lipdp.recipes import zoo
 
 EPSILON, DELTA = 1.0, 1e-5
 INPUT_BOUND = 3.0

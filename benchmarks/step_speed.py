@@ -38,7 +38,7 @@ architecture x batch size x contender):
   Conv2D is not in tensorflow-privacy 0.9.0's registry, so for the CNN it falls back to
   per-example gradients by ``tf.vectorized_map`` (XLA-compiled).
 * ``dpsgd-ghost`` / ``dpsgd-jacobian``: lipdp's clipped DP-SGD
-  (``lipdp.dpsgd.DPSGD_Sequential``, flat clipping, sigma = 1) on the unconstrained
+  (``lipdp.clipped.model.DPSGD_Sequential``, flat clipping, sigma = 1) on the unconstrained
   network, per-example norms by ghost norms (book-keeping) / by the full Jacobian.
 
 The isolated worker (TF threads: ``--threads``, default TF's own) builds the model,
@@ -71,7 +71,7 @@ alike; a ratio is the median over rounds of the per-round ratio):
 * ``lipdp-no-noise``, ``lipdp-global``, ``lipdp-per-layer``: as above;
 * GroupSort implementations, each on lipdp-global: ``lipdp-deel-gs`` (deel-lip's
   ``GroupSort.call``, what lipdp used before the fused pair sort of
-  ``lipdp.layers.activations.sort_pairs``); ``lipdp-no-xla-gs`` (the pair sort with
+  ``lipdp.clipless.layers.activations.sort_pairs``); ``lipdp-no-xla-gs`` (the pair sort with
   ``jit_compile=False``);
 * candidate optimisations, each on lipdp-global: ``lipdp-power1`` (1 power iteration
   per projection instead of 8); ``lipdp-xla-project`` (``project`` wrapped in
@@ -159,10 +159,10 @@ def _upstream_groupsort_class():
     """DP_GroupSort computed by deel-lip's ``GroupSort.call`` (lipdp before the fused
     pair sort: ``@tf.function``, reshape/split/minimum/maximum/concat, autodiff
     gradient); same outputs, slower, and its gradient at ties is not a permutation
-    (``tests/test_deel_lip_findings.py``)."""
+    (``tests/clipless/test_deel_lip_findings.py``)."""
     import deel.lip.layers
 
-    from lipdp import layers
+    from lipdp.clipless import layers
 
     class UpstreamGroupSort(layers.DP_GroupSort):
         def call(self, x):
@@ -176,7 +176,7 @@ def _lipdp_layers(arch, power_iterations=None, groupsort="lipdp"):
     ``"deel-lip"`` (deel-lip's ``call``)."""
     import functools
 
-    from lipdp import layers
+    from lipdp.clipless import layers
 
     kw = {} if power_iterations is None else {"power_iterations": power_iterations}
     gs = {
@@ -211,7 +211,7 @@ def _keras_layers(arch, activation="relu", pooling="average"):
     lipdp's DP_GroupSort(2) / DP_ScaledL2NormPooling2D (ablations of the paired mode)."""
     import tensorflow as tf
 
-    from lipdp import layers
+    from lipdp.clipless import layers
 
     L = tf.keras.layers
 
@@ -244,8 +244,8 @@ def _keras_layers(arch, activation="relu", pooling="average"):
 def _build_lipdp(arch, variant, batch):
     import tensorflow as tf
 
-    from lipdp import losses
-    from lipdp.model import DP_Sequential, DPParameters
+    from lipdp.clipless import losses
+    from lipdp.clipless.model import DP_Sequential, DPParameters
     from lipdp.pipeline import DatasetMetadata
 
     shape, classes = _shape(arch)
@@ -286,8 +286,8 @@ def _build_lipdp(arch, variant, batch):
 def _build_dpsgd(arch, method, batch):
     import tensorflow as tf
 
-    from lipdp.dpsgd import Clipping, DPSGD_Sequential
-    from lipdp.model import DPParameters
+    from lipdp.clipless.model import DPParameters
+    from lipdp.clipped.model import Clipping, DPSGD_Sequential
     from lipdp.pipeline import DatasetMetadata
 
     shape, classes = _shape(arch)
@@ -312,7 +312,7 @@ def _build(arch, contender, batch):
     """The compiled model of a contender or variant."""
     import tensorflow as tf
 
-    from lipdp import losses
+    from lipdp.clipless import losses
 
     if contender.startswith("lipdp") and contender != "lipdp-layers-keras":
         return _build_lipdp(arch, contender, batch)
@@ -458,7 +458,7 @@ def isolated_worker(arch, contender, batch, repeats, cap, threads):
     import tensorflow as tf
     import tensorflow_privacy  # noqa: F401  (same imports in every worker, baseline included)
 
-    import lipdp.model  # noqa: F401
+    import lipdp.clipless.model  # noqa: F401
 
     _set_threads(threads)
     tf.keras.utils.set_random_seed(0)

@@ -5,7 +5,7 @@
 For the Fashion-MNIST training runs of ``fmnist_utility.py`` (N = 60 000, batch 2 000,
 so q = 1/30 and 30 steps per epoch), two tables from lipdp's accountants:
 
-1. the epsilon of a random search (``lipdp.accounting.tuning.RandomSearch``: E[K] runs on
+1. the epsilon of a random search (``lipdp.accounting.tuning_cost.RandomSearch``: E[K] runs on
    average, geometric, logarithmic or truncated-negative-binomial law) whose runs each
    cost epsilon_run = 1 / 3 / 8 alone (the noise multiplier calibrated for the run);
 2. the noise multiplier a run needs so that the *whole search* stays within epsilon = 1 /
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from lipdp.accounting import calibrate_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
-from lipdp.accounting.tuning import RandomSearch
+from lipdp.accounting.tuning_cost import RandomSearch
 
 N, BATCH, EPOCHS, DELTA = 60_000, 2_000, 15, 1e-5
 EPSILONS = (1.0, 3.0, 8.0)

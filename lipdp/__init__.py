@@ -7,10 +7,10 @@ Neural Network Way*, ICLR 2024).
 
 lipdp needs Keras 2 as ``tf.keras``: TensorFlow 2.15, or TensorFlow 2.16 to 2.21 with
 ``tf-keras`` and ``TF_USE_LEGACY_KERAS=1`` (set here if TensorFlow is not imported yet;
-:mod:`lipdp.compat`).
+:mod:`lipdp.core.compat`).
 """
 
-from lipdp import compat as _compat
+from lipdp.core import compat as _compat
 
 # Before any lipdp module imports TensorFlow (this package's modules import it, this file
 # does not): on TensorFlow >= 2.16, route tf.keras to tf-keras unless told otherwise.
@@ -42,7 +42,7 @@ __version__ = _version()
 #: Top-level names and the module defining each, imported on first use so that
 #: ``import lipdp`` does not import TensorFlow.
 _LAZY = {
-    "fix_batch_coupling": "lipdp.batch_independence",
+    "fix_batch_coupling": "lipdp.core.batch_independence",
     "make_private": "lipdp.entry",
     "private_batches": "lipdp.entry",
 }

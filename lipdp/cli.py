@@ -12,7 +12,7 @@ radii, the accuracy under a PGD attack at the same radii, the calibration errors
 the AUROC of membership-inference attacks (see :mod:`lipdp.evaluation`).
 
 ``--adversarial-radius R`` (with ``--adversarial-norm``, ``--adversarial-steps``,
-``--adversarial-mix``) trains on PGD adversarial examples (:mod:`lipdp.adversarial`).
+``--adversarial-mix``) trains on PGD adversarial examples (:mod:`lipdp.core.adversarial`).
 
 Errors are one line on stderr and exit status 2: a bad value, and a flag the user typed
 that the run would ignore (another method's, clipping's or optimiser's flag, a training
@@ -31,17 +31,17 @@ import time
 
 #: Public input-norm bounds per data set. They are constants, never computed from the
 #: private data (a data-dependent bound would itself leak, rule S6). Breast cancer: 30
-#: features mapped to [-1, 1] by public ranges (:func:`lipdp.datasets.load_breast_cancer`).
+#: features mapped to [-1, 1] by public ranges (:func:`lipdp.data.sources.load_breast_cancer`).
 INPUT_BOUNDS = {"digits": 5.0, "fashion_mnist": 10.0, "breast_cancer": math.sqrt(30.0)}
 
-#: Channels of the convolution blocks of the CLI's CNN (:func:`lipdp.zoo.pooled_cnn`).
+#: Channels of the convolution blocks of the CLI's CNN (:func:`lipdp.recipes.zoo.pooled_cnn`).
 CNN_WIDTHS = {"digits": (16,), "fashion_mnist": (32, 64)}
 
 #: Training methods of ``--method``: ``lipdp`` keeps every kernel at norm C (orthogonal
 #: kernels times C; the original method, "Fix-Lip-DP-SGD" for C != 1); ``lip-dp-sgd``
 #: keeps kernels in spectral balls of radius C and computes the bounds from their
-#: current norms (Barczewski & Ramon; :mod:`lipdp.layers.constrained`); ``dp-sgd`` clips
-#: per-example gradients of an ordinary Keras network (:mod:`lipdp.dpsgd`).
+#: current norms (Barczewski & Ramon; :mod:`lipdp.clipless.layers.constrained`); ``dp-sgd`` clips
+#: per-example gradients of an ordinary Keras network (:mod:`lipdp.clipped.model`).
 METHODS = ("lipdp", "lip-dp-sgd", "dp-sgd")
 
 #: Public value ranges of the features (pixels in [0, 1]; breast cancer mapped to
@@ -167,7 +167,7 @@ def _add_run_arguments(parser) -> None:
         type=_directory,
         default=None,
         help="fashion_mnist only: directory of its IDX files (default: the places "
-        "lipdp.datasets looks in)",
+        "lipdp.data.sources looks in)",
     )
     parser.add_argument(
         "--epsilon", type=_positive_float, default=3.0, help="privacy budget epsilon (default 3)"
@@ -346,7 +346,7 @@ def _add_run_arguments(parser) -> None:
         metavar="R",
         help="adversarial training (both methods): each example replaced by its PGD "
         "adversarial version within radius R, computed from the current weights (same "
-        "privacy; lipdp.adversarial); default: none",
+        "privacy; lipdp.core.adversarial); default: none",
     )
     parser.add_argument(
         "--adversarial-norm",
@@ -544,7 +544,7 @@ def _group_norm_refusals(args) -> dict:
     if args.scattering:
         refusals["--group-norm-alpha"] = (
             "--group-norm-alpha does not apply to --scattering, whose group normalisation "
-            "has its own alpha (lipdp.zoo.SCATTERING_ALPHA): drop --group-norm-alpha."
+            "has its own alpha (lipdp.recipes.zoo.SCATTERING_ALPHA): drop --group-norm-alpha."
         )
     elif args.method == "dp-sgd":
         refusals["--group-norm-alpha"] = (
@@ -594,7 +594,7 @@ def _options_unused_by_a_saved_model() -> dict:
 
 
 def _load(name, data_dir):
-    from lipdp import datasets
+    from lipdp.data import sources as datasets
 
     if name == "digits":
         return datasets.load_digits()
@@ -641,7 +641,8 @@ def _keras_layers(dataset, input_shape, nb_classes, scattering=False, group_norm
     import tensorflow as tf
 
     if scattering:
-        from lipdp import layers, zoo
+        from lipdp.clipless import layers
+        from lipdp.recipes import zoo
 
         return [
             tf.keras.layers.InputLayer(input_shape=input_shape),
@@ -690,28 +691,29 @@ def cli_model(
 ):
     """The compiled model of ``lipdp train`` / ``evaluate`` and its training arrays.
 
-    Architecture: on images :func:`lipdp.zoo.pooled_cnn` (widths :data:`CNN_WIDTHS`), or
-    the same network with norm balls (:func:`lipdp.zoo.lip_convnet`) when ``method``,
+    Architecture: on images :func:`lipdp.recipes.zoo.pooled_cnn` (widths :data:`CNN_WIDTHS`), or
+    the same network with norm balls (:func:`lipdp.recipes.zoo.lip_convnet`) when ``method``,
     ``weight_norm_bound`` or ``group_norm`` ask for them; on breast cancer
-    :func:`lipdp.zoo.lip_mlp` (32 hidden units). Input bound :data:`INPUT_BOUNDS`, loss
+    :func:`lipdp.recipes.zoo.lip_mlp` (32 hidden units). Input bound :data:`INPUT_BOUNDS`, loss
     ``DP_TauCategoricalCrossentropy(8)``, Adam (learning rate the data set's default
     unless given; ``optimizer="sgd"``: SGD with ``momentum``); ``gradient_clip=c`` (clipless
     families) appends ``DP_ClipGradient(c)`` after the logits. Poisson batches use every
     training example; fixed-size batches drop the remainder (rule S5).
     ``method="dp-sgd"``: :func:`_keras_layers` trained by
-    :class:`lipdp.dpsgd.DPSGD_Sequential` with ``clipping``, ``ascent`` and
-    ``gradient_method``. ``adversarial``: a :class:`lipdp.adversarial.PGD` for adversarial
-    training (either method). ``scattering``: :func:`lipdp.zoo.scattering_net` (or its
+    :class:`lipdp.clipped.model.DPSGD_Sequential` with ``clipping``, ``ascent`` and
+    ``gradient_method``. ``adversarial``: a :class:`lipdp.core.adversarial.PGD` for adversarial
+    training (either method). ``scattering``: :func:`lipdp.recipes.zoo.scattering_net` (or its
     Keras counterpart for dp-sgd) on images. Returns ``(model, x_train, y_train)``.
     Benchmarks and tests that study "the CLI's model" build it here.
     """
     import numpy as np
     import tensorflow as tf
 
-    from lipdp import losses, zoo
-    from lipdp.layers import DP_ClipGradient
-    from lipdp.metadata import DatasetMetadata
-    from lipdp.model import DP_Sequential
+    from lipdp.clipless import losses
+    from lipdp.clipless.layers import DP_ClipGradient
+    from lipdp.clipless.model import DP_Sequential
+    from lipdp.core.metadata import DatasetMetadata
+    from lipdp.recipes import zoo
 
     n_train = len(data.x_train)
     if sampling == "shuffle":
@@ -727,7 +729,7 @@ def cli_model(
         sampling=sampling,
     )
     if method == "dp-sgd":
-        from lipdp.dpsgd import Clipping, DPSGD_Sequential
+        from lipdp.clipped.model import Clipping, DPSGD_Sequential
 
         model = DPSGD_Sequential(
             _keras_layers(dataset, metadata.input_shape, data.nb_classes, scattering, group_norm),
@@ -764,8 +766,7 @@ def _train_private_model(args, data, verb):
     Returns ``(model, x_train, y_train, seconds)``.
     """
 
-    from lipdp.callbacks import ParameterAveraging
-    from lipdp.model import DP_Accountant
+    from lipdp.core.callbacks import DP_Accountant, ParameterAveraging
     from lipdp.pipeline import poisson_batches
     from lipdp.sensitivity import get_max_epochs
 
@@ -819,7 +820,7 @@ def _distribution_strategy(replicas):
     before TensorFlow has started its devices)."""
     import tensorflow as tf
 
-    from lipdp.distribute import mirrored_strategy
+    from lipdp.core.distribute import mirrored_strategy
 
     if replicas is None:
         return tf.distribute.get_strategy()
@@ -872,7 +873,7 @@ def _refuse_more_replicas_than_cores(replicas, gpus) -> None:
 
 def _built_cli_model(args, data, batch_size, sigma):
     """:func:`cli_model` with the options of ``args``."""
-    from lipdp.model import DPParameters
+    from lipdp.clipless.model import DPParameters
 
     return cli_model(
         data,
@@ -914,7 +915,7 @@ def _optimizer(name, learning_rate, momentum):
 
 
 def _clipping(args):
-    from lipdp.dpsgd import Clipping
+    from lipdp.clipped.model import Clipping
 
     if args.clipping == "global" and args.clip_threshold is None:
         raise ValueError(
@@ -927,7 +928,7 @@ def _clipping(args):
 
 def _ascent(args):
     """The ``--bam`` / ``--dp-sat`` ascent (dp-sgd only: :func:`_family_refusals`)."""
-    from lipdp.dpsgd import SharpnessAscent
+    from lipdp.clipped.model import SharpnessAscent
 
     mode, radius = ("bam", args.bam) if args.bam is not None else ("dp-sat", args.dp_sat)
     return None if radius is None else SharpnessAscent(mode, radius)
@@ -935,7 +936,7 @@ def _ascent(args):
 
 def _adversarial(args):
     """The ``--adversarial-*`` PGD (or ``None``), kept in the data set's value range."""
-    from lipdp.adversarial import PGD
+    from lipdp.core.adversarial import PGD
 
     if args.adversarial_radius is None:  # (--trades etc. alone: _adversarial_refusals)
         return None
@@ -1003,7 +1004,7 @@ def train_command(args) -> int:
     import numpy as np
     import tensorflow as tf
 
-    from lipdp.report import privacy_report
+    from lipdp.core.report import privacy_report
 
     tf.keras.utils.set_random_seed(args.seed)
     data = _load(args.dataset, args.data_dir)
@@ -1028,7 +1029,7 @@ def _save(model, path) -> None:
 def _load_model(path):
     import tensorflow as tf
 
-    from lipdp.private_model import PrivateModel
+    from lipdp.core.private_model import PrivateModel
 
     try:
         model = tf.keras.models.load_model(path)
@@ -1067,12 +1068,12 @@ def evaluate_command(args) -> int:
     import numpy as np
     import tensorflow as tf
 
-    import lipdp.layers  # noqa: F401  (registers the layers for load_model)
-    import lipdp.losses  # noqa: F401
-    import lipdp.model  # noqa: F401
+    import lipdp.clipless.layers  # noqa: F401  (registers the layers for load_model)
+    import lipdp.clipless.losses  # noqa: F401
+    import lipdp.clipless.model  # noqa: F401
     from lipdp import evaluation
-    from lipdp.dpsgd import DPSGD_Model
-    from lipdp.report import privacy_report
+    from lipdp.clipped.model import DPSGD_Model
+    from lipdp.core.report import privacy_report
 
     tf.keras.utils.set_random_seed(args.seed)
     data = _load(args.dataset, args.data_dir)

@@ -1,6 +1,7 @@
 r"""One call that makes a model private: :func:`make_private`.
 
-The classes (:class:`~lipdp.model.DP_Sequential`, :class:`~lipdp.dpsgd.DPSGD_Sequential`)
+The classes (:class:`~lipdp.clipless.model.DP_Sequential`,
+:class:`~lipdp.clipped.model.DPSGD_Sequential`)
 take five configuration objects for full control. :func:`make_private` takes the
 numbers a user knows -- the target ``(epsilon, delta)``, the epochs, the batch size and
 the size of the private training set -- and returns a model of the right family whose
@@ -34,15 +35,15 @@ import logging
 
 import tensorflow as tf
 
-from lipdp import validation
 from lipdp.accounting import calibrate_noise_multiplier
+from lipdp.clipless.layers import DP_BoundedInput
+from lipdp.clipless.layers.base import DPLayer
+from lipdp.clipless.model import DP_Sequential
+from lipdp.clipped.model import CLIPPING_MODES, Clipping, DPSGD_Sequential
+from lipdp.core import validation
+from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.private_model import DPParameters
 from lipdp.data.sampling import poisson_batches
-from lipdp.dpsgd import CLIPPING_MODES, Clipping, DPSGD_Sequential
-from lipdp.layers import DP_BoundedInput
-from lipdp.layers.base import DPLayer
-from lipdp.metadata import DatasetMetadata
-from lipdp.model import DP_Sequential
-from lipdp.private_model import DPParameters
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +80,13 @@ def make_private(
         epochs: the number of epochs the budget is planned for.
         batch_size: the (expected, under Poisson sampling) batch size ``b``.
         dataset_size: ``N``, the number of private training records.
-        method: ``"clipless"`` (Lipschitz DP layers, :mod:`lipdp.model`), ``"clipped"``
-            (ordinary Keras layers, :mod:`lipdp.dpsgd`), or ``"auto"``.
+        method: ``"clipless"`` (Lipschitz DP layers, :mod:`lipdp.clipless.model`), ``"clipped"``
+            (ordinary Keras layers, :mod:`lipdp.clipped.model`), or ``"auto"``.
         clip_norm, clipping: the clipped family's radius ``R`` and mode
-            (:data:`lipdp.dpsgd.CLIPPING_MODES`); refused for the clipless family.
+            (:data:`lipdp.clipped.model.CLIPPING_MODES`); refused for the clipless family.
         noise: ``"global"`` or ``"per-layer"`` (``noisify_strategy``).
         input_bound: clipless only: the public bound on an input's norm, for a
-            :class:`~lipdp.layers.DP_BoundedInput` put in front when the layers do not
+            :class:`~lipdp.clipless.layers.DP_BoundedInput` put in front when the layers do not
             start with one.
         sampling: ``"poisson"`` (what the accountant analyses; feed
             :func:`private_batches`) or ``"shuffle"``.
@@ -94,7 +95,7 @@ def make_private(
 
     Returns:
         A ``DP_Sequential`` or ``DPSGD_Sequential``, not compiled (``compile`` it as any
-        Keras model; the clipless family needs a loss of :mod:`lipdp.losses`).
+        Keras model; the clipless family needs a loss of :mod:`lipdp.clipless.losses`).
     """
     layers = _layers_of(model_or_layers)
     method = _family(validation.choice("method", method, METHODS), layers)
@@ -218,7 +219,7 @@ def _bounded(layers, input_bound, input_shape) -> list:
     if input_bound is None:
         raise ValueError(
             "The clipless family needs a public bound on the inputs' norm: pass "
-            "input_bound=..., or start the layers with lipdp.layers.DP_BoundedInput."
+            "input_bound=..., or start the layers with lipdp.clipless.layers.DP_BoundedInput."
         )
     layers = [layer for layer in layers if not _is_input_layer(layer)]
     bound = DP_BoundedInput(input_shape=input_shape, upper_bound=float(input_bound))

@@ -2,10 +2,10 @@
 
 import tensorflow as tf
 
-from lipdp import layers, losses
 from lipdp.accounting import DPGD_Mechanism
-from lipdp.metadata import DatasetMetadata
-from lipdp.model import DP_Sequential, DPParameters
+from lipdp.clipless import layers, losses
+from lipdp.clipless.model import DP_Sequential, DPParameters
+from lipdp.core.metadata import DatasetMetadata
 
 DELTA = 1e-5
 TUTORIAL_Q = 1000 / 60000

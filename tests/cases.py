@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from lipdp import layers as L
-from lipdp import losses, zoo
-from lipdp.metadata import DatasetMetadata
-from lipdp.model import DP_Sequential, DPParameters
+from lipdp.clipless import layers as L
+from lipdp.clipless import losses
+from lipdp.clipless.model import DP_Sequential, DPParameters
+from lipdp.core.metadata import DatasetMetadata
+from lipdp.recipes import zoo
 
 BATCH = 4
 NB_CLASSES = 5
@@ -358,7 +359,7 @@ def zoo_case(builder, input_shape, upper_bound=3.0, **options):
     return build(body, input_shape, upper_bound=upper_bound)
 
 
-#: One case per builder of lipdp.zoo (and both merge policies of the residual network).
+#: One case per builder of lipdp.recipes.zoo (and both merge policies of the residual network).
 ZOO_CASES = {
     "Zoo:pooled_cnn": lambda: zoo_case(zoo.pooled_cnn, (8, 8, 1), widths=(4, 8)),
     "Zoo:strided_cnn(clip)": lambda: zoo_case(zoo.strided_cnn, (8, 8, 1), widths=(4, 16), clip=0.3),

@@ -5,7 +5,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # Before TensorFlow: on TensorFlow >= 2.16, ``import lipdp`` sets TF_USE_LEGACY_KERAS=1 (unless
-# set), so that tf.keras is tf-keras's Keras 2 (lipdp.compat).
+# set), so that tf.keras is tf-keras's Keras 2 (lipdp.core.compat).
 import lipdp  # noqa: E402, F401, I001
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -51,7 +51,7 @@ def _native_start_up_lines_discarded():
 with _native_start_up_lines_discarded():
     import tensorflow as tf
 
-    # tests/test_distribute.py trains under MirroredStrategy over two logical CPU devices.
+    # tests/core/test_distribute.py trains under MirroredStrategy over two logical CPU devices.
     # Devices can be split only before TensorFlow initialises them: here, once per process
     # (single-device code keeps running on the first one).
     tf.config.set_logical_device_configuration(

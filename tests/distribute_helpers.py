@@ -1,14 +1,14 @@
-"""Models, data and a recording optimizer shared by tests/test_distribute.py and the
+"""Models, data and a recording optimizer shared by tests/core/test_distribute.py and the
 worker processes of its multi-worker tests (tests/distribute_worker.py)."""
 
 import numpy as np
 import tensorflow as tf
 
-from lipdp import layers as L
-from lipdp import losses
-from lipdp.dpsgd import Clipping, DPSGD_Sequential
-from lipdp.metadata import DatasetMetadata
-from lipdp.model import DP_Sequential, DPParameters
+from lipdp.clipless import layers as L
+from lipdp.clipless import losses
+from lipdp.clipless.model import DP_Sequential, DPParameters
+from lipdp.clipped.model import Clipping, DPSGD_Sequential
+from lipdp.core.metadata import DatasetMetadata
 
 FEATURES, CLASSES, N = 6, 3, 64
 FAMILIES = ("clipless", "dp-sgd")

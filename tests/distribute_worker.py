@@ -1,4 +1,4 @@
-"""One worker of the multi-worker tests of tests/test_distribute.py (run as a process).
+"""One worker of the multi-worker tests of tests/core/test_distribute.py (run as a process).
 
 ``python -m tests.distribute_worker INDEX PORT0,PORT1 FAMILY OUT.json``: joins a
 two-worker ``MultiWorkerMirroredStrategy`` on localhost (``TF_CONFIG``), then
@@ -28,7 +28,7 @@ def main(index, ports, family, out):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    from lipdp.callbacks import DP_Accountant
+    from lipdp.core.callbacks import DP_Accountant
     from lipdp.pipeline import distributed_poisson_batches
     from tests import distribute_helpers as h
 

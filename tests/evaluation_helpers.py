@@ -4,11 +4,12 @@ test process, and a small vector model."""
 import pytest
 import tensorflow as tf
 
-from lipdp import datasets, losses
-from lipdp import layers as L
 from lipdp.cli import cli_model
-from lipdp.metadata import DatasetMetadata
-from lipdp.model import DP_Sequential, DPParameters
+from lipdp.clipless import layers as L
+from lipdp.clipless import losses
+from lipdp.clipless.model import DP_Sequential, DPParameters
+from lipdp.core.metadata import DatasetMetadata
+from lipdp.data import sources as datasets
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,8 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 
-from lipdp import noise
-from lipdp.bounds import ROUNDOFF_SLACK
+from lipdp.clipless.bounds import ROUNDOFF_SLACK
+from lipdp.core import noise
 
 #: Released differences may exceed the declared sensitivity by float32 round-off only.
 TOLERANCE = ROUNDOFF_SLACK

@@ -27,14 +27,15 @@ import tensorflow as tf
 from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 
-from lipdp import layers as DL
-from lipdp import losses
 from lipdp.accounting import get_eps_delta
-from lipdp.accounting.tuning import RandomSearch
+from lipdp.accounting.tuning_cost import RandomSearch
+from lipdp.clipless import layers as DL
+from lipdp.clipless import losses
+from lipdp.clipless.model import DP_Sequential, DPParameters
+from lipdp.clipped.model import Clipping, DPSGD_Sequential
+from lipdp.core.callbacks import DP_Accountant
+from lipdp.core.metadata import DatasetMetadata
 from lipdp.data.sampling import stating_rate
-from lipdp.dpsgd import Clipping, DPSGD_Sequential
-from lipdp.metadata import DatasetMetadata
-from lipdp.model import DP_Accountant, DP_Sequential, DPParameters
 from lipdp.pipeline import poisson_batches
 from tests.remove_one import TOLERANCE, released_gradient, remove_one_ratios
 
@@ -121,7 +122,7 @@ def _fit(model, x, y, epochs=1, callbacks=(), accountant="pld"):
 
 def _pld_epsilon(segments):
     """Independent composition (``dp_accounting``'s PLD accountant, the discretisation of
-    ``tests/test_privacy_ledger.py``): ``segments`` = ``[(sigma_eff, q, steps)]``."""
+    ``tests/core/test_privacy_ledger.py``): ``segments`` = ``[(sigma_eff, q, steps)]``."""
     accountant = PLDAccountant(value_discretization_interval=1e-4)
     for sigma, q, steps in segments:
         accountant.compose(
@@ -428,7 +429,7 @@ def test_an_out_of_range_token_id_does_not_fail_the_step(method, rng):
     failed iff the record was sampled. Now such rows are neutralised like out-of-range
     labels (ids zeroed, factor 0, counted in ``invalid_inputs``; the range from the layer
     reading the input, ``records.input_id_ranges``) and ``fit`` on arrays refuses them
-    (``tests/test_invalid_inputs.py``, ``CategoryEncoding`` too)."""
+    (``tests/core/test_invalid_inputs.py``, ``CategoryEncoding`` too)."""
     model = _dpsgd(
         [K.Embedding(10, 4, input_shape=(4,)), K.Flatten(), K.Dense(CLASSES)],
         metadata=_metadata(input_shape=(4,)),
@@ -712,8 +713,8 @@ def test_steps_with_reproducible_noise_stay_flagged(rng, tmp_path):
     mode (``report.py`` reads ``noise.reproducible_noise_seed()``), not from the model's
     history. Fix: the step row records that its generator was seeded (a ledger column, or
     a row priced as non-private), and the report reads the ledger."""
-    from lipdp import noise
-    from lipdp.report import privacy_report
+    from lipdp.core import noise
+    from lipdp.core.report import privacy_report
 
     noise.use_reproducible_noise(7)
     try:

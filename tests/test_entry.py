@@ -14,12 +14,12 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 import lipdp
-from lipdp import layers as DL
-from lipdp import losses
 from lipdp.accounting import calibrate_noise_multiplier
-from lipdp.dpsgd import DPSGD_Sequential
-from lipdp.model import DP_Sequential
-from lipdp.report import privacy_report
+from lipdp.clipless import layers as DL
+from lipdp.clipless import losses
+from lipdp.clipless.model import DP_Sequential
+from lipdp.clipped.model import DPSGD_Sequential
+from lipdp.core.report import privacy_report
 
 L = tf.keras.layers
 D, K, N, B, EPOCHS, DELTA, TARGET = 6, 3, 64, 16, 2, 1e-5, 3.0

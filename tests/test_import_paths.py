@@ -1,17 +1,20 @@
-"""The import paths of before the ``lipdp.data`` package still work, and name the same objects."""
+"""The original package's import paths (``deel.lipdp.layers``, ``.model``, ``.losses``,
+``.dynamic``, ``.pipeline``, ``.sensitivity``, ``.utils``) still work, name the same objects
+as the modules that define them, and hold nothing else."""
 
 import ast
 import importlib
 from pathlib import Path
 
+import pytest
+
+import lipdp.core.metadata
 import lipdp.data
 import lipdp.data.images
 import lipdp.data.input_bounds
 import lipdp.data.sampling
 import lipdp.data.sources
 import lipdp.data.tabular
-import lipdp.datasets
-import lipdp.metadata
 import lipdp.pipeline
 
 #: Where each name of ``lipdp.pipeline`` lives now.
@@ -37,35 +40,10 @@ PIPELINE_HOMES = {
     "TABULAR_SCALINGS": lipdp.data.tabular,
     "prepare_tabular_data": lipdp.data.tabular,
     "load_adbench_data": lipdp.data.sources,
-    "DatasetMetadata": lipdp.metadata,
-    "SAMPLING_MODES": lipdp.metadata,
-    "default_delta_value": lipdp.metadata,
+    "DatasetMetadata": lipdp.core.metadata,
+    "SAMPLING_MODES": lipdp.core.metadata,
+    "default_delta_value": lipdp.core.metadata,
 }
-
-#: The public names ``lipdp.datasets`` defined before it became a re-export, and the
-#: breast-cancer loader added since (issue 12).
-DATASETS_NAMES = [
-    "BREAST_CANCER_RANGES",
-    "load_breast_cancer",
-    "CIFAR10_CLASSES",
-    "DEBIAN_FASHION_MNIST",
-    "FASHION_MNIST_CLASSES",
-    "IDX_STEMS",
-    "IMAGE_DATASETS",
-    "MNIST_CLASSES",
-    "PACKAGED_DATA_DIR",
-    "ArrayDataset",
-    "adbench_dirs",
-    "canonical_name",
-    "keras_cache_dirs",
-    "load_adbench_data",
-    "load_cifar10",
-    "load_digits",
-    "load_fashion_mnist",
-    "load_images",
-    "load_mnist",
-    "read_idx",
-]
 
 
 def test_old_pipeline_imports():
@@ -85,7 +63,7 @@ def test_old_pipeline_imports():
         prepare_tabular_data,
     )
 
-    assert DatasetMetadata is lipdp.metadata.DatasetMetadata
+    assert DatasetMetadata is lipdp.core.metadata.DatasetMetadata
     assert load_and_prepare_data is load_and_prepare_images_data
 
 
@@ -93,14 +71,6 @@ def test_every_pipeline_name_is_the_moved_object():
     for name, home in PIPELINE_HOMES.items():
         assert getattr(lipdp.pipeline, name) is getattr(home, name), name
     assert sorted(lipdp.pipeline.__all__) == sorted(PIPELINE_HOMES)
-
-
-def test_old_datasets_imports():
-    from lipdp.datasets import load_digits, load_fashion_mnist  # noqa: F401
-
-    for name in DATASETS_NAMES:
-        assert getattr(lipdp.datasets, name) is getattr(lipdp.data.sources, name), name
-    assert sorted(lipdp.datasets.__all__) == sorted(DATASETS_NAMES)
 
 
 def test_data_package_reexports_its_modules():
@@ -114,23 +84,47 @@ def test_data_package_reexports_its_modules():
     assert set(lipdp.data.__all__) == exported
 
 
-def _imported_modules(path):
-    """Every module a source file imports (``from lipdp import x`` counts as ``lipdp.x``)."""
-    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+#: Original module -> (the module defining its names, names it re-exports from elsewhere).
+ORIGINAL_PATHS = {
+    "lipdp.layers": ("lipdp.clipless.layers", {}),
+    "lipdp.losses": ("lipdp.clipless.losses", {}),
+    "lipdp.dynamic": ("lipdp.clipless.dynamic", {}),
+    "lipdp.model": (
+        "lipdp.clipless.model",
+        {"DP_Accountant": "lipdp.core.callbacks", "get_eps_delta": "lipdp.accounting.budget"},
+    ),
+    "lipdp.sensitivity": ("lipdp.accounting.budget", {}),
+}
 
 
-def test_data_modules_import_no_model_code():
-    """Arrows point one way: the data modules never import the model, layers or accountant."""
-    forbidden = ("model", "accounting", "layers", "pipeline", "datasets")
-    files = sorted(Path(lipdp.data.__path__[0]).glob("*.py"))
-    assert len(files) == 6
-    for path in files:
-        lipdp_imports = {m for m in _imported_modules(path) if m.startswith("lipdp.")}
-        for module in lipdp_imports:
-            assert module.split(".")[1] not in forbidden, (path.name, module)
+@pytest.mark.parametrize("original", sorted(ORIGINAL_PATHS))
+def test_original_paths_name_the_defining_modules_objects(original):
+    home, elsewhere = ORIGINAL_PATHS[original]
+    module, defining = importlib.import_module(original), importlib.import_module(home)
+    assert module.__all__
+    for name in module.__all__:
+        source = importlib.import_module(elsewhere[name]) if name in elsewhere else defining
+        assert getattr(module, name) is getattr(source, name), (original, name)
+
+
+THIN = ["layers", "losses", "dynamic", "model", "pipeline", "sensitivity", "utils"]
+
+
+@pytest.mark.parametrize("name", THIN)
+def test_original_paths_are_thin_re_exports(name):
+    """Only a docstring, imports and ``__all__``: no code lives at the top of the package."""
+    tree = ast.parse((Path(lipdp.__path__[0]) / f"{name}.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        targets = getattr(node, "targets", [])
+        assert isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in targets] == [
+            "__all__"
+        ], f"lipdp/{name}.py holds more than re-exports: {ast.dump(node)[:80]}"
+
+
+def test_the_top_of_the_package_is_the_entry_point_and_the_original_paths():
+    top = sorted(p.stem for p in Path(lipdp.__path__[0]).glob("*.py"))
+    assert top == sorted(["__init__", "cli", "entry", *THIN])

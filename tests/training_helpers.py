@@ -3,10 +3,10 @@
 import numpy as np
 from autodp import mechanism_zoo, transformer_zoo
 
-from lipdp import layers as L
-from lipdp import losses
-from lipdp.metadata import DatasetMetadata
-from lipdp.model import DP_Sequential, DPParameters
+from lipdp.clipless import layers as L
+from lipdp.clipless import losses
+from lipdp.clipless.model import DP_Sequential, DPParameters
+from lipdp.core.metadata import DatasetMetadata
 
 N, B = 512, 64
 

@@ -138,7 +138,7 @@ def epsilon_vs_epochs(path: Path) -> None:
         )
         eps = [plan.epsilon(e) for e in epochs]
         ax.plot(epochs, eps, color=color, label=rf"$\sigma$ = {sigma:g}")
-    budget_epochs = 91  # get_max_epochs(3.0, ...) for sigma = 2 (tests/test_accounting_plan.py)
+    budget_epochs = 91  # get_max_epochs(3.0, ...) for sigma = 2 (tests/accounting/test_plan.py)
     ax.axhline(3.0, color=GREY, linestyle="--", linewidth=1)
     ax.axvline(budget_epochs, color=GREY, linestyle=":", linewidth=1)
     ax.annotate(

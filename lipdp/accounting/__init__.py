@@ -19,10 +19,19 @@ Modules, one concept each:
   Gaussian-DP approximation of Bu et al. (flagged: not an upper bound);
 * :mod:`~lipdp.accounting.reference` -- :class:`DPGD_Mechanism`, the original package's
   autodp mechanism, kept as the independent reference;
-* :mod:`~lipdp.accounting.planning` -- :func:`get_eps_delta`, :func:`get_max_epochs`,
+* :mod:`~lipdp.accounting.budget` -- :func:`get_eps_delta`, :func:`get_max_epochs`,
   :func:`calibrate_noise_multiplier` for models.
 """
 
+from lipdp.accounting.budget import (
+    calibrate_noise_multiplier,
+    epsilon_for_steps,
+    get_eps_delta,
+    get_max_epochs,
+    privacy_plan_of,
+    steps_terms,
+    training_dp_event,
+)
 from lipdp.accounting.mechanisms import (
     DYNAMIC_MODES,
     Laplace,
@@ -32,15 +41,6 @@ from lipdp.accounting.mechanisms import (
     release_from_config,
 )
 from lipdp.accounting.plan import GRADIENT_STEPS, PrivacyPlan, dp_event
-from lipdp.accounting.planning import (
-    calibrate_noise_multiplier,
-    epsilon_for_steps,
-    get_eps_delta,
-    get_max_epochs,
-    privacy_plan_of,
-    steps_terms,
-    training_dp_event,
-)
 from lipdp.accounting.pld import PLD_VALUE_DISCRETIZATION_INTERVAL, PLDAccountant
 from lipdp.accounting.rdp import RDPAccountant
 from lipdp.accounting.reference import DPGD_Mechanism, autodp_epsilon

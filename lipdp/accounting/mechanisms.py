@@ -14,7 +14,7 @@ object in *one* place, here: :meth:`autodp` (autodp's RDP), :meth:`dp_event`
   1 / epsilon`` (pure ``epsilon``-DP). The RDP path composes it as a generic
   ``epsilon``-DP mechanism (autodp's ``PureDP_Mechanism``, valid for *any* ``epsilon``-DP
   mechanism, as the original package did); the PLD path uses the Laplace privacy loss
-  itself, valid because the releases of :mod:`lipdp.dynamic` *are* Laplace mechanisms on
+  itself, valid because the releases of :mod:`lipdp.clipless.dynamic` *are* Laplace mechanisms on
   queries of L1 sensitivity 1 after normalisation.
 
 A :class:`Release` says how many times a mechanism runs as a function of the number of
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lipdp import validation
+from lipdp.core import validation
 
 DYNAMIC_MODES = ("laplace", "quantiles")
 

@@ -10,7 +10,7 @@ accountant of :mod:`lipdp.accounting.registry`; :meth:`PrivacyPlan.max_epochs` i
 A DP model builds its plan with ``model.privacy_plan()`` from what the user declared (noise
 multipliers, dataset metadata, ``DPParameters.dynamic_clipping``); a mechanism that was not
 declared is refused there, never silently left out. ``get_eps_delta``,
-``get_max_epochs``, ``calibrate_noise_multiplier`` (:mod:`lipdp.accounting.planning`),
+``get_max_epochs``, ``calibrate_noise_multiplier`` (:mod:`lipdp.accounting.budget`),
 ``DP_Accountant`` and ``privacy_report`` all go through it.
 
 Assumptions (rule S7): add/remove-one neighbouring relation; the gradient steps are
@@ -25,7 +25,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from lipdp import validation
 from lipdp.accounting.mechanisms import (
     Release,
     SubsampledGaussian,
@@ -33,7 +32,8 @@ from lipdp.accounting.mechanisms import (
     noise_multiplier_list,
 )
 from lipdp.accounting.registry import get_accountant
-from lipdp.accounting.tuning import RandomSearch, search_epsilon
+from lipdp.accounting.tuning_cost import RandomSearch, search_epsilon
+from lipdp.core import validation
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,11 @@ class PrivacyPlan:
             variable for the ``"per-layer"`` strategy), for reports.
         noise_multiplier: the user's ``sigma`` they derive from (``sigma * nm_coef``).
         non_private: a reference run without noise (``epsilon = inf`` after any step).
-        search: a :class:`~lipdp.accounting.tuning.RandomSearch`: the run is the one
+        search: a :class:`~lipdp.accounting.tuning_cost.RandomSearch`: the run is the one
             selected by a private hyper-parameter search of that many runs, each of these
             releases; ``epsilon`` is the search's (RDP accountant only).
         spent: ``((mechanism, count), ...)``: what the model has already released (its
-            :class:`~lipdp.ledger.PrivacyLedger`; ``None`` for steps without noise).
+            :class:`~lipdp.core.ledger.PrivacyLedger`; ``None`` for steps without noise).
         spent_counts: ``((label, count), ...)``: the releases already made, per label.
         steps_done: the gradient steps this model has taken (``None``: those of
             ``spent_counts``); the remaining steps of ``E`` epochs are counted from it.
@@ -118,7 +118,7 @@ class PrivacyPlan:
         of ``noise_multipliers``, rate ``sampling_rate``) and ``other_releases``.
         ``noise_multiplier``: the ``sigma`` the multipliers are proportional to (default:
         the single multiplier). ``search``: the :class:`RandomSearch` the run was selected
-        by, if any. ``ledger``: the :class:`~lipdp.ledger.PrivacyLedger` of what the model
+        by, if any. ``ledger``: the :class:`~lipdp.core.ledger.PrivacyLedger` of what the model
         has already released (class docstring); ``steps_done``: the steps the model has
         taken itself."""
         steps_per_epoch = validation.count("steps_per_epoch", steps_per_epoch, 1)

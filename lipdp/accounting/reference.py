@@ -16,13 +16,13 @@ import numpy as np
 from autodp import mechanism_zoo, transformer_zoo
 from autodp.autodp_core import Mechanism
 
-from lipdp import validation
 from lipdp.accounting.mechanisms import (
     SubsampledGaussian,
     noise_multiplier_list,
     release_from_config,
     subsample_autodp,
 )
+from lipdp.core import validation
 
 MODES = ("global", "per-layer")
 

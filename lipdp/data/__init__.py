@@ -10,7 +10,7 @@ One module per concept; this package re-exports their public names.
 * :mod:`lipdp.data.tabular`: feature scaling and the tabular pipeline.
 
 The public facts about a training set that the model and the accountant need
-(:class:`~lipdp.metadata.DatasetMetadata`) live in :mod:`lipdp.metadata`, which these
+(:class:`~lipdp.core.metadata.DatasetMetadata`) live in :mod:`lipdp.core.metadata`, which these
 modules import; nothing here imports the model, the layers or the accountant.
 """
 

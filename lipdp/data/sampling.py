@@ -1,4 +1,5 @@
-"""How training batches are drawn (the ``sampling`` of :class:`~lipdp.metadata.DatasetMetadata`).
+"""How training batches are drawn
+(the ``sampling`` of :class:`~lipdp.core.metadata.DatasetMetadata`).
 
 * ``"poisson"``: :func:`poisson_batches`, every example enters each batch independently
   with probability ``q``: exactly the mechanism the accountant analyses.
@@ -19,7 +20,7 @@ import secrets
 import numpy as np
 import tensorflow as tf
 
-from lipdp.validation import count, probability
+from lipdp.core.validation import count, probability
 
 
 def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.Dataset:
@@ -70,7 +71,7 @@ def distributed_poisson_batches(strategy, x, y, sampling_rate, steps_per_epoch):
     restrictions to the parts are independent Poisson samples of the parts, and
     conversely the union of independent Poisson samples of the parts is a Poisson sample
     of the whole data set -- one global draw per step, sharded. A record lives on one
-    replica, so it enters at most one replica's batch in a step (:mod:`lipdp.distribute`).
+    replica, so it enters at most one replica's batch in a step (:mod:`lipdp.core.distribute`).
 
     Every worker calls this with the same ``x`` and ``y`` (it keeps its own replicas'
     parts only). The batches never run out (Keras keeps one iterator of a distributed

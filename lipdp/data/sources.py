@@ -31,7 +31,7 @@ Images are returned as float32 in ``[0, 1]`` with a channel axis, labels as int6
 Tabular anomaly-detection data in the ADBench ``.npz`` format (arrays ``x`` and
 ``y``, ``y = 1`` for an anomaly): :func:`load_adbench_data`.
 
-This module was ``lipdp.datasets``, which still re-exports it. It reads files and
+This module was ``lipdp.data.sources``, which still re-exports it. It reads files and
 returns arrays; :mod:`lipdp.data.images` and :mod:`lipdp.data.tabular` turn them into
 batched ``tf.data`` pipelines.
 """

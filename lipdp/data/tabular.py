@@ -15,6 +15,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from lipdp.core.metadata import SAMPLING_MODES, DatasetMetadata
+from lipdp.core.validation import choice
 from lipdp.data.input_bounds import _parse_bound_fct
 from lipdp.data.sampling import (
     _check_batch_size,
@@ -24,8 +26,6 @@ from lipdp.data.sampling import (
     _training_batches,
 )
 from lipdp.data.sources import load_adbench_data
-from lipdp.metadata import SAMPLING_MODES, DatasetMetadata
-from lipdp.validation import choice
 
 logger = logging.getLogger(__name__)
 

@@ -31,39 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lipdp.evaluation.outputs import logit_scale, new_figure, predict_logits, softmax
+
 DEFAULT_BINS = 15
-
-
-def log_softmax(logits, scale: float = 1.0) -> np.ndarray:
-    """``log softmax(scale * logits)`` along the last axis, float64.
-
-    With ``m`` the largest entry and ``s = sum_{k != argmax} exp(z_k - m)``, the
-    normaliser is ``m + log1p(s)``: the log-probability of the top class,
-    ``-log1p(s)``, keeps its relative precision even when it is ``1e-20`` (a
-    confidently classified example), where ``log(sum(exp(...)))`` would round it to 0.
-    """
-    z = scale * np.asarray(logits, dtype=np.float64)
-    top = np.argmax(z, axis=-1)[..., None]
-    m = np.take_along_axis(z, top, axis=-1)
-    e = np.exp(z - m)
-    np.put_along_axis(e, top, 0.0, axis=-1)
-    return z - m - np.log1p(e.sum(axis=-1, keepdims=True))
-
-
-def softmax(logits, scale: float = 1.0) -> np.ndarray:
-    """``softmax(scale * logits)`` along the last axis (float64, stable)."""
-    return np.exp(log_softmax(logits, scale))
-
-
-def logit_scale(model) -> float:
-    """The temperature of the model's compiled loss (``loss.tau``), else 1."""
-    return float(getattr(getattr(model, "loss", None), "tau", 1.0))
 
 
 def predict_probabilities(model, x, scale: float | None = None, batch_size: int = 512):
     """``softmax(scale * model(x))``; ``scale`` defaults to :func:`logit_scale`."""
-    from lipdp.evaluation.robustness import predict_logits
-
     if scale is None:
         scale = logit_scale(model)
     return softmax(predict_logits(model, x, batch_size), scale)
@@ -175,17 +149,6 @@ def calibration_report(probs, labels, n_bins: int = DEFAULT_BINS) -> Calibration
     )
 
 
-def new_figure(figsize=(5.0, 4.0)):
-    """A matplotlib ``Figure`` drawn by the Agg canvas (no pyplot, no GUI backend:
-    the process-wide matplotlib backend is left alone)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=figsize)
-    FigureCanvasAgg(figure)
-    return figure
-
-
 def plot_reliability_diagram(diagram, labels=None, n_bins: int = DEFAULT_BINS, title=None, ax=None):
     """Reliability diagram: accuracy per confidence bin against the diagonal.
 
@@ -247,9 +210,6 @@ def plot_reliability_diagram(diagram, labels=None, n_bins: int = DEFAULT_BINS, t
 
 __all__ = [
     "DEFAULT_BINS",
-    "log_softmax",
-    "softmax",
-    "logit_scale",
     "predict_probabilities",
     "ReliabilityDiagram",
     "reliability_diagram",
@@ -259,5 +219,4 @@ __all__ = [
     "CalibrationReport",
     "calibration_report",
     "plot_reliability_diagram",
-    "new_figure",
 ]

@@ -10,23 +10,23 @@ For a batch ``(x_i, y_i)`` and every trainable variable ``v``:
 
 * per-row gradients ``g_i = grad_v loss(y_i, f(x_i))`` by ``tape.jacobian`` of the
   per-row losses ``model.loss.call(y, y_pred)``. The losses are divided by the
-  model's loss normaliser (:attr:`lipdp.metadata.DatasetMetadata.loss_normalizer`, the
+  model's loss normaliser (:attr:`lipdp.core.metadata.DatasetMetadata.loss_normalizer`, the
   number training divides by: ``b * m`` rows with augmentation multiplicity ``m``)
   before differentiation and the Jacobian multiplied back, so a
-  :class:`~lipdp.layers.DP_ClipGradient` clips every row's cotangent at ``C`` exactly as
+  :class:`~lipdp.clipless.layers.DP_ClipGradient` clips every row's cotangent at ``C`` exactly as
   in training. A row's gradient is bounded by the per-example bound too (an original
   example's gradient is the mean of its ``m`` rows');
 * **gradient-to-bound ratio** ``||g_i|| / B_v`` with ``B_v`` the per-example bound of
-  the model's bound pass (:mod:`lipdp.bounds`). Rule S1 says it never exceeds 1; how
+  the model's bound pass (:mod:`lipdp.clipless.bounds`). Rule S1 says it never exceeds 1; how
   far below 1 it sits measures how loose the bound is;
 * **signal-to-noise ratio** ``||mean_i g_i|| / (s_v sqrt(d_v))``: the norm of the
   averaged gradient against the expected norm of the noise added to it
   (``d_v`` coordinates of standard deviation ``s_v``; ``E||N(0, s^2 I_d)|| ~
-  s sqrt(d)``), ``s_v`` from the noise rule of :mod:`lipdp.noise` (what training
+  s sqrt(d)``), ``s_v`` from the noise rule of :mod:`lipdp.core.noise` (what training
   adds).
 
 :class:`SensitivityAudit` combines the measured gradient ratios with the exact
-operator norms of :func:`lipdp.audit.audit_model` and reports (or raises on) any
+operator norms of :func:`lipdp.clipless.audit.audit_model` and reports (or raises on) any
 violation of the declared bounds.
 """
 
@@ -39,8 +39,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from lipdp.audit import DEFAULT_TOLERANCE, SensitivityViolation, audit_model, format_records
-from lipdp.bounds import ROUNDOFF_SLACK
+from lipdp.clipless.audit import (
+    DEFAULT_TOLERANCE,
+    SensitivityViolation,
+    audit_model,
+    format_records,
+)
+from lipdp.core.noise import ROUNDOFF_SLACK
+from lipdp.evaluation.outputs import new_figure
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +57,7 @@ def _loss_normalizer(model, rows: int) -> int:
     return int(rows) if normalizer is None else int(normalizer)
 
 
-def _per_example_gradients(model, x, y, b):
+def _per_example_variable_gradients(model, x, y, b):
     variables = model.trainable_variables
     with tf.GradientTape() as tape:
         contributions = model.loss.call(y, model(x, training=True)) / b
@@ -62,7 +68,7 @@ def _per_example_gradients(model, x, y, b):
     ]
 
 
-def per_example_gradients(model, x, y, function=None) -> list:
+def per_example_variable_gradients(model, x, y, function=None) -> list:
     """Per-row gradients of the per-row losses, one ``(n, *v.shape)`` tensor per
     trainable variable (aligned with ``model.trainable_variables``), with cotangents
     clipped as in training (module docstring).
@@ -73,13 +79,13 @@ def per_example_gradients(model, x, y, function=None) -> list:
     x = tf.convert_to_tensor(np.asarray(x, dtype=np.float32))
     y = tf.convert_to_tensor(np.asarray(y, dtype=np.float32))
     b = tf.constant(float(_loss_normalizer(model, x.shape[0])))
-    return (function or _per_example_gradients)(model, x, y, b)
+    return (function or _per_example_variable_gradients)(model, x, y, b)
 
 
 def compiled_per_example_gradients():
-    """A ``tf.function`` computing :func:`per_example_gradients`; keep it to reuse
+    """A ``tf.function`` computing :func:`per_example_variable_gradients`; keep it to reuse
     the traced graph (one trace per model and batch shape)."""
-    return tf.function(_per_example_gradients)
+    return tf.function(_per_example_variable_gradients)
 
 
 @dataclass
@@ -123,11 +129,13 @@ class VariableStatistics:
 def gradient_statistics(model, x, y, function=None) -> list[VariableStatistics]:
     """:class:`VariableStatistics` of every trainable variable on ``(x, y)``
     (module docstring). Reads the data given: private if it is training data.
-    ``function``: see :func:`per_example_gradients`."""
+    ``function``: see :func:`per_example_variable_gradients`."""
     entries = {entry.variable.ref(): entry for entry, _ in model.sensitivities()}
     stddevs = model.noise_stddevs()
     stats = []
-    for v, g in zip(model.trainable_variables, per_example_gradients(model, x, y, function)):
+    for v, g in zip(
+        model.trainable_variables, per_example_variable_gradients(model, x, y, function)
+    ):
         entry = entries[v.ref()]
         n = g.shape[0]
         norms = tf.norm(tf.reshape(g, (n, -1)), axis=1).numpy()
@@ -217,8 +225,6 @@ class SignaltoNoiseAverage(_GradientCallback):
     def plot(self):
         """Two panels against the epoch: mean ``||g_i|| / B`` and signal-to-noise per
         variable. Returns the matplotlib ``Figure`` (Agg canvas)."""
-        from lipdp.evaluation.calibration import new_figure
-
         figure = new_figure((9.0, 3.5))
         left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
         epochs = np.array(self.epochs) + 1
@@ -245,8 +251,6 @@ class SignaltoNoiseHistogram(_GradientCallback):
     def plot(self, epoch: int = -1, bins: int = 20):
         """Histograms of the epoch at index ``epoch`` of ``history`` (default: last).
         Returns the matplotlib ``Figure`` (Agg canvas)."""
-        from lipdp.evaluation.calibration import new_figure
-
         if not self.history:
             raise RuntimeError("nothing measured yet: train the model first.")
         stats = self.history[epoch]
@@ -270,7 +274,7 @@ class AuditReport:
     Attributes:
         epoch: the epoch (``None`` outside training).
         gradient_ratios: ``{variable: max_i ||g_i|| / B_v}`` on the audit batch.
-        operator_norms: the :class:`lipdp.audit.AuditRecord` of every constrained layer.
+        operator_norms: the :class:`lipdp.clipless.audit.AuditRecord` of every constrained layer.
         violations: human-readable description of every violation (empty if sound).
     """
 
@@ -301,7 +305,7 @@ class SensitivityAudit(tf.keras.callbacks.Callback):
       ``batch``, divided by its declared per-example bound (violation if above
       ``1 + tolerance``; the model's noise covers ``1 + ROUNDOFF_SLACK``);
     * the exact operator norm of every constrained kernel
-      (:func:`lipdp.audit.audit_model`; violation if a layer is not ``ok``).
+      (:func:`lipdp.clipless.audit.audit_model`; violation if a layer is not ``ok``).
 
     The audit can only detect violations *on the batch given* (a sound bound is
     never exceeded; a passing audit does not prove soundness). **It reads private
@@ -309,12 +313,12 @@ class SensitivityAudit(tf.keras.callbacks.Callback):
 
     Args:
         batch: ``(x, y)`` for the per-example gradients.
-        raise_on_violation: raise :class:`lipdp.audit.SensitivityViolation`
+        raise_on_violation: raise :class:`lipdp.clipless.audit.SensitivityViolation`
             (which stops ``fit``) instead of logging a warning.
         tolerance: relative slack on the gradient ratios (default ``ROUNDOFF_SLACK``).
-        audit_tolerance: tolerance of :func:`lipdp.audit.audit_model`.
+        audit_tolerance: tolerance of :func:`lipdp.clipless.audit.audit_model`.
         log_fn: optional callable receiving the :class:`AuditReport`.
-        audit_kwargs: passed to :func:`lipdp.audit.audit_model` (e.g. ``input_shape``).
+        audit_kwargs: passed to :func:`lipdp.clipless.audit.audit_model` (e.g. ``input_shape``).
 
     Writes into the epoch ``logs``: ``audit_gradient_ratio`` (largest gradient
     ratio), ``audit_operator_norm_ratio`` (largest measured / declared operator
@@ -350,7 +354,7 @@ class SensitivityAudit(tf.keras.callbacks.Callback):
         model = self.model
         entries = {entry.variable.ref(): entry for entry in model.bounds().variables}
         ratios = {}
-        gradients = per_example_gradients(model, self.x, self.y, self._function)
+        gradients = per_example_variable_gradients(model, self.x, self.y, self._function)
         for v, g in zip(model.trainable_variables, gradients):
             norms = tf.norm(tf.reshape(g, (g.shape[0], -1)), axis=1)
             entry = entries[v.ref()]
@@ -391,7 +395,7 @@ class SensitivityAudit(tf.keras.callbacks.Callback):
 
 
 __all__ = [
-    "per_example_gradients",
+    "per_example_variable_gradients",
     "compiled_per_example_gradients",
     "VariableStatistics",
     "gradient_statistics",

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from lipdp.evaluation.calibration import log_softmax
+from lipdp.evaluation.outputs import class_indices, log_softmax, logit_scale, predict_logits
 
 logger = logging.getLogger(__name__)
 
@@ -93,17 +93,10 @@ def dp_advantage_bound(epsilon: float, delta: float = 0.0) -> float:
 
 
 # ------------------------------------------------------------------------- features
-def _labels(labels) -> np.ndarray:
-    labels = np.asarray(labels)
-    if labels.ndim == 2:
-        labels = np.argmax(labels, axis=1)
-    return labels.reshape(-1).astype(np.int64)
-
-
 def per_example_loss(probs, labels, eps: float = 1e-300) -> np.ndarray:
     """Cross-entropy ``-log p_y`` of each example (probabilities floored at ``eps``)."""
     probs = np.asarray(probs, dtype=np.float64)
-    labels = _labels(labels)
+    labels = class_indices(labels)
     return -np.log(np.maximum(probs[np.arange(len(labels)), labels], eps))
 
 
@@ -114,7 +107,7 @@ def attack_features_from_log_probs(log_probs, labels) -> np.ndarray:
     linear model sees only on a log scale), confidence ``max p``, entropy, and the
     gap between the two largest probabilities."""
     log_probs = np.asarray(log_probs, dtype=np.float64)
-    labels = _labels(labels)
+    labels = class_indices(labels)
     loss = -log_probs[np.arange(len(labels)), labels]
     probs = np.exp(log_probs)
     entropy = -np.sum(np.where(probs > 0, probs * log_probs, 0.0), axis=1)
@@ -235,7 +228,7 @@ def membership_inference_from_log_probs(
     their AUROC and advantage have a large sampling error, and their maximum over
     classes is biased upwards.
     """
-    lab_in, lab_out = _labels(labels_members), _labels(labels_nonmembers)
+    lab_in, lab_out = class_indices(labels_members), class_indices(labels_nonmembers)
     feat_in = attack_features_from_log_probs(log_probs_members, lab_in)
     feat_out = attack_features_from_log_probs(log_probs_nonmembers, lab_out)
     slices = [("entire dataset", np.ones(len(lab_in), bool), np.ones(len(lab_out), bool))]
@@ -281,12 +274,9 @@ def membership_inference(
     non-members ``(x_test, y_test)``.
 
     Log-probabilities are ``log_softmax(scale * model(x))``; ``scale`` defaults to the
-    ``tau`` of the compiled loss (:func:`lipdp.evaluation.calibration.logit_scale`).
+    ``tau`` of the compiled loss (:func:`lipdp.evaluation.outputs.logit_scale`).
     Touches private data (module docstring).
     """
-    from lipdp.evaluation.calibration import logit_scale
-    from lipdp.evaluation.robustness import predict_logits
-
     if scale is None:
         scale = logit_scale(model)
     log_in = log_softmax(predict_logits(model, x_train, batch_size), scale)

@@ -7,17 +7,17 @@ constants to the bound propagation. This module turns those declarations into
 Lipschitz constant of the function
 ----------------------------------
 :func:`lipschitz_constant` reads the constant of the one bound pass
-(:func:`lipdp.bounds.bound_pass`), which composes the layers' own
+(:func:`lipdp.clipless.bounds.bound_pass`), which composes the layers' own
 ``propagate_lipschitz``. The constant of one layer is by default
 ``layer.backpropagate_inputs(X, 1.0)``: the bound on the cotangent at the layer
 input for a unit cotangent at its output, i.e. a bound on the operator norm of the
 layer's Jacobian at every input of norm at most ``X`` (the layer's input bound).
-Since the model starts with :class:`~lipdp.layers.DP_BoundedInput`, a projection
+Since the model starts with :class:`~lipdp.clipless.layers.DP_BoundedInput`, a projection
 onto a ball (1-Lipschitz on the whole space), every layer only ever sees inputs
 within its input bound, and a bound on the Jacobian over a convex set is a
 Lipschitz constant on that set. Two exceptions:
 
-* :class:`~lipdp.layers.DP_ClipGradient` clips the *cotangent*, which is a property
+* :class:`~lipdp.clipless.layers.DP_ClipGradient` clips the *cotangent*, which is a property
   of the training procedure, not of the function (forward it is the identity):
   its constant is 1;
 * residual blocks carry pairs ``(skip path, transformed path)``. The constants of
@@ -29,7 +29,7 @@ Lipschitz constant on that set. Two exceptions:
 The result is an upper bound on the ``l2 -> l2`` Lipschitz constant of
 ``x -> logits`` *provided the weights satisfy their constraints*; the operator
 norms of constrained kernels can be checked independently with
-:func:`lipdp.audit.audit_model`.
+:func:`lipdp.clipless.audit.audit_model`.
 
 Certificates
 ------------
@@ -48,7 +48,7 @@ clean accuracy at ``r = 0``.
 Attacks
 -------
 :func:`pgd_attack` (projected gradient ascent on the margin loss over the ``l2`` or
-``linf`` ball, several random restarts; the steps of :mod:`lipdp.adversarial`, which
+``linf`` ball, several random restarts; the steps of :mod:`lipdp.core.adversarial`, which
 adversarial training uses too) and :func:`empirical_lipschitz` (gradient ascent on
 ``||f(x) - f(x')|| / ||x - x'||``) give *lower* bounds on what an attacker can do:
 they check that the certificates hold, never certify anything.
@@ -68,8 +68,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lipdp import adversarial, validation
-from lipdp.bounds import bound_pass
+from lipdp.clipless.bounds import bound_pass
+from lipdp.core import adversarial, validation
+from lipdp.evaluation.outputs import class_indices, new_figure, predict_logits
 
 SQRT2 = math.sqrt(2.0)
 
@@ -78,31 +79,15 @@ SQRT2 = math.sqrt(2.0)
 def lipschitz_constant(model) -> float:
     """Upper bound on the ``l2 -> l2`` Lipschitz constant of ``x -> model(x)``.
 
-    The Lipschitz constant of the bound pass (:func:`lipdp.bounds.bound_pass`, module
+    The Lipschitz constant of the bound pass (:func:`lipdp.clipless.bounds.bound_pass`, module
     docstring): single-path layers multiply, residual blocks track one constant per path
     and merge them with the merge layer's factor,
-    :class:`~lipdp.layers.DP_ClipGradient` counts 1.
+    :class:`~lipdp.clipless.layers.DP_ClipGradient` counts 1.
     """
     return float(bound_pass(model.layers_forward_order()).lipschitz)
 
 
 # ------------------------------------------------------------------------ certificates
-def _labels(y) -> np.ndarray:
-    y = np.asarray(y)
-    if y.ndim == 2 and y.shape[1] > 1:
-        return np.argmax(y, axis=1)
-    return y.reshape(-1).astype(np.int64)
-
-
-def predict_logits(model, x, batch_size: int = 512) -> np.ndarray:
-    """``model(x)`` in inference mode, batched, as a float64 array."""
-    x = np.asarray(x, dtype=np.float32)
-    out = [
-        model(x[i : i + batch_size], training=False).numpy() for i in range(0, len(x), batch_size)
-    ]
-    return np.concatenate(out, axis=0).astype(np.float64)
-
-
 def certified_radius(logits, lipschitz: float) -> np.ndarray:
     """Radius within which the decision at each example cannot change.
 
@@ -133,7 +118,7 @@ def certified_accuracy_from_logits(logits, y, radii, lipschitz: float) -> np.nda
     radii = np.atleast_1d(np.asarray(radii, dtype=np.float64))
     if np.any(radii < 0):
         raise ValueError("radii must be >= 0.")
-    correct = _predictions(logits) == _labels(y)
+    correct = _predictions(logits) == class_indices(y)
     radius = certified_radius(logits, lipschitz)
     return np.array([np.mean(correct & ((r == 0) | (radius > r))) for r in radii])
 
@@ -192,7 +177,7 @@ def pgd_attack(
     """Untargeted PGD within the ``norm`` ball of ``radius`` around each example.
 
     Maximises the margin loss ``max_{j != y} f_j(x') - f_y(x')`` by the steps of
-    :func:`lipdp.adversarial.pgd_step` (normalised gradient for ``"l2"``, its sign for
+    :func:`lipdp.core.adversarial.pgd_step` (normalised gradient for ``"l2"``, its sign for
     ``"linf"``), projected onto ``||x' - x|| <= radius`` and, with ``clip_values=(lo,
     hi)``, onto the box (default: none; the certificates hold on the whole space). The
     first restart starts at ``x``, the others at a uniformly random point of the ball; the
@@ -213,7 +198,7 @@ def pgd_attack(
     steps = validation.count("steps", steps, minimum=1)
     restarts = validation.count("restarts", restarts, minimum=1)
     x = np.asarray(x, dtype=np.float32)
-    labels = _labels(y)
+    labels = class_indices(y)
     radius = np.broadcast_to(np.asarray(radius, dtype=np.float32), (len(x),))
     rng = tf.random.Generator.from_seed(seed)
 
@@ -277,7 +262,7 @@ def robust_accuracy(
     radii = np.atleast_1d(np.asarray(radii, dtype=np.float64))
     if np.any(radii < 0):
         raise ValueError("radii must be >= 0.")
-    labels = _labels(y)
+    labels = class_indices(y)
     result = []
     for r in radii:
         if r == 0:
@@ -299,7 +284,7 @@ def robustness_curves(
     "certified_linf": [...]}`` (PGD keys for the ``norms`` asked). ``certified``: ``True``
     for a lipdp (Lipschitz) model, ``False`` otherwise; default: whether the model has a
     bound pass (``bounds``). The ``linf`` certificate uses the ``l2`` ball of radius ``r
-    sqrt(d)`` that contains the ``linf`` ball (:func:`lipdp.adversarial.matching_l2_radius`).
+    sqrt(d)`` that contains the ``linf`` ball (:func:`lipdp.core.adversarial.matching_l2_radius`).
     """
     radii = [float(r) for r in np.atleast_1d(radii)]
     curves = {"radii": radii}
@@ -327,8 +312,6 @@ def robustness_curves(
 def plot_robustness_curves(curves: dict, ax=None, label: str | None = None):
     """Accuracy against radius, one line per entry of :func:`robustness_curves` (PGD
     solid, certified dashed). Returns the Axes."""
-    from lipdp.evaluation.calibration import new_figure
-
     if ax is None:
         ax = new_figure().add_subplot()
     prefix = f"{label}: " if label else ""
@@ -472,7 +455,6 @@ class CertifiableAUROC(ScaledAUC):
 
 __all__ = [
     "lipschitz_constant",
-    "predict_logits",
     "certified_radius",
     "certified_accuracy",
     "certified_accuracy_from_logits",

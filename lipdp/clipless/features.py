@@ -1,0 +1,60 @@
+"""Fixed features: run a weightless front-end once, train a head on its outputs.
+
+A front-end without weights (:class:`~lipdp.clipless.layers.DP_ScatteringTransform`, a per-example
+normalisation) maps each record to its features by a fixed function: no statistic of the
+data set enters it. Training a head on ``f(x_i)`` with neighbouring data sets differing in
+one record differs in one feature row, so the head's (epsilon, delta) is the guarantee
+for the records (post-processing does the rest). Recomputing the front-end at every epoch
+would give the same model at a much higher cost: :func:`fixed_features` computes it once
+and returns the public bound on the features' norm, the input bound of the head::
+
+    features, bound = fixed_features(zoo.scattering_net(meta)[:3], x_train)
+    head = DP_Sequential([DP_BoundedInput(features.shape[1:], bound), DP_Flatten(), ...])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from lipdp.clipless.bounds import bound_pass
+from lipdp.clipless.layers import DP_BoundedInput, DPLayer
+
+
+def front_end_bound(dp_layers) -> float:
+    """Public bound on the norm of the front-end's output: the output bound of the one
+    bound pass (:func:`lipdp.clipless.bounds.bound_pass`) from the
+    :class:`~lipdp.clipless.layers.DP_BoundedInput` that must open it."""
+    if not dp_layers or not isinstance(dp_layers[0], DP_BoundedInput):
+        raise ValueError(
+            "a front-end must start with DP_BoundedInput: the bound on its outputs starts "
+            "from the public bound on one input."
+        )
+    for layer in dp_layers:
+        if not isinstance(layer, DPLayer):
+            raise ValueError(f"{layer.name} is not a DP layer: its output norm is not bounded.")
+    return float(bound_pass(dp_layers).output_bound)
+
+
+def fixed_features(dp_layers, x, batch_size=256) -> tuple[np.ndarray, float]:
+    """``(features, bound)``: the weightless DP layers ``dp_layers`` applied to ``x``
+    (one pass, in batches) and the public bound on each feature row's norm.
+
+    Refuses a layer with variables: trained (or data-dependent) weights would make the
+    features depend on other records.
+    """
+    model = tf.keras.Sequential(list(dp_layers))
+    model.build((None, *np.shape(x)[1:]))
+    holding = [layer.name for layer in model.layers if layer.weights]
+    if holding:
+        raise ValueError(
+            f"fixed features need weightless layers; {holding} hold variables. Train them "
+            "in the model instead."
+        )
+    bound = front_end_bound(dp_layers)
+    compute = tf.function(model.call)
+    parts = [
+        compute(tf.constant(x[start : start + batch_size])).numpy()
+        for start in range(0, len(x), batch_size)
+    ]
+    return np.concatenate(parts).astype(np.float32), bound

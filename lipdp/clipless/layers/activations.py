@@ -1,0 +1,119 @@
+"""1-Lipschitz activations.
+
+Both map 0 to 0 and are 1-Lipschitz, hence ``X -> X`` and ``G -> G``
+(:class:`~lipdp.clipless.layers.base.NonExpansiveLayer`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import deel.lip.layers
+import numpy as np
+import tensorflow as tf
+
+from lipdp.clipless.layers.base import NonExpansiveLayer, register
+
+#: ``DP_GroupSort(2)`` runs as one XLA-compiled kernel (forward, and one backward) when an
+#: example has at least this many values; below, XLA's launch cost exceeds the gain
+#: (``benchmarks/groupsort_speed.py``, ``benchmarks/step_speed.py``).
+XLA_MIN_VALUES_PER_EXAMPLE = 1024
+
+
+def _swap_pairs(x):
+    """Exchange the two channels of every pair ``(2i, 2i + 1)`` of the last axis."""
+    channels = x.shape[-1]
+    pairs = tf.reshape(x, [-1, channels // 2, 2])
+    return tf.reshape(tf.reverse(pairs, axis=[-1]), tf.shape(x))
+
+
+@tf.autograph.experimental.do_not_convert  # plain TF ops: autograph would wrap custom_gradient
+@tf.custom_gradient
+def sort_pairs(x):
+    """Sort every pair of adjacent channels; the backward pass applies the same permutation.
+
+    With ``s = swap(x)``, the first channel of a pair takes its partner when ``x > s`` and
+    the second when ``x < s``: ``y = where(t, s, x)`` is an exact permutation of ``x``
+    (no arithmetic on the values). The custom gradient ``where(t, swap(g), g)`` applies
+    that permutation's transpose to the cotangent ``g``, so ``||dy/dx^T g|| = ||g||``
+    **everywhere, ties included** (a tie leaves the pair in place). Autodiff through
+    ``minimum``/``maximum`` (deel-lip's GroupSort) instead routes both cotangents of a tied
+    pair to its first channel: ``||(g1 + g2, 0)||`` reaches ``sqrt(2) ||g||``, which breaks
+    the gradient-norm preservation the sensitivity bounds rely on (rule S1). Ties are not
+    rare: zero background pixels give exactly tied zero pre-activations.
+    """
+    channels = x.shape[-1]
+    first = tf.constant(np.arange(channels) % 2 == 0)
+    swapped = _swap_pairs(x)
+    take_partner = tf.where(first, x > swapped, x < swapped)
+
+    def grad(g):
+        return tf.where(take_partner, _swap_pairs(g), g)
+
+    return tf.where(take_partner, swapped, x), grad
+
+
+# One trace (and one XLA compilation) per input shape: the channel count must be static.
+sort_pairs_xla = tf.function(sort_pairs, jit_compile=True)
+
+
+@register
+class DP_GroupSort(deel.lip.layers.GroupSort, NonExpansiveLayer):
+    """Sorts the channels (last axis) by groups of ``n`` (deel-lip's GroupSort).
+
+    A permutation of the coordinates inside each group: the output norm equals the input
+    norm, and the backward pass applies the transposed permutation to the cotangent, so
+    the layer is gradient-norm preserving. lipdp computes it itself rather than through
+    deel-lip's ``call``: for ``n = 2`` with :func:`sort_pairs` (exact permutation
+    gradient at ties, about 2-4x faster; XLA-compiled when ``jit_compile`` allows it),
+    otherwise with ``tf.sort``, whose gradient scatters the cotangent through the sort
+    indices (a permutation, ties included).
+
+    Args:
+        n: group size (``None``: sort all channels).
+        jit_compile: ``None`` (default) compiles ``n = 2`` with XLA when an example has at
+            least :data:`XLA_MIN_VALUES_PER_EXAMPLE` values; ``True``/``False`` force it.
+            Each new batch size compiles once (a few per run; more with Poisson
+            sampling, whose batch sizes vary).
+    """
+
+    def __init__(self, n=2, jit_compile=None, **kwargs):
+        if kwargs.pop("k_coef_lip", 1.0) != 1.0:
+            raise ValueError("DP_GroupSort is 1-Lipschitz by construction; k_coef_lip must be 1.")
+        if jit_compile not in (None, True, False):
+            raise ValueError(f"jit_compile must be None, True or False, got {jit_compile!r}.")
+        super().__init__(n=n, **kwargs)
+        self.jit_compile = jit_compile
+
+    def _use_xla(self, input_shape):
+        if self.jit_compile is not None:
+            return self.jit_compile
+        return math.prod(input_shape[1:]) >= XLA_MIN_VALUES_PER_EXAMPLE
+
+    def call(self, x):
+        if self.n == 2:
+            return sort_pairs_xla(x) if self._use_xla(x.shape) else sort_pairs(x)
+        groups = tf.reshape(x, self.flat_shape)
+        return tf.reshape(tf.sort(groups, axis=-1), tf.shape(x))
+
+    def get_config(self):
+        return {**super().get_config(), "jit_compile": self.jit_compile}
+
+
+@register
+class DP_ReLU(tf.keras.layers.ReLU, NonExpansiveLayer):
+    """ReLU, optionally leaky (``|negative_slope| <= 1``) or capped (``max_value``).
+
+    With threshold 0 and ``|negative_slope| <= 1`` each coordinate satisfies
+    ``|f(a) - f(b)| <= |a - b|`` and ``f(0) = 0``. A non-zero threshold breaks
+    ``|f(a)| <= |a|`` and is refused.
+    """
+
+    def __init__(self, max_value=None, negative_slope=0.0, threshold=0.0, **kwargs):
+        if threshold != 0.0:
+            raise ValueError("DP_ReLU requires threshold=0 (otherwise ||f(x)|| <= ||x|| fails).")
+        if abs(negative_slope) > 1.0:
+            raise ValueError("DP_ReLU requires |negative_slope| <= 1 to stay 1-Lipschitz.")
+        if max_value is not None and max_value < 0:
+            raise ValueError("DP_ReLU requires max_value >= 0.")
+        super().__init__(max_value=max_value, negative_slope=negative_slope, **kwargs)

@@ -1,0 +1,109 @@
+"""Input layers: where the bound ``X_0`` on the input norm comes from."""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+from lipdp.clipless.layers.base import NonExpansiveLayer, register
+from lipdp.core import validation
+from lipdp.core.records import finite_rows, zero_rows
+
+logger = logging.getLogger(__name__)
+
+
+@register
+class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
+    """Clips each example to Euclidean norm ``upper_bound`` (the public ``X_0``).
+
+    Clipping ``x -> x * min(1, B / ||x||)`` is the projection onto a convex ball,
+    hence 1-Lipschitz; every output has norm at most ``B``. A DP model must start
+    with this layer (optionally preceded by :class:`DP_InputLayer`).
+
+    Rule S9: an example with a NaN or an infinity anywhere is replaced by zeros (norm 0,
+    inside the ball), so that its contribution stays within the bounds; ``tf.clip_by_norm``
+    alone would pass a NaN through and turn an infinity into NaN. (A finite example is
+    unchanged by this step; the map is no longer continuous at non-finite inputs, which
+    are not points of the input space.)
+
+    Args:
+        upper_bound: the bound ``B > 0`` on the norm of one example.
+        enforce_clipping: if False the input is not clipped and ``B`` becomes an
+            *assumption* about the data (logged as a warning): the guarantee then
+            holds only if every example really has norm at most ``B``.
+    """
+
+    def __init__(self, input_shape=None, upper_bound=None, enforce_clipping=True, **kwargs):
+        if upper_bound is None:
+            raise ValueError(
+                "DP_BoundedInput needs upper_bound > 0 (got None): it is the public bound on "
+                "the norm of one example."
+            )
+        upper_bound = validation.positive("DP_BoundedInput upper_bound", upper_bound)
+        if input_shape is not None:
+            kwargs["input_shape"] = tuple(input_shape)
+        super().__init__(**kwargs)
+        self.upper_bound = float(upper_bound)
+        self.enforce_clipping = bool(enforce_clipping)
+        if not self.enforce_clipping:
+            logger.warning(
+                "DP_BoundedInput(enforce_clipping=False): the privacy guarantee assumes every "
+                "example has norm <= %g; nothing enforces it.",
+                self.upper_bound,
+            )
+
+    def call(self, inputs):
+        inputs = zero_rows(finite_rows(inputs), inputs)  # also unclipped: NaN is never <= B
+        if not self.enforce_clipping:
+            return inputs
+        return clip_rows(inputs, self.upper_bound)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def propagate_inputs(self, input_bound):
+        if input_bound is None:
+            return self.upper_bound
+        return min(self.upper_bound, input_bound)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(upper_bound=self.upper_bound, enforce_clipping=self.enforce_clipping)
+        return config
+
+
+def clip_rows(inputs, bound):
+    """Each row ``x`` as ``x min(1, B / ||x||)``, without overflow for any finite row.
+
+    ``tf.clip_by_norm`` forms ``x B`` and ``sum x^2``, which overflow for entries near the
+    float32 limit (an entry of 3e38 gives ``inf / inf = NaN``). Here each row is divided by
+    its largest magnitude ``s`` first: with ``u = x / s`` (entries in [-1, 1], ``||u|| <=
+    sqrt(d)``) the output is ``u min(s, B / ||u||)``, the same function, whose norm
+    ``min(||x||, B)`` is computed from finite numbers only; a zero row stays zero.
+    """
+    axes = list(range(1, len(inputs.shape)))
+    scale = tf.reduce_max(tf.abs(inputs), axis=axes, keepdims=True)
+    unit = inputs / tf.where(scale > 0, scale, tf.ones_like(scale))
+    norm = tf.sqrt(tf.reduce_sum(tf.square(unit), axis=axes, keepdims=True))
+    safe_norm = tf.where(norm > 0, norm, tf.ones_like(norm))
+    return unit * tf.minimum(scale, tf.cast(bound, inputs.dtype) / safe_norm)
+
+
+@register
+class DP_InputLayer(tf.keras.layers.Layer, NonExpansiveLayer):
+    """Identity layer that only declares the input shape.
+
+    It gives no bound: a :class:`DP_BoundedInput` must follow it.
+    """
+
+    def __init__(self, input_shape=None, **kwargs):
+        if input_shape is not None:
+            kwargs["input_shape"] = tuple(input_shape)
+        super().__init__(**kwargs)
+
+    def call(self, inputs):
+        return inputs
+
+    def compute_output_shape(self, input_shape):
+        return input_shape

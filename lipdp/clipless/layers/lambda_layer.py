@@ -1,0 +1,58 @@
+"""A user function with *stated* Lipschitz constant and output bound."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from lipdp.clipless.layers.base import DPLayer, register
+from lipdp.core import validation
+
+
+@register
+class DP_Lambda(tf.keras.layers.Lambda, DPLayer):
+    """Wraps ``function``; the caller states the two facts the bounds need.
+
+    Args:
+        function: a parameter-free function of one example batch.
+        lipschitz_constant: ``l`` such that ``||f(x) - f(x')|| <= l ||x - x'||``
+            for each example (cotangent bound ``G -> l * G``).
+        output_gain, output_offset: ``||f(x)|| <= output_gain * ||x|| + output_offset``
+            (output bound). For a function with ``f(0) = 0``, ``output_gain = l`` and
+            ``output_offset = 0`` are valid.
+
+    Nothing can check these claims in general: an arbitrary function is never
+    assumed 1-Lipschitz, and the claims are the caller's responsibility.
+    """
+
+    def __init__(
+        self, function, lipschitz_constant=None, output_gain=None, output_offset=0.0, **kwargs
+    ):
+        if lipschitz_constant is None or output_gain is None:
+            raise ValueError(
+                "DP_Lambda needs lipschitz_constant= and output_gain= (and output_offset= if "
+                "f(0) != 0): an arbitrary function has no known bound."
+            )
+        lipschitz_constant = validation.non_negative(
+            "DP_Lambda lipschitz_constant", lipschitz_constant
+        )
+        output_gain = validation.non_negative("DP_Lambda output_gain", output_gain)
+        output_offset = validation.non_negative("DP_Lambda output_offset", output_offset)
+        super().__init__(function, **kwargs)
+        self.lipschitz_constant = lipschitz_constant
+        self.output_gain = output_gain
+        self.output_offset = output_offset
+
+    def propagate_inputs(self, input_bound):
+        return self.output_gain * input_bound + self.output_offset
+
+    def backpropagate_inputs(self, input_bound, gradient_bound):
+        return self.lipschitz_constant * gradient_bound
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            lipschitz_constant=self.lipschitz_constant,
+            output_gain=self.output_gain,
+            output_offset=self.output_offset,
+        )
+        return config

@@ -1,0 +1,124 @@
+"""Pooling layers with non-overlapping windows.
+
+L2-norm pooling replaces each window ``w`` by ``||x_w||``. We compute it as
+``sqrt(||x_w||^2 + eps) - sqrt(eps)``: the value at 0 is exactly 0 (so the output
+bound has no ``eps`` term), the value never exceeds ``||x_w||``, and the gradient
+``x_w / sqrt(||x_w||^2 + eps)`` has norm below 1 and is defined at 0. Windows do
+not overlap (strides == pool size), so summing over windows gives
+``||y|| <= ||x||`` and a Jacobian of norm at most 1: ``X -> X``, ``G -> G``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from lipdp.clipless.layers.base import NonExpansiveLayer, register
+from lipdp.core import validation
+
+_EPS = 1e-6
+
+
+def _smooth_norm(squared_norm, eps):
+    return tf.sqrt(squared_norm + eps) - math.sqrt(eps)
+
+
+def _check_disjoint_windows(name, pool_size, strides):
+    if strides is not None and tuple(strides) != tuple(pool_size):
+        raise ValueError(
+            f"{name} requires strides == pool_size (non-overlapping windows); overlapping "
+            f"windows count a pixel several times and break the 1-Lipschitz bound. Got "
+            f"pool_size={tuple(pool_size)}, strides={tuple(strides)}."
+        )
+
+
+@register
+class DP_ScaledL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
+    """L2-norm pooling over non-overlapping windows (module docstring).
+
+    ``padding="same"`` pads with zeros, which adds nothing to any window norm.
+    """
+
+    def __init__(self, pool_size=(2, 2), strides=None, padding="valid", eps=_EPS, **kwargs):
+        super().__init__(**kwargs)
+        self.pool_size = validation.int_pair("pool_size", pool_size)
+        _check_disjoint_windows(
+            type(self).__name__,
+            self.pool_size,
+            None if strides is None else validation.int_pair("strides", strides),
+        )
+        self.padding = validation.choice("padding", str(padding).lower(), ("valid", "same"))
+        self.eps = validation.positive("eps", eps)
+
+    def call(self, inputs):
+        squares = tf.square(inputs)
+        if self.padding == "same":
+            squares = tf.pad(squares, self._same_padding(inputs.shape))
+        area = self.pool_size[0] * self.pool_size[1]
+        # avg_pool over VALID windows times the area is the exact window sum.
+        sums = area * tf.nn.avg_pool2d(squares, self.pool_size, self.pool_size, "VALID")
+        return _smooth_norm(sums, self.eps)
+
+    def _same_padding(self, shape):
+        pads = [[0, 0]]
+        for size, pool in zip(shape[1:3], self.pool_size):
+            extra = (-size) % pool
+            pads.append([extra // 2, extra - extra // 2])
+        return pads + [[0, 0]]
+
+    def compute_output_shape(self, input_shape):
+        out = []
+        for size, pool in zip(input_shape[1:3], self.pool_size):
+            if size is None:
+                out.append(None)
+            else:
+                out.append(-(-size // pool) if self.padding == "same" else size // pool)
+        return tf.TensorShape([input_shape[0], *out, input_shape[3]])
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(pool_size=self.pool_size, padding=self.padding, eps=self.eps)
+        return config
+
+
+@register
+class DP_ScaledGlobalL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
+    """Per channel, the L2 norm over all positions: ``y_c = ||x_{:, :, c}||``.
+
+    The output norm equals the input norm (up to the ``eps`` smoothing, which only
+    lowers it): gradient-norm preserving.
+    """
+
+    def __init__(self, eps=_EPS, **kwargs):
+        super().__init__(**kwargs)
+        self.eps = validation.positive("eps", eps)
+
+    def call(self, inputs):
+        return _smooth_norm(tf.reduce_sum(tf.square(inputs), axis=[1, 2]), self.eps)
+
+    def compute_output_shape(self, input_shape):
+        return tf.TensorShape([input_shape[0], input_shape[-1]])
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(eps=self.eps)
+        return config
+
+
+@register
+class DP_MaxPool2D(tf.keras.layers.MaxPool2D, NonExpansiveLayer):
+    """Max pooling over non-overlapping windows.
+
+    ``|max(x_w)| <= max_i |x_i| <= ||x_w||`` and the max is 1-Lipschitz for the
+    infinity norm, hence for the Euclidean norm; disjoint windows sum up to
+    ``||y|| <= ||x||``.
+    """
+
+    def __init__(self, pool_size=(2, 2), strides=None, padding="valid", **kwargs):
+        _check_disjoint_windows(
+            type(self).__name__,
+            validation.int_pair("pool_size", pool_size),
+            None if strides is None else validation.int_pair("strides", strides),
+        )
+        super().__init__(pool_size=pool_size, strides=None, padding=padding, **kwargs)

@@ -1,0 +1,69 @@
+"""Which Keras layers clipped DP-SGD trains, checked over every nested layer (rule S13).
+
+Per-example clipping (:mod:`lipdp.clipped.per_example`) trains any layer whose forward pass
+treats each example on its own and whose variables change only through the released
+gradient: ghost norms for ``Dense``, ``Conv2D`` and ``Embedding`` (inside nested
+``Sequential`` and chain-shaped functional models too), the vectorised per-example
+fallback for every other layer with weights (``docs/keras_layers.md`` lists what was
+tried). :func:`check_layer_support` refuses, when the model is built, what it
+cannot train soundly, walking nested models and wrappers and naming the path to the
+layer (``'backbone/lstm_1'``):
+
+* a **stateful** recurrent layer: its state carries one batch's rows into the next
+  step, so an example's influence does not end with its own clipped gradient;
+* an **activity regulariser** (``activity_regularizer=...`` or ``ActivityRegularization``):
+  a loss computed from the activations, outside the clipped per-example losses (weight
+  regularisers are supported: a penalty of the weights alone is added to the released
+  gradient, :meth:`lipdp.core.private_model.PrivateModel.penalty_gradients`);
+* ``SpectralNormalization``: it rewrites its wrapped kernel in every training call, an
+  assignment the per-example fallback would repeat once per row.
+
+What only a forward pass reveals is refused when the training step is first traced,
+before any step runs: a layer reading another layer's variable without tracking it
+(:func:`lipdp.clipped.per_example.refuse_untracked_reads`, ghost norms) and ``add_loss`` of a
+tensor computed in a call
+(:meth:`~lipdp.core.private_model.PrivateModel.refuse_data_dependent_losses`).
+Layers that couple the examples of a batch (batch normalisation) are refused by
+:func:`lipdp.clipped.model.check_keras_layers`.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from lipdp.core.layer_walk import nested_layers
+
+
+def _refusal(path, layer) -> str | None:
+    """Why ``layer`` cannot be trained with per-example clipping, or ``None``."""
+    kind = type(layer).__name__
+    if getattr(layer, "_stateful", False):  # its own flag (``stateful`` looks inside)
+        return (
+            f"Layer {path!r} ({kind}) is stateful: its state carries one batch's rows into "
+            "the next step, beyond their clipped gradients. Use stateful=False."
+        )
+    if getattr(layer, "activity_regularizer", None) is not None:
+        return (
+            f"Layer {path!r} ({kind}) has an activity regulariser: a loss computed from the "
+            "activations, outside the clipped per-example losses. Remove it (weight "
+            "regularisers are supported)."
+        )
+    if isinstance(layer, tf.keras.layers.SpectralNormalization):
+        return (
+            f"Layer {path!r} (SpectralNormalization) rewrites its kernel in every training "
+            "call, which per-example gradients would repeat per row. Use a kernel_constraint "
+            "or the clipless family (lipdp.clipless.layers.DP_SpectralDense, DP_SpectralConv2D)."
+        )
+    return None
+
+
+def check_layer_support(layers) -> None:
+    """Refuse, with one line naming the path and the fix, any nested layer that
+    per-example clipping cannot train soundly (module docstring)."""
+    for path, layer in nested_layers(layers):
+        reason = _refusal(path, layer)
+        if reason is not None:
+            raise ValueError(reason)
+
+
+__all__ = ["check_layer_support"]

@@ -1,0 +1,572 @@
+r"""Clipped DP-SGD in the same API: ordinary Keras layers, per-example gradient clipping.
+
+The second family of lipdp (issue 13). Everything around the step
+is shared with the clipless family: :class:`~lipdp.clipless.model.DPParameters`,
+:class:`~lipdp.core.metadata.DatasetMetadata`, Poisson sampling, the privacy plan (the same
+subsampled Gaussian per step), :class:`~lipdp.core.callbacks.DP_Accountant`,
+:func:`~lipdp.core.report.privacy_report`, ``.keras`` saving with the step count (rule S10)
+and the noise generator of :mod:`lipdp.core.noise`.
+
+**One step** (Abadi et al., CCS 2016), for a batch of rows ``i``:
+
+1. per-example gradient norms ``||g_i||`` of the per-example loss, per weighted layer
+   (:mod:`lipdp.clipped.per_example`: ghost norms for Dense, Conv2D and Embedding, a vectorised
+   per-example fallback for other layers, or the full Jacobian; the model must not couple
+   examples: batch normalisation at any depth is refused and a probe checks the rest,
+   rule S2, :mod:`lipdp.core.batch_independence`), carried in float64 from per-row
+   rescaled cotangents so that no finite record's norm underflows or overflows;
+2. clipping factor ``C_i`` from ``||g_i||`` (over all variables), e.g.
+   ``min(1, R / ||g_i||)``, or one per layer (:class:`Clipping` and its modes); rows with
+   a NaN or an infinity, in the data or in their gradient, rows holding a token id
+   outside the range of the layer reading it and rows whose class-index label is out of
+   range get ``C_i = 0`` (rule S9, :mod:`lipdp.core.records`);
+3. ``g = sum_i C_i g_i / b`` with ``b`` the loss normaliser of the metadata (the batch
+   size, or its expectation under Poisson sampling);
+4. Gaussian noise of standard deviation ``sigma * Delta`` on every coordinate, the
+   ``"global"`` rule of :mod:`lipdp.core.noise` with one sensitivity
+   ``Delta = R (1 + ROUNDOFF_SLACK) / b``: adding or removing one row changes the sum
+   by ``C_i g_i``, of norm at most ``R`` (the slack covers float32 round-off of the
+   clipped norm); or, with per-layer clipping and ``noisify_strategy="per-layer"``, one
+   Gaussian per layer of standard deviation ``sigma R_l (1 + ROUNDOFF_SLACK) / b``;
+5. the optimizer step.
+
+Optionally a sharpness-aware ascent comes before step 1 (:class:`SharpnessAscent`): BAM
+takes every row's gradient at its own ascent point (about 2x the cost of a step), DP-SAT
+at the point reached along the previous released gradient (two weight assignments).
+
+**Cost of a step.** Ghost norms need one forward pass, one backward pass to the
+layer outputs and a second, layer-local backward pass with the clipping factors (skipped
+where a layer's per-row gradients were cheaper to materialise): measured 1.4x a plain
+Keras step on a 50k-parameter CNN, 1.4-1.7x on a dense net, with memory of the order of
+the activations (``benchmarks/README.md``). The vectorised fallback and
+``gradient_method="jacobian"`` store ``b`` copies of the affected variables. A nested
+backbone that is a chain (``Sequential``, functional chain) is run layer by layer, so
+only its layers without a ghost rule take the fallback: on a 2-block CNN backbone with
+GroupNormalization (first block frozen, b = 256), the step is as fast as the same layers
+listed flat (0.98-1.05x) and 2.0-2.5x faster than the backbone on the fallback as one
+layer, the engine before (2.3x at b = 1024; ``benchmarks/nested_backbone_speed.py``).
+
+The accountant sees one subsampled Gaussian mechanism of multiplier ``sigma`` per step,
+exactly as for the clipless family.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from lipdp.clipped.layer_support import check_layer_support
+from lipdp.clipped.per_example import (
+    GRADIENT_METHODS,
+    Ascent,
+    per_example_gradients,
+    weighted_layers,
+)
+from lipdp.core import distribute, noise, validation
+from lipdp.core.adversarial import softmax_kl
+from lipdp.core.batch_independence import refuse_coupling_layers
+from lipdp.core.config import Config
+from lipdp.core.noise import ROUNDOFF_SLACK
+from lipdp.core.private_model import DPParameters, PrivateModel
+from lipdp.core.records import finite_rows, zero_rows
+
+#: Clipping modes (per-example factor rules, :class:`Clipping`).
+CLIPPING_MODES = ("flat", "per-layer", "automatic", "global")
+
+
+@dataclass(frozen=True)
+class Clipping(Config):
+    r"""How per-example gradients ``g_i`` are scaled, ``C_i g_i``, and why every scaled
+    gradient has norm at most ``R`` (the sensitivity of the sum):
+
+    * ``"flat"`` (Abadi et al. 2016): ``C_i = min(1, R / ||g_i||)``;
+      ``||C_i g_i|| = min(||g_i||, R) <= R``.
+    * ``"per-layer"`` (McMahan et al. 2018): each layer ``l`` with variables is clipped
+      to its own radius, ``C_il = min(1, R_l / ||g_il||)`` with ``R_l = R s_l /
+      ||s||`` for the ``layer_shares`` ``s`` (equal by default, ``R / sqrt(K)`` for ``K``
+      layers). The row's whole clipped gradient has norm
+      ``sqrt(sum_l min(||g_il||, R_l)^2) <= sqrt(sum_l R_l^2) = R``; with
+      ``noisify_strategy="per-layer"`` each layer is its own Gaussian mechanism of
+      sensitivity ``R_l``.
+    * ``"automatic"`` (Bu et al. 2022, normalisation): ``C_i = R / (||g_i|| + gamma)``;
+      ``||C_i g_i|| = R ||g_i|| / (||g_i|| + gamma) < R``.
+    * ``"global"`` (Bu et al. 2021, *On the convergence and calibration of deep learning
+      with differential privacy*, Appendix C.8): ``C_i = R / Z`` if ``||g_i|| <= Z``,
+      else ``0``; ``||C_i g_i|| <= (R / Z) Z = R``. Every kept gradient is scaled by the
+      same factor, which keeps the per-sample gradients' relative sizes (their
+      calibration argument); examples with gradients above ``Z`` are dropped from the step.
+      Choose ``Z`` above the typical per-example norm of *your* network at
+      initialisation: with ``Z`` below it most rows are dropped, the step is almost pure
+      noise and training collapses (Fashion-MNIST CNN: median norm 8 at initialisation,
+      ``Z = 5`` stayed at chance, ``Z = 20`` trained; ``benchmarks/README.md``).
+
+    Attributes:
+        mode: one of :data:`CLIPPING_MODES`.
+        clip_norm: ``R > 0``.
+        gamma: ``gamma > 0`` of ``"automatic"`` (0.01, as the paper).
+        threshold: ``Z > 0`` of ``"global"`` (required there, refused elsewhere).
+        layer_shares: positive relative radii of the weighted layers, forward order, for
+            ``"per-layer"`` (default: equal).
+    """
+
+    argument_name = "clipping"
+    optional = False
+
+    mode: str = "flat"
+    clip_norm: float = 1.0
+    gamma: float = 0.01
+    threshold: float | None = None
+    layer_shares: tuple | None = None
+
+    def __post_init__(self):
+        validation.choice("clipping mode", self.mode, CLIPPING_MODES)
+        self._set("clip_norm", validation.positive("clip_norm", self.clip_norm))
+        self._set("gamma", validation.positive("gamma", self.gamma))
+        if (self.mode == "global") != (self.threshold is not None):
+            raise ValueError(
+                "threshold=Z is required with mode='global' (examples whose gradient norm "
+                "exceeds Z are dropped) and only then."
+            )
+        if self.threshold is not None:
+            self._set("threshold", validation.positive("threshold", self.threshold))
+        if self.layer_shares is not None:
+            if self.mode != "per-layer":
+                raise ValueError("layer_shares applies to mode='per-layer' only.")
+            shares = tuple(validation.positive("layer share", s) for s in self.layer_shares)
+            self._set("layer_shares", shares)
+
+    def per_example_bound(self) -> float:
+        """Norm bound on one row's scaled gradient: ``R`` in every mode (class docstring)."""
+        return self.clip_norm
+
+    def layer_radii(self, layers: int) -> list[float]:
+        """``R_l`` of ``"per-layer"`` clipping for ``layers`` weighted layers."""
+        shares = self.layer_shares or (1.0,) * layers
+        if len(shares) != layers:
+            raise ValueError(
+                f"layer_shares has {len(shares)} entries but the model has {layers} layers "
+                "with trainable variables: give one share per such layer."
+            )
+        scale = self.clip_norm / math.sqrt(sum(s * s for s in shares))
+        return [s * scale for s in shares]
+
+    def layer_factors(self, sq_norms) -> list:
+        """``C_il`` for every weighted layer ``l`` from the rows' squared gradient norms
+        per layer (float64, :mod:`lipdp.clipped.per_example`: the sum over layers cannot
+        overflow): one factor from the total norm, or one per layer (``"per-layer"``)."""
+        if self.mode == "per-layer":
+            radii = self.layer_radii(len(sq_norms))
+            return [_capped(tf.sqrt(sq), r) for sq, r in zip(sq_norms, radii)]
+        return [self.factors(tf.sqrt(tf.add_n(list(sq_norms))))] * len(sq_norms)
+
+    def factors(self, norms):
+        """``C_i`` from the per-example gradient norms (class docstring; for
+        ``"per-layer"``, see :meth:`layer_factors`)."""
+        if self.mode == "per-layer":
+            raise ValueError("per-layer clipping has one factor per layer: layer_factors().")
+        r = tf.cast(self.clip_norm, norms.dtype)
+        if self.mode == "flat":
+            return _capped(norms, self.clip_norm)
+        if self.mode == "automatic":
+            return r / (norms + tf.cast(self.gamma, norms.dtype))
+        z = tf.cast(self.threshold, norms.dtype)
+        return tf.where(norms <= z, r / z, tf.zeros_like(norms))
+
+
+def _capped(norms, radius):
+    """``min(1, r / ||g||)``, 1 for a zero gradient."""
+    r = tf.cast(radius, norms.dtype)
+    return r / tf.maximum(norms, r)
+
+
+#: Ascent steps before the clipped gradient (:class:`SharpnessAscent`).
+ASCENT_MODES = ("bam", "dp-sat")
+
+
+@dataclass(frozen=True)
+class SharpnessAscent(Config):
+    r"""A sharpness-aware ascent step before the per-example gradients are taken.
+
+    * ``"bam"`` (Knolle et al., *Bias-Aware Minimisation*, Algorithm 2): row ``i``'s
+      gradient is taken at ``theta_i' = theta + lambda g_i / ||g_i||``, its own ascent
+      point (``g_i``: its gradient at ``theta``; no ascent for a zero gradient). Row ``i``'s
+      released contribution depends on row ``i`` alone and is clipped as in DP-SGD: same
+      sensitivity, same privacy. Cost: a second forward and backward pass (about 2x a
+      DP-SGD step); the ascent is exact for Dense, Conv2D and Embedding through their
+      ghost records (``W + s_i A_i^T G_i`` applied as ``A'_i W + s_i A'_i A_i^T G_i``), and
+      by running the layer on materialised row-wise weights for other layers.
+    * ``"dp-sat"`` (Park et al., *Differentially Private Sharpness-Aware Training*, 2023):
+      every row's gradient at ``theta + rho u / ||u||`` with ``u`` the previous step's
+      *released* noisy gradient (post-processing: no privacy cost; no ascent at the first
+      step). Cost: two weight assignments per step.
+
+    Attributes:
+        mode: one of :data:`ASCENT_MODES`.
+        radius: ``lambda`` (BAM) or ``rho`` (DP-SAT), ``> 0``.
+    """
+
+    argument_name = "ascent"
+
+    mode: str
+    radius: float
+
+    def __post_init__(self):
+        validation.choice("ascent mode", self.mode, ASCENT_MODES)
+        self._set("radius", validation.positive("ascent radius", self.radius))
+
+
+@dataclass(frozen=True)
+class ClippedGradientBound:
+    """The sensitivity entry of a clipped model: one bound for the whole gradient."""
+
+    key: str
+    bound: float
+    nm_coef: float = 1.0
+
+
+def _neutralised(model, x, y):
+    """``(x, y, finite, ids)`` with the rows holding a NaN or an infinity (``finite``
+    False) or a token id outside the range of the layer reading it (``ids`` False;
+    ``None`` when the model reads no ids: :meth:`PrivateModel.input_ids_in_range`)
+    zeroed -- finite, and id 0 for every reader -- so that the step runs on them; they
+    are masked with the clipping (rule S9). Rows whose class label is out of range need
+    the predictions' shape: their loss is 0 (:meth:`PrivateModel.per_example_losses`) and
+    they are masked with the clipping too."""
+    finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
+    ids = model.input_ids_in_range(x)  # on the record as given, before any zeroing
+    usable = finite if ids is None else finite & ids
+    x = tf.nest.map_structure(lambda t: zero_rows(usable, t), x)
+    y = zero_rows(usable, y) if y.dtype.is_floating else y
+    return x, y, finite, ids
+
+
+def _kept(finite, ids):
+    """The rows a step may count before its labels are read: finite, ids in range."""
+    return finite if ids is None else finite & ids
+
+
+def _refuse_replicas(what) -> None:
+    if distribute.replicas_in_sync() > 1:
+        raise ValueError(
+            f"{what} is not supported under a distribution strategy with several replicas: "
+            "train on one device or use SharpnessAscent(mode='bam')."
+        )
+
+
+def check_keras_layers(layers) -> None:
+    """Refuse what per-example clipping cannot handle, with the fix in the message."""
+    layers = list(layers)
+    if not layers:
+        raise ValueError("A DP-SGD model needs at least one layer.")
+    seen = set()
+    for layer in layers:
+        if not isinstance(layer, tf.keras.layers.Layer):
+            raise TypeError(f"{layer!r} is not a Keras layer.")
+        refuse_coupling_layers(layer)  # at any depth (rule S2)
+        if id(layer) in seen:
+            raise ValueError(f"Layer {layer.name!r} appears twice; use two layers.")
+        seen.add(id(layer))
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"Layer {layer.name!r} has an activity_regularizer: a loss term outside the "
+                "clipped per-example losses. Remove it."
+            )
+    check_layer_support(
+        layers
+    )  # every nested layer: stateful RNNs, ... (lipdp.clipped.layer_support)
+
+
+class DPSGD_Model(PrivateModel):
+    """A Keras model trained with clipped DP-SGD (module docstring).
+
+    Args:
+        layers: ordinary Keras layers, applied in order (give the first one an
+            ``input_shape``).
+        dp_parameters: :class:`~lipdp.clipless.model.DPParameters`. ``noisify_strategy="global"``:
+            one Gaussian mechanism on the whole clipped gradient; ``"per-layer"`` (with
+            per-layer clipping only): one per weighted layer, of sensitivity ``R_l``.
+        clipping: a :class:`Clipping` (or its config dict).
+        dataset_metadata: :class:`~lipdp.core.metadata.DatasetMetadata`, required for training.
+        gradient_method: ``"ghost"`` (default) or ``"jacobian"``, how per-example gradient
+            norms are computed (:mod:`lipdp.clipped.per_example`; the same numbers).
+        ascent: a :class:`SharpnessAscent` (BAM or DP-SAT), or ``None``.
+        debug: run eagerly and log every step's noise level.
+    """
+
+    def __init__(
+        self,
+        layers,
+        *,
+        dp_parameters,
+        clipping=Clipping(),
+        dataset_metadata=None,
+        gradient_method="ghost",
+        ascent=None,
+        debug=False,
+        **kwargs,
+    ):
+        self.clipping = Clipping.coerce(clipping)
+        self.gradient_method = validation.choice(
+            "gradient_method", gradient_method, GRADIENT_METHODS
+        )
+        self.ascent = SharpnessAscent.coerce(ascent)
+        if self.ascent is not None and self.ascent.mode == "bam" and gradient_method != "ghost":
+            raise ValueError("BAM's per-example ascent needs gradient_method='ghost'.")
+        if isinstance(dp_parameters, DPParameters):
+            if dp_parameters.noisify_strategy != "global" and self.clipping.mode != "per-layer":
+                raise ValueError(
+                    f"{self.clipping.mode!r} clipping bounds the whole gradient: use "
+                    "noisify_strategy='global' (per-layer noise needs per-layer clipping)."
+                )
+            if dp_parameters.dynamic_clipping is not None:
+                raise ValueError("dynamic_clipping applies to DP_ClipGradient layers only.")
+        super().__init__(
+            layers,
+            dp_parameters=dp_parameters,
+            dataset_metadata=dataset_metadata,
+            debug=debug,
+            **kwargs,
+        )
+
+    _check_layers = staticmethod(check_keras_layers)
+
+    def _check_adversarial(self, pgd) -> None:
+        if pgd.trades_beta is not None and self.gradient_method != "jacobian":
+            raise ValueError(
+                "TRADES couples two forward passes of each example (its KL term): it needs "
+                "DPSGD_Sequential(..., gradient_method='jacobian'); ghost norms cover losses "
+                "of one row."
+            )
+
+    def _refuse_loss_reads(self, read) -> None:
+        """A loss reading a weight itself: ghost norms refuse it, the Jacobian method clips
+        its gradient with each row (:func:`lipdp.clipped.per_example.refuse_loss_reads`, where
+        the per-example gradients are taken)."""
+
+    # ----------------------------------------------------------------- sensitivity
+    def weighted_layers(self) -> list:
+        """The layers with trainable variables, forward order (one clip radius each under
+        per-layer clipping)."""
+        if not self.built:
+            raise ValueError("Build the model (call it on data) before asking for its layers.")
+        return weighted_layers(self.dp_layers)
+
+    def _per_layer_noise(self) -> bool:
+        return self.dp_parameters.noisify_strategy == "per-layer"
+
+    def sensitivities(self):
+        """``[(ClippedGradientBound, Delta)]`` with ``Delta = bound (1 + ROUNDOFF_SLACK) /
+        b``: one entry of bound ``R`` for the whole gradient, or one per weighted layer of
+        bound ``R_l`` under per-layer noise."""
+        slack = (1.0 + ROUNDOFF_SLACK) / float(self.batch_size)
+        if self._per_layer_noise():
+            layers = self.weighted_layers()
+            radii = self.clipping.layer_radii(len(layers))
+            return [
+                (ClippedGradientBound(f"{layer.name} (per-layer clipping)", r), r * slack)
+                for layer, r in zip(layers, radii)
+            ]
+        bound = self.clipping.per_example_bound()
+        entry = ClippedGradientBound(f"all variables ({self.clipping.mode} clipping)", bound)
+        return [(entry, bound * slack)]
+
+    def noise_multipliers(self) -> list[float]:
+        params = self.dp_parameters
+        mechanisms = len(self.weighted_layers()) if self._per_layer_noise() else 1
+        return noise.noise_multipliers(
+            params.noisify_strategy, params.noise_multiplier, [1.0] * mechanisms
+        )
+
+    def noise_stddevs(self, sensitivities=None):
+        """``{variable ref: standard deviation}`` by the noise rule of :mod:`lipdp.core.noise`:
+        ``sigma R / b`` on every variable, or ``sigma R_l / b`` on layer ``l``'s (0 if
+        non-private)."""
+        entries = self.sensitivities() if sensitivities is None else sensitivities
+        params = self.dp_parameters
+        sigma = 0.0 if params.non_private else params.noise_multiplier
+        deltas = [d for _, d in entries]
+        stddevs = noise.noise_stddevs(params.noisify_strategy, sigma, deltas, [1.0] * len(deltas))
+        if not self._per_layer_noise():
+            return {v.ref(): stddevs[0] for v in self.trainable_variables}
+        return {
+            v.ref(): std
+            for layer, std in zip(self.weighted_layers(), stddevs)
+            for v in layer.trainable_variables
+        }
+
+    # -------------------------------------------------------------------- compile
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
+        self._create_ascent_state()
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def _create_ascent_state(self):
+        """DP-SAT keeps the previous released gradient (saved with the model)."""
+        if self.ascent is None or self.ascent.mode != "dp-sat":
+            return
+        if hasattr(self, "previous_noisy_gradient"):
+            return
+        if not self.built:
+            raise ValueError(
+                "DP-SAT keeps the previous noisy gradient: build the model before compile "
+                "(give the first layer an input_shape)."
+            )
+        self.previous_noisy_gradient = [
+            tf.Variable(tf.zeros_like(v), trainable=False, name="previous_noisy_gradient")
+            for v in self.trainable_variables
+        ]
+
+    # ----------------------------------------------------------------- training
+    def clipped_gradient_sum(self, x, y):
+        """``(sum_i C_i g_i, y_pred, kept)``: the clipped per-example gradients summed
+        (aligned with ``trainable_variables``) as the training step computes them (with the
+        adversarial rows, if any), the predictions and the rows not neutralised for their
+        input (finite, token ids in range: rule S9)."""
+        x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
+        x, y, finite, ids = _neutralised(self, x, y)
+        kept = _kept(finite, ids)
+        summed, y_pred = self._step_sum(x, y, kept)
+        return summed, y_pred, kept
+
+    def _step_sum(self, x, y, kept):
+        """The clipped sum of a training step on rows already neutralised (S9)."""
+        if self.adversarial is None:
+            return self._clipped_sum(x, y, kept)
+        return self._adversarial_clipped_sum(x, y, kept)
+
+    def _clipped_sum(self, x, y, kept, row_weights=None, losses=None):
+        """:meth:`clipped_gradient_sum` of rows already neutralised (S9), at DP-SAT's
+        ascent point if asked (arguments of :meth:`_clipped_sum_at`)."""
+
+        def compute():
+            return self._clipped_sum_at(x, y, kept, row_weights, losses)
+
+        if self.ascent is not None and self.ascent.mode == "dp-sat":
+            return self._at_dp_sat_point(compute)
+        return compute()
+
+    def _adversarial_clipped_sum(self, x, y, kept):
+        """The clipped sum of adversarial training (:mod:`lipdp.core.adversarial`): rows
+        replaced by their adversarial versions (``mix = 1``), clean and adversarial rows
+        clipped separately and weighted ``1 - mix`` and ``mix`` (``||.|| <= R``), or one
+        TRADES loss per example over both (clipped as one row). Returns ``(sum,
+        predictions on the adversarial rows)``."""
+        x_adv = self.adversarial_examples(x, y)
+        rows = tf.shape(kept)[0]
+        both = tf.concat([x, x_adv], 0)
+        beta = self.adversarial.trades_beta
+        if beta is not None:
+
+            def trades(y_pred):
+                clean, adversarial = y_pred[:rows], y_pred[rows:]
+                return self.per_example_losses(y, clean) + beta * softmax_kl(clean, adversarial)
+
+            summed, y_pred = self._clipped_sum(both, y, kept, losses=trades)
+            return summed, y_pred[rows:]
+        w = self.adversarial.mix
+        if w == 1.0:
+            return self._clipped_sum(x_adv, y, kept)
+        weights = tf.concat([tf.fill([rows], 1.0 - w), tf.fill([rows], w)], axis=0)
+        labels, keep = tf.concat([y, y], 0), tf.concat([kept, kept], 0)
+        summed, y_pred = self._clipped_sum(both, labels, keep, row_weights=weights)
+        return summed, y_pred[rows:]
+
+    def _clipped_sum_at(self, x, y, kept, row_weights=None, losses=None):
+        """``(sum_i w_i C_i g_i, y_pred)``; ``row_weights`` ``w_i`` (default 1);
+        ``losses(y_pred)``: the per-example losses (default: the compiled loss of each
+        row; TRADES pairs the rows of ``x``, jacobian method only)."""
+        if losses is None:
+
+            def losses(y_pred):
+                return self.per_example_losses(y, y_pred)
+
+        facts = per_example_gradients(self, x, losses, self.gradient_method)
+        self.refuse_data_dependent_losses()  # add_loss in a call, seen by the forward pass
+        y_pred = facts.y_pred
+        if self.ascent is not None and self.ascent.mode == "bam":
+            norms = tf.sqrt(tf.add_n(facts.sq_norms))
+            usable = kept & tf.math.is_finite(norms) & (norms > 0)
+            safe = tf.where(usable, norms, tf.ones_like(norms))
+            scales = tf.where(usable, self.ascent.radius / safe, tf.zeros_like(norms))
+            facts = per_example_gradients(self, x, losses, "ghost", Ascent(facts, scales))
+        factors = self.clipping.layer_factors(facts.sq_norms)
+        if row_weights is not None:
+            factors = [c * tf.cast(row_weights, c.dtype) for c in factors]
+        # Rows with an out-of-range label already have loss 0 (per_example_losses): their
+        # gradient is 0; masking them too keeps S9 independent of that.
+        labelled = self.class_labels_in_range(y, y_pred)
+        keep = kept & labelled & tf.math.is_finite(tf.add_n(facts.sq_norms))
+        sums = facts.clipped_sums(factors, keep)
+        summed = [
+            sums[v.ref()] if v.ref() in sums else tf.zeros_like(v) for v in self.trainable_variables
+        ]
+        return summed, y_pred
+
+    def _at_dp_sat_point(self, compute):
+        """``compute()`` with the weights at ``theta + rho u / ||u||`` (``u``: the previous
+        released gradient; ``theta`` itself when ``u = 0``), then ``theta`` restored
+        exactly (a saved copy, not a subtraction)."""
+        variables = self.trainable_variables
+        previous = self.previous_noisy_gradient
+        norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(u)) for u in previous]))
+        scale = tf.where(norm > 0, self.ascent.radius / tf.maximum(norm, 1e-30), 0.0)
+        saved = [tf.identity(v) for v in variables]
+        for v, u in zip(variables, previous):
+            v.assign_add(scale * u)
+        result = compute()
+        for v, value in zip(variables, saved):
+            v.assign(value)
+        return result
+
+    def train_step(self, data):
+        if self.ascent is not None and self.ascent.mode == "dp-sat":
+            _refuse_replicas("DP-SAT (it moves the weights inside the step)")
+        x, y, _ = self._checked_batch(data)
+        x, y, finite, ids = _neutralised(self, x, y)
+        summed, y_pred = self._step_sum(x, y, _kept(finite, ids))
+        labelled = self.class_labels_in_range(y, y_pred)
+        normalizer = float(self.dataset_metadata.loss_normalizer)
+        gradients = [s / normalizer for s in summed]
+        variables = self.trainable_variables
+        released = self.release_step(gradients, variables)
+        if self.ascent is not None and self.ascent.mode == "dp-sat":
+            for kept, value in zip(self.previous_noisy_gradient, released):
+                kept.assign(value)
+        # The training logs (not the step): a label out of range would make a sparse loss
+        # or metric fail, it is logged as class 0.
+        y_logged = zero_rows(labelled, y)
+        self.compute_loss(x, y_logged, y_pred)
+        logs = self.compute_metrics(x, y_logged, y_pred, None)
+        return {**logs, **self._count_neutralised(finite, labelled, ids)}
+
+    # ------------------------------------------------------------- serialisation
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "clipping": self.clipping.to_config(),
+            "gradient_method": self.gradient_method,
+            "ascent": None if self.ascent is None else self.ascent.to_config(),
+        }
+
+
+class DPSGD_Sequential(DPSGD_Model):
+    """``DPSGD_Sequential(layers, dp_parameters=..., clipping=Clipping(...),
+    dataset_metadata=...)``: a stack of Keras layers trained with clipped DP-SGD."""
+
+    _layers_key = "layers"
+
+
+tf.keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Model)
+tf.keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Sequential)
+
+__all__ = [
+    "ASCENT_MODES",
+    "CLIPPING_MODES",
+    "SharpnessAscent",
+    "ClippedGradientBound",
+    "Clipping",
+    "DPSGD_Model",
+    "DPSGD_Sequential",
+    "check_keras_layers",
+]

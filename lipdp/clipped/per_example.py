@@ -1,0 +1,890 @@
+r"""Per-example gradient norms and clipped gradient sums for a chain of Keras layers.
+
+Clipped DP-SGD (:mod:`lipdp.clipped.model`) needs, for every row ``i`` of a batch and every layer
+``l`` with trainable variables, the squared norm ``||g_il||^2`` of the row's gradient for
+that layer's variables; the clipping rule turns them into factors ``C_il``; the step
+releases ``sum_i C_il g_il`` per layer. Two methods compute the same numbers (tested
+against a naive loop of one ``GradientTape`` per row):
+
+``"jacobian"``
+    The Jacobian of the vector of per-row losses (``tape.jacobian``, vectorised with
+    ``pfor``): every per-example gradient is materialised, ``b x (number of
+    parameters)`` floats. The reference, and the method for any layer.
+
+``"ghost"`` (the default; "book-keeping" of Bu et al. 2023 with the ghost norms of
+Goodfellow 2015 and Li et al. 2022)
+    One forward pass records each weighted layer's input ``A`` and *pre-activation* output
+    ``Z``; one backward pass of ``sum_i loss_i`` gives the cotangents ``G = d sum/dZ``,
+    whose row ``i`` is ``d loss_i / dZ_i`` because no layer couples the rows (batch
+    normalisation is refused). Then, per row (``G`` below is the *unit* cotangent
+    ``G_i / s_i`` of the next section):
+
+    * ``Dense`` on ``(b, d)``: ``grad_W = a_i g_i^T`` so ``||grad_W||^2 = ||a_i||^2
+      ||g_i||^2``; bias ``||g_i||^2``.
+    * ``Dense`` on sequences ``(b, T, d)`` and ``Conv2D`` (``A_i``: the ``T`` positions'
+      input patches, ``k_h k_w c`` wide, from ``tf.image.extract_patches``): ``grad_W =
+      A_i^T G_i``, ``||grad_W||_F^2 = <A_i A_i^T, G_i G_i^T>`` (cost ``T^2 (d + p)`` per
+      row for ``d`` inputs and ``p`` outputs, float64 against cancellation) or the
+      materialised ``A_i^T G_i`` (cost ``T d p``), whichever is cheaper; bias
+      ``||sum_t G_it||^2``.
+    * ``Embedding``: ``grad_E = sum_t e_{id_t} G_it^T`` so ``||grad_E||^2 = sum_{t,s}
+      [id_t = id_s] <G_it, G_is>`` (float64).
+    * any other layer with variables (normalisations, depthwise and grouped convolutions,
+      recurrent layers, wrappers, nested models that are not a chain, subclasses of the
+      above): its per-example gradients from a vectorised map of the layer's own
+      vector-Jacobian product ``(a_i, g_i) -> grad`` (each row with its Keras mask);
+      materialised for that layer only (:func:`row_loop_layers` names the layers whose
+      ops ``pfor`` cannot vectorise: they run the same map as a loop).
+    * a nested model that is a chain -- a ``Sequential``, or a functional model whose
+      layers each take the previous layer's output alone, at any depth: how pretrained
+      backbones arrive -- is run layer by layer, each layer inside treated by the rules
+      above (a frozen one runs as is). Its parts' squared norms are summed into the
+      nested model's: clipping keeps one norm (one radius, one factor) per layer *of the
+      model*, ``sum_parts ||g_i,part||^2`` being the squared norm of the row's gradient
+      for all the nested model's variables. A layer inside that reads a variable of
+      another one (weight tying without tracking) makes the nested model run as one
+      layer instead. (A CNN backbone on the fallback as one layer took 2.0-2.5x the
+      step time: :mod:`lipdp.clipped.model`.)
+
+    The clipped sum of a ghost kernel is its vector-Jacobian product with the cotangents
+    ``C_il G_i`` (a layer-local second backward pass, rows dropped by the clipping zeroed
+    in both ``A`` and ``G``): no per-example gradient of those layers is materialised;
+    where the materialised branch was cheaper, its ``A_i^T G_i`` give the clipped sum
+    ``sum_i C_il A_i^T G_i`` directly and the second backward pass is skipped. Biases
+    are summed from their per-row gradients ``sum_t G_it`` (``b x p`` floats).
+
+**Scale: norms that cannot underflow or overflow** (rule S13). A finite record can put
+a row's quantities far from 1: with inputs of ``1e-19`` and a cotangent of ``1e19`` a
+Dense kernel's gradient has entries near 1, but its ghost norm ``||a_i||^2 ||g_i||^2``
+squares the inputs to ``1e-38``, which the CPU flushes to zero in float32: the norm read
+0 and the row was never clipped. Every per-row quantity is therefore carried as a scale
+times a unit part:
+
+* the row's cotangents are divided by ``s_i = max |G_i|`` (exact in float32; 1 for a zero
+  row): the unit cotangent ``U_i = G_i / s_i`` has entries in ``[-1, 1]``. Every
+  gradient is linear in the cotangent, so row ``i``'s gradient of each part (a ghost
+  kernel, a bias, a materialised or a fallback layer's variables) is ``s_i u_i`` with
+  ``u_i`` computed from ``A_i`` and ``U_i`` (the Jacobian method: ``s_i = 1``,
+  ``u_i`` the row's gradient);
+* ``||g_i||^2 = s_i^2 ||u_i||^2`` is formed in float64 (squares of float32 entries, Grams
+  in float64), summed over parts and layers and turned into factors in float64: its
+  range (``1e-308`` to ``1e308``) holds every such product for inputs and cotangents of
+  magnitude ``1e-30`` to ``1e30`` (and beyond), so a norm is never read as 0 or inf
+  because of its scale. The ghost norms are exact over that range, so is the fallback
+  wherever the layer's own float32 backward pass is for a unit cotangent (any linear
+  layer: convolutions, dense subclasses); the Jacobian method is exact where the row's
+  gradient is a normal float32 number (one that overflows float32 is inf: the row gets
+  factor 0; ``tests/clipped/test_extreme_records.py``);
+* the factor is applied as the float32 coefficient ``k_i = C_i s_i`` of the unit part:
+  the released contribution is ``k_i u_i`` (the cotangents ``k_i U_i`` of the
+  layer-local backward pass, or ``sum_i k_i u_i`` of materialised rows), whose entries
+  are those of the clipped gradient: ``C_i G_i`` is never formed in float32.
+
+**Why each released contribution has norm at most R.** The clipping rule gives factors
+with ``C_i ||g_i|| <= R`` in float64 arithmetic (:class:`lipdp.clipped.model.Clipping`), from
+``||g_i||^2 = sum_parts s_i^2 ||u_i||^2`` (per layer under per-layer clipping).
+``k_i = C_i s_i`` is rounded once to float32 (relative error ``<= 2^-24``) when it lies
+in float32's normal range ``[1.2e-38, 3.4e38]``; otherwise it is replaced by 0: that
+part contributes nothing, which is within any bound (below the range its contribution is
+under float32's smallest normal number anyway; a denormal coefficient would be rounded
+by up to 100%). A row whose
+squared norm is NaN or infinite (a non-finite input, activation or cotangent, or a
+gradient beyond float32 in the Jacobian method) gets factor 0 and its inputs and
+cotangents are zeroed. For materialised parts the released ``k_i u_i`` is computed from
+the very float32 tensor whose norm was measured, so ``||k_i u_i|| <= C_i ||g_i|| (1 +
+2^-24) <= R (1 + 2^-24)``. For ghost kernels ``k_i u_i`` is recomputed by the layer's
+float32 backward pass; it equals the measured ``u_i`` up to that pass's round-off over
+the ``T`` positions of the row (relative ``~T 2^-24`` times ``sum_t ||a_t|| ||g_t|| /
+||A_i^T G_i|| >= 1``, near 1 unless the positions cancel): the precondition, shared with
+every float32 gradient the library computes, is that this round-off stays within the
+slack. The sum over rows adds float32 round-off;
+both are what ``ROUNDOFF_SLACK`` (:mod:`lipdp.clipless.bounds`) covers.
+
+A variable shared by two layers would make a row's gradient the sum of two parts whose
+norms are computed separately; :func:`weighted_layers` refuses it, and the ghost method
+refuses a layer that reads, in its call, a trainable variable of another layer
+(:func:`refuse_untracked_reads`) and a per-example loss that reads a trainable variable
+of the model itself, e.g. a weight penalty written inside the loss
+(:func:`refuse_loss_reads`): the cotangents of the layers' outputs do not carry those
+uses. The Jacobian method differentiates every use: a penalty inside the loss is part of
+each row's gradient, clipped with it (sound, though it then scales with the number of
+rows sampled; a ``kernel_regularizer`` is added outside the clipped sum instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from lipdp.core import validation
+from lipdp.core.records import zero_rows
+
+#: How per-example gradients are obtained (module docstring).
+GRADIENT_METHODS = ("ghost", "jacobian")
+
+#: float32's normal range: a coefficient outside it is not applied (module docstring).
+_TINY, _HUGE = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+# ------------------------------------------------------------------------ structure
+def weighted_layers(layers) -> list:
+    """The layers with trainable variables, in order; a variable may belong to one only."""
+    result, owner = [], {}
+    for layer in layers:
+        variables = layer.trainable_variables
+        for v in variables:
+            if v.ref() in owner and owner[v.ref()] is not layer:
+                raise ValueError(
+                    f"Variable {v.name!r} is shared by layers {owner[v.ref()].name!r} and "
+                    f"{layer.name!r}: per-example norms would be computed per part. Use "
+                    "separate variables."
+                )
+            owner[v.ref()] = layer
+        if variables:
+            result.append(layer)
+    return result
+
+
+class _UntrackedRead(ValueError):
+    """A layer reads a trainable variable of another layer without tracking it (a plain
+    ValueError once out of :func:`_recorded_forward`: autograph re-raises only the
+    built-in exception classes as they are)."""
+
+
+def refuse_untracked_reads(layer, read, owners) -> None:
+    """Refuse ``layer`` if it read (``read``: the trainable variables a tape watched during
+    its call) a variable of another layer (``owners``: ``{variable ref: owning layer}``
+    of the model): ghost norms would drop that use's share of the gradient. (Inside a
+    nested chain model, the model is then run as one layer instead:
+    :func:`_recorded_forward`.)"""
+    own = {v.ref() for v in layer.trainable_variables}
+    for v in read:
+        owner = owners.get(v.ref())
+        if owner is not None and v.ref() not in own:
+            raise _UntrackedRead(
+                f"Layer {layer.name!r} reads variable {v.name!r} of layer {owner.name!r} "
+                "without tracking it: ghost norms would drop that use's gradient. Make one "
+                "layer own both uses, or use gradient_method='jacobian'."
+            )
+
+
+def refuse_loss_reads(read, owners) -> None:
+    """Refuse a per-example loss that read (``read``: the trainable variables a tape
+    watched while the losses were computed) a variable of the model (``owners``), e.g. a
+    weight penalty written inside the loss: ghost norms take each row's gradient from the
+    cotangents of the layers' outputs and would drop that path. (The Jacobian method
+    differentiates the row's whole loss: the penalty's gradient is part of each row's
+    clipped gradient.)"""
+    for v in read:
+        owner = owners.get(v.ref())
+        if owner is not None:
+            raise ValueError(
+                f"The loss reads variable {v.name!r} of layer {owner.name!r} directly: ghost "
+                "norms would drop that use's gradient. Penalise the weights with a "
+                "kernel_regularizer (added outside the clipped sum), or use "
+                "gradient_method='jacobian' (the penalty is then clipped with each row)."
+            )
+
+
+def _variable_owners(model) -> dict:
+    """``{variable ref: layer}`` for every trainable variable of the model, the layer
+    being the innermost one a ghost pass runs (nested chains expanded)."""
+    return {
+        v.ref(): leaf
+        for layer in model.layers_forward_order()
+        for leaf in _leaves(layer)
+        for v in leaf.trainable_variables
+    }
+
+
+def ghost_rule(layer) -> str:
+    """How the ghost method treats ``layer``: ``"dense"``, ``"conv2d"``, ``"embedding"``
+    or ``"vectorized"`` (exact classes only: a subclass may change ``call``)."""
+    layers = tf.keras.layers
+    kind = type(layer)
+    if kind is layers.Dense:
+        return "dense"
+    if kind is layers.Conv2D and layer.groups == 1 and layer.data_format == "channels_last":
+        return "conv2d"
+    if kind is layers.Embedding and not layer.mask_zero:
+        return "embedding"
+    return "vectorized"
+
+
+def _functional_chain(model) -> list | None:
+    """The layers of a functional model in call order if its graph is one chain (each
+    layer called once on the previous layer's output alone, no other argument, from the
+    one input to the one output), else ``None``."""
+    if len(model.inputs) != 1 or len(model.outputs) != 1:
+        return None
+    reader = {}  # id of a tensor -> the node that reads it
+    for nodes in model._nodes_by_depth.values():  # noqa: SLF001 - Keras 2's graph
+        for node in nodes:
+            if node.is_input:
+                continue
+            single = node._single_positional_tensor_passed  # noqa: SLF001
+            if not single or id(node.call_args[0]) in reader:
+                return None  # other arguments, or a tensor read twice: a branch
+            reader[id(node.call_args[0])] = node
+    chain, tensor = [], model.inputs[0]
+    while id(tensor) in reader:
+        node = reader.pop(id(tensor))
+        chain.append(node.layer)
+        tensor = node.outputs
+    return chain if not reader and tensor is model.outputs[0] else None
+
+
+def _chain_layers(layer) -> list | None:
+    """The layers of ``layer`` in call order if it is a nested model that only runs them
+    one after the other -- an exact ``tf.keras.Sequential``, or Keras' own functional
+    class whose graph is one chain (:func:`_functional_chain`) -- their trainable
+    variables are all of its own and no layer is met twice once every nested chain is
+    expanded; else ``None``: ``layer`` runs as one layer (branches, merges, several inputs
+    or outputs, subclassed models, wrappers). Exact classes: a subclass may change
+    ``call``."""
+    if type(layer) is tf.keras.Sequential:
+        chain = layer.layers
+    elif type(layer).__name__ == "Functional" and getattr(layer, "_is_graph_network", False):
+        chain = _functional_chain(layer)
+    else:
+        return None
+    if not chain:
+        return None
+    own = {v.ref() for v in layer.trainable_variables}
+    covered = {v.ref() for sub in chain for v in sub.trainable_variables}
+    leaves = [leaf for sub in chain for leaf in _leaves(sub)]
+    if own != covered or len({id(leaf) for leaf in leaves}) != len(leaves):
+        return None
+    return chain
+
+
+def _leaves(layer) -> list:
+    """``layer`` with every nested chain model expanded into its layers, recursively."""
+    chain = _chain_layers(layer)
+    return [layer] if chain is None else [leaf for sub in chain for leaf in _leaves(sub)]
+
+
+def _needs_row_loop(layer) -> bool:
+    """Does ``layer`` (or a layer inside it) run ops that ``pfor`` cannot vectorise?
+    Keras' fused LSTM/GRU kernels (a TensorList inside a function: pfor fails while
+    converting their gradient) and grouped convolutions (TF 2.15's pfor converter of the
+    filter gradient returns wrong per-row values in a Jacobian, and the CPU has no kernel
+    for the per-row 3-D op it falls back to)."""
+    layers = tf.keras.layers
+    convolutions = (layers.Conv1D, layers.Conv2D, layers.Conv3D)  # and their transposes
+    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
+        if isinstance(sub, (layers.LSTM, layers.GRU)) and sub._could_use_gpu_kernel:  # noqa: SLF001
+            return True
+        if isinstance(sub, convolutions) and sub.groups > 1:
+            return True
+    return False
+
+
+def row_loop_layers(layers) -> list:
+    """The layers among ``layers`` whose per-example gradients are computed by a loop
+    over rows (``tf.map_fn``) rather than ``tf.vectorized_map``: same numbers, ``b``
+    sequential iterations (:func:`_needs_row_loop`)."""
+    return [layer for layer in layers if _needs_row_loop(layer)]
+
+
+def _dense_linear(layer, a):
+    z = tf.tensordot(a, layer.kernel, [[a.shape.rank - 1], [0]])
+    z.set_shape(a.shape[:-1].concatenate([layer.units]))
+    return z + layer.bias if layer.use_bias else z
+
+
+def _conv2d_linear(layer, a):
+    z = layer.convolution_op(a, layer.kernel)
+    return tf.nn.bias_add(z, layer.bias) if layer.use_bias else z
+
+
+def _embedding_linear(layer, a):
+    ids = a if a.dtype in (tf.int32, tf.int64) else tf.cast(a, tf.int32)
+    return tf.nn.embedding_lookup(layer.embeddings, ids)
+
+
+_LINEAR = {"dense": _dense_linear, "conv2d": _conv2d_linear, "embedding": _embedding_linear}
+
+
+def _kernel(layer):
+    """The variable of a ghost rule's linear map (its clipped sum is a layer-local VJP)."""
+    return layer.embeddings if ghost_rule(layer) == "embedding" else layer.kernel
+
+
+@dataclass
+class _Record:
+    """One weighted layer seen by a forward pass (nested chains expanded): its input,
+    its (pre-activation) output on the tape, the ghost rule, the layer of the model it
+    belongs to (``group``: itself, or the nested model holding it); after the backward
+    pass, the output cotangents ``G``, their per-row scales ``s`` and unit cotangents ``U
+    = G / s`` (module docstring), the parts that give the norms and the clipped sums and,
+    for the vectorised fallback and the materialised ghost branch, the per-row gradients
+    for the unit cotangents."""
+
+    layer: tf.keras.layers.Layer
+    inputs: tf.Tensor
+    outputs: tf.Tensor
+    rule: str
+    group: tf.keras.layers.Layer
+    cotangents: tf.Tensor | None = None
+    scales: tf.Tensor | None = None
+    unit: tf.Tensor | None = None
+    per_row: list | None = None
+    parts: list | None = None
+
+
+@dataclass
+class Ascent:
+    """A per-row step ``theta_i' = theta + s_i g_i`` (BAM's ascent, ``s_i = lambda /
+    ||g_i||``, float64 ``scales``): ``first`` holds the rows' gradients ``g_i`` at
+    ``theta`` (its records), and the second pass runs every weighted layer at its
+    row-wise shifted weights."""
+
+    first: PerExampleGradients
+    scales: tf.Tensor
+
+
+def _recorded_forward(model, x, records, ascent=None):
+    """The model's forward loop, with each weighted layer split into its linear part
+    (recorded) and its activation, and nested chain models run layer by layer
+    (:func:`_chain_layers`: the same calls as their own ``call``, so that each layer
+    inside gets its own rule); under an :class:`Ascent`, each weighted layer of row ``i``
+    runs at ``W + s_i grad_W loss_i`` (the gradient at ``theta``, held constant). Layers
+    run by their own call are watched: one that reads another layer's variable is
+    refused (:func:`refuse_untracked_reads`), unless both are inside one nested chain
+    model: that model then runs as one layer (its fallback differentiates every use)."""
+    owners = _variable_owners(model)
+
+    def watched_call(layer, h, kwargs):
+        with tf.GradientTape() as probe:  # records which trainable variables the call reads
+            out = layer(h, training=True, **kwargs)
+        refuse_untracked_reads(layer, probe.watched_variables(), owners)
+        return out
+
+    def apply(layer, h, kwargs, group=None):
+        if not layer.built:
+            layer(h, training=True, **kwargs)  # creates the variables read below
+        if not layer.trainable_variables:
+            return watched_call(layer, h, kwargs)
+        group = layer if group is None else group
+        # BAM's second pass: the first pass's record of this layer (same order), whose
+        # split into nested layers it follows.
+        first = ascent.first.records[len(records)] if ascent is not None else None
+        chain = _chain_layers(layer) if tf.is_tensor(h) else None
+        if chain is not None and (first is None or first.layer is not layer):
+            start = len(records)
+            try:
+                out = _as_model_input(layer, h)
+                for sub in chain:
+                    out = apply(sub, out, {}, group)
+                return out
+            except _UntrackedRead:  # between two of its layers: run it as one layer
+                del records[start:]
+        rule = ghost_rule(layer)
+        if rule == "vectorized" and first is None:
+            out = watched_call(layer, h, kwargs)
+            records.append(_Record(layer, h, out, rule, group))
+            return out
+        if rule == "vectorized":
+            out = _shifted_call(first, h, ascent.scales)
+            records.append(_Record(layer, h, out, rule, group))
+            return _masked_like_keras(layer, h, out)
+        z = _LINEAR[rule](layer, h)
+        if first is not None:
+            z = z + _SHIFT[rule](first, h, _float32_coefficients(ascent.scales))
+        records.append(_Record(layer, h, z, rule, group))
+        return _masked_like_keras(layer, h, z if rule == "embedding" else layer.activation(z))
+
+    try:
+        return model.forward(x, training=True, apply=apply)
+    except _UntrackedRead as error:
+        raise ValueError(str(error)) from None
+
+
+def _as_model_input(model, h):
+    """``h`` conformed to a graph model's ``Input`` (dtype, a trailing axis of size 1) as
+    its own call does first; a ``Sequential`` never built as a graph passes ``h`` on."""
+    if not model.inputs:
+        return h
+    return model._conform_to_reference_input(h, ref_input=model.inputs[0])  # noqa: SLF001
+
+
+def _masked_like_keras(layer, inputs, outputs):
+    """``outputs`` with the Keras mask ``layer.__call__`` would attach (masking layers
+    downstream, e.g. pooling after ``Embedding(mask_zero=True)``, read it)."""
+    mask = layer.compute_mask(inputs, getattr(inputs, "_keras_mask", None))
+    if mask is not None:
+        outputs._keras_mask = mask  # noqa: SLF001 - Keras 2's mask convention
+    return outputs
+
+
+# ---------------------------------------------------------------------------- scale
+def _scaled(scales, t):
+    """Row ``i`` of ``t`` times ``scales[i]``."""
+    shape = tf.concat([tf.shape(scales), tf.ones([tf.rank(t) - 1], tf.int32)], axis=0)
+    return tf.reshape(tf.cast(scales, t.dtype), shape) * t
+
+
+def _unit_rows(g):
+    """``(U, s)``: ``s_i = max |G_i|`` and ``U_i = G_i / s_i`` (``s_i = 1`` for a row of
+    zeros, of denormal numbers or with a NaN, so that ``1 / s_i`` is finite; a row with
+    an infinity gets NaN entries, hence a NaN norm: dropped). The maximum and minimum are
+    two reads; ``abs`` would write a copy of ``G``."""
+    flat = tf.reshape(g, tf.stack([tf.shape(g)[0], -1]))
+    s = tf.maximum(tf.reduce_max(flat, axis=1), -tf.reduce_min(flat, axis=1))
+    s = tf.where(s >= _TINY, s, tf.ones_like(s))  # its reciprocal is finite
+    return _scaled(1.0 / s, g), s
+
+
+def _float32_coefficients(values, keep=None):
+    """``values`` (float64, ``>= 0``) as float32 multipliers: rounded once where they are
+    in float32's normal range, 0 elsewhere (and where ``keep`` is False, or NaN): see the
+    module docstring for why this keeps every contribution within its bound."""
+    usable = (values >= _TINY) & (values <= _HUGE)
+    if keep is not None:
+        usable &= keep
+    return tf.cast(tf.where(usable, values, tf.zeros_like(values)), tf.float32)
+
+
+def _square_sums(per_row):
+    """``sum`` of squares of each row over several ``(b, ...)`` tensors, in float64."""
+    return tf.add_n(
+        [
+            tf.reduce_sum(tf.reshape(tf.square(tf.cast(t, tf.float64)), [tf.shape(t)[0], -1]), 1)
+            for t in per_row
+        ]
+    )
+
+
+@dataclass
+class _RowsPart:
+    """Variables whose per-row gradients are materialised: row ``i``'s gradient of
+    ``variables[j]`` is ``scales[i] * tensors[j][i]`` (``scales`` ``None``: 1)."""
+
+    variables: list
+    tensors: list
+    scales: tf.Tensor | None = None
+
+    def sq_norms(self):
+        sq = _square_sums(self.tensors)
+        return sq if self.scales is None else sq * tf.square(tf.cast(self.scales, tf.float64))
+
+    def clipped_sums(self, factors, keep) -> dict:
+        k = factors if self.scales is None else factors * tf.cast(self.scales, tf.float64)
+        k = _float32_coefficients(k, keep)
+        return {
+            v.ref(): tf.tensordot(k, zero_rows(keep, t), [[0], [0]])
+            for v, t in zip(self.variables, self.tensors)
+        }
+
+
+@dataclass
+class _GhostKernelPart:
+    """A ghost rule's kernel: row ``i``'s gradient is ``s_i`` times the gradient of the
+    linear map at ``A_i`` for the unit cotangent ``U_i``, of squared norm ``unit_sq[i]``
+    (float64); the clipped sum is the layer-local VJP with cotangents ``k_i U_i``."""
+
+    record: _Record
+    unit_sq: tf.Tensor
+
+    def sq_norms(self):
+        return self.unit_sq * tf.square(tf.cast(self.record.scales, tf.float64))
+
+    def clipped_sums(self, factors, keep) -> dict:
+        record = self.record
+        k = _float32_coefficients(factors * tf.cast(record.scales, tf.float64), keep)
+        cotangents = _scaled(k, zero_rows(keep, record.unit))
+        kernel = _kernel(record.layer)
+        return {kernel.ref(): _local_vjp(record, zero_rows(keep, record.inputs), cotangents)}
+
+
+# --------------------------------------------------------------------- ghost norms
+def _rows(t, width):
+    """``t`` as ``(rows, positions, width)``."""
+    return tf.reshape(t, [tf.shape(t)[0], -1, width])
+
+
+def _materialise(positions, d, p) -> bool:
+    """Cheaper to materialise ``A_i^T G_i`` (``T d p`` multiply-adds per row) than to go
+    through the ``T x T`` Grams (``T^2 (d + p)``)?"""
+    return positions is not None and positions * (d + p) >= d * p
+
+
+def _product_sq_norms(a, g):
+    """``||A_i^T G_i||_F^2`` per row for ``A: (b, T, d)``, ``G: (b, T, p)``, through the
+    ``T x T`` Grams (float64 against cancellation, and for the range: module docstring);
+    see :func:`_materialised_gradients` for the other branch."""
+    a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+    grams = tf.einsum("btd,bsd->bts", a, a) * tf.einsum("btp,bsp->bts", g, g)
+    return tf.reduce_sum(grams, axis=[1, 2])
+
+
+def _patches(layer, a):
+    """The input patch of every output position of a Conv2D, ``(b, T, k_h k_w c)``."""
+    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
+    patches = tf.image.extract_patches(
+        a,
+        sizes=[1, kh, kw, 1],
+        strides=[1, sh, sw, 1],
+        rates=[1, dh, dw, 1],
+        padding=layer.padding.upper(),
+    )
+    return _rows(patches, kh * kw * a.shape[-1])
+
+
+def _width(layer) -> int:
+    return layer.filters if ghost_rule(layer) == "conv2d" else layer.units
+
+
+def _materialised_gradients(record):
+    """Row-wise gradients ``[A_i^T U_i, sum_t U_it]`` of a Dense layer on sequences or
+    of a Conv2D layer for the unit cotangents, when materialising them is cheaper than the
+    Grams (:func:`_materialise`), else ``None``. Once paid for, they also give the clipped
+    sum (``sum_i k_i grad_i``, ``b d p`` multiply-adds) and BAM's shift, so the
+    layer-local backward pass is skipped."""
+    layer, a, g = record.layer, record.inputs, record.unit
+    if record.rule == "conv2d":
+        a, width = _patches(layer, a), layer.filters
+    elif record.rule == "dense" and a.shape.rank > 2:
+        a, width = _rows(a, a.shape[-1]), layer.units
+    else:
+        return None
+    if not _materialise(a.shape[1], a.shape[2], width):
+        return None
+    g = _rows(g, width)
+    kernel = tf.einsum("btd,btp->bdp", a, g)
+    grads = [tf.reshape(kernel, [-1, *layer.kernel.shape])]  # patches are (k_h, k_w, c)
+    return grads + [tf.reduce_sum(g, axis=1)] if layer.use_bias else grads
+
+
+def _dense_kernel_sq_norms(layer, a, g):
+    if a.shape.rank == 2:
+        a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+        return tf.reduce_sum(tf.square(a), axis=1) * tf.reduce_sum(tf.square(g), axis=1)
+    return _product_sq_norms(_rows(a, a.shape[-1]), _rows(g, layer.units))
+
+
+def _conv2d_kernel_sq_norms(layer, a, g):
+    return _product_sq_norms(_patches(layer, a), _rows(g, layer.filters))
+
+
+def _same_ids(a):
+    """``(b, T, T)``: positions ``t, s`` of a row hold the same id."""
+    ids = tf.reshape(tf.cast(a, tf.int64), [tf.shape(a)[0], -1])
+    return tf.equal(ids[:, :, None], ids[:, None, :])
+
+
+def _embedding_kernel_sq_norms(layer, a, g):
+    g = tf.cast(_rows(g, layer.output_dim), tf.float64)
+    inner = tf.einsum("btp,bsp->bts", g, g)
+    same = tf.where(_same_ids(a), inner, tf.zeros_like(inner))
+    return tf.reduce_sum(same, [1, 2])
+
+
+_KERNEL_SQ_NORMS = {
+    "dense": _dense_kernel_sq_norms,
+    "conv2d": _conv2d_kernel_sq_norms,
+    "embedding": _embedding_kernel_sq_norms,
+}
+
+
+def _ghost_parts(record) -> list:
+    """The parts of a ghost-rule layer: materialised rows where cheaper, else the ghost
+    kernel and the bias rows ``sum_t U_it``."""
+    layer = record.layer
+    materialised = _materialised_gradients(record)
+    if materialised is not None:
+        record.per_row = materialised
+        return [_RowsPart(layer.trainable_variables, materialised, record.scales)]
+    unit_sq = _KERNEL_SQ_NORMS[record.rule](layer, record.inputs, record.unit)
+    parts = [_GhostKernelPart(record, unit_sq)]
+    if record.rule != "embedding" and layer.use_bias:
+        bias_rows = tf.reduce_sum(_rows(record.unit, _width(layer)), axis=1)
+        parts.append(_RowsPart([layer.bias], [bias_rows], record.scales))
+    return parts
+
+
+# ------------------------------------------------------- row-wise shifted weights (BAM)
+def _ascent_row_scales(scales, record):
+    """BAM's ``lambda / ||g_i||`` times the record's cotangent scales ``s_i`` (its per-row
+    gradients are kept for the unit cotangents), as float32 coefficients."""
+    return _float32_coefficients(tf.cast(scales, tf.float64) * tf.cast(record.scales, tf.float64))
+
+
+def _product_shift(a_new, a, g, first):
+    """``A'_i (A_i^T G_i)`` per row: the linear part's response to the kernel gradient
+    (from the first pass's materialised gradients when it has them)."""
+    if first.per_row is not None:
+        kernel = _scaled(first.scales, tf.stop_gradient(first.per_row[0]))
+        return tf.einsum("btd,bdp->btp", a_new, tf.reshape(kernel, [-1, a.shape[2], g.shape[2]]))
+    return tf.einsum("bts,bsp->btp", tf.einsum("btd,bsd->bts", a_new, a), g)
+
+
+def _first_pass(first):
+    """A first-pass record's input and cotangent, held constant in the second pass."""
+    return tf.stop_gradient(first.inputs), tf.stop_gradient(first.cotangents)
+
+
+def _dense_shift(first, a_new, scales):
+    """``a'_i (s_i grad_W) + s_i grad_b`` of a Dense layer (``grad_W = A_i^T G_i``)."""
+    layer, (a, g) = first.layer, _first_pass(first)
+    if a.shape.rank == 2:
+        shift = tf.reduce_sum(a_new * a, axis=1, keepdims=True) * g
+        shift = shift + g if layer.use_bias else shift
+        return _scaled(scales, shift)
+    width = a.shape[-1]
+    shift = _product_shift(_rows(a_new, width), _rows(a, width), _rows(g, layer.units), first)
+    if layer.use_bias:
+        shift = shift + tf.reduce_sum(_rows(g, layer.units), axis=1, keepdims=True)
+    return _scaled(scales, tf.reshape(shift, tf.shape(g)))
+
+
+def _conv2d_shift(first, a_new, scales):
+    layer, (a, g) = first.layer, _first_pass(first)
+    g_rows = _rows(g, layer.filters)
+    shift = _product_shift(_patches(layer, a_new), _patches(layer, a), g_rows, first)
+    if layer.use_bias:
+        shift = shift + tf.reduce_sum(g_rows, axis=1, keepdims=True)
+    return _scaled(scales, tf.reshape(shift, tf.shape(g)))
+
+
+def _embedding_shift(first, a_new, scales):
+    """Position ``s`` of row ``i`` looks up ``E + s_i grad_E``: ``s_i sum_t [id_t = id_s]
+    G_it`` more (the ids are the data: the same in both passes)."""
+    layer, (a, g) = first.layer, _first_pass(first)
+    g_rows = _rows(g, layer.output_dim)
+    shift = tf.einsum("bst,btp->bsp", tf.cast(_same_ids(a), g.dtype), g_rows)
+    return _scaled(scales, tf.reshape(shift, tf.shape(g)))
+
+
+_SHIFT = {"dense": _dense_shift, "conv2d": _conv2d_shift, "embedding": _embedding_shift}
+
+
+def _variable_slots(layer) -> list:
+    """``(object, attribute)`` holding each trainable variable of ``layer`` (or of a
+    sub-layer), to run the layer on other weights."""
+    slots = {}
+    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
+        for name, value in vars(sub).items():
+            if isinstance(value, tf.Variable):
+                slots.setdefault(value.ref(), (sub, name))
+    missing = [v.name for v in layer.trainable_variables if v.ref() not in slots]
+    if missing:
+        raise ValueError(
+            f"Cannot run layer {layer.name!r} on row-wise weights: variables {missing} are "
+            "not held as layer attributes. Use per-example ascent only with layers that "
+            "store their variables as attributes (all built-in Keras layers do)."
+        )
+    return [slots[v.ref()] for v in layer.trainable_variables]
+
+
+@contextlib.contextmanager
+def _weights_replaced(slots, tensors):
+    """Within the block the layer reads ``tensors`` instead of its variables. Plain
+    ``object.__setattr__``: Keras' attribute tracking would reorder the layer's weights."""
+    saved = [getattr(owner, name) for owner, name in slots]
+    for (owner, name), tensor in zip(slots, tensors):
+        object.__setattr__(owner, name, tensor)
+    try:
+        yield
+    finally:
+        for (owner, name), variable in zip(slots, saved):
+            object.__setattr__(owner, name, variable)
+
+
+def _row_inputs(h, **per_row):
+    """The rows to map over: ``inputs`` (``h``), its Keras mask if it has one (the
+    layer's call reads it, as in the batch's forward pass) and ``per_row`` tensors."""
+    rows = {"inputs": h, **per_row}
+    mask = getattr(h, "_keras_mask", None)
+    if mask is not None:
+        rows["mask"] = mask
+    return rows
+
+
+def _one_row_call(layer, row):
+    """``layer`` on ``row["inputs"]`` as a batch of one, with its mask."""
+    a = row["inputs"][None]
+    if "mask" in row:
+        a._keras_mask = row["mask"][None]  # noqa: SLF001 - Keras 2's mask convention
+    return layer(a, training=True)[0]
+
+
+def _row_call(layer, slots, row, weights):
+    """``layer`` on one row with its variables replaced by ``weights``."""
+    with _weights_replaced(slots, weights):
+        return _one_row_call(layer, row)
+
+
+def _shifted_weights(layer, first_grads, scale):
+    return [v + scale * grad for v, grad in zip(layer.trainable_variables, first_grads)]
+
+
+def _map_rows(layer, one_row, rows, dtypes):
+    """``one_row`` over the rows of ``rows``: ``tf.vectorized_map``, or a loop over rows
+    (``tf.map_fn``) for the layers :func:`_needs_row_loop` names."""
+    if _needs_row_loop(layer):
+        return tf.map_fn(one_row, rows, fn_output_signature=dtypes)
+    return tf.vectorized_map(one_row, rows)
+
+
+def _shifted_call(first, h, scales):
+    """A vectorised-fallback layer on each row at ``W + s_i grad_i`` (materialised)."""
+    layer, slots = first.layer, _variable_slots(first.layer)
+    grads = [tf.stop_gradient(t) for t in first.per_row]
+
+    def one_row(row):
+        weights = _shifted_weights(layer, row["shifts"], row["scale"])
+        return _row_call(layer, slots, row, weights)
+
+    rows = _row_inputs(h, scale=_ascent_row_scales(scales, first), shifts=grads)
+    return _map_rows(layer, one_row, rows, tf.as_dtype(layer.compute_dtype))
+
+
+def _vectorized_gradients(record, first=None, scales=None):
+    """Per-row gradients of a fallback layer for the unit cotangents: a vectorised map of
+    the layer's own vector-Jacobian product on ``(a_i, u_i)``, at ``W`` or, after an
+    ascent, at ``W + s_i grad_i``."""
+    layer, variables = record.layer, record.layer.trainable_variables
+    slots = _variable_slots(layer) if first is not None else None
+
+    def one_row(row):
+        with tf.GradientTape() as tape:
+            if first is None:
+                out = _one_row_call(layer, row)
+                sources = variables
+            else:
+                sources = _shifted_weights(layer, row["shifts"], row["scale"])
+                tape.watch(sources)
+                out = _row_call(layer, slots, row, sources)
+        grads = tape.gradient(
+            out, sources, output_gradients=row["unit"], unconnected_gradients="zero"
+        )
+        return [tf.convert_to_tensor(grad) for grad in grads]
+
+    rows = _row_inputs(record.inputs, unit=record.unit)
+    if first is not None:
+        rows["scale"] = _ascent_row_scales(scales, first)
+        rows["shifts"] = [tf.stop_gradient(t) for t in first.per_row]
+    return _map_rows(layer, one_row, rows, [v.dtype for v in variables])
+
+
+def _local_vjp(record, inputs, cotangents):
+    """``sum_i`` of the rows' kernel gradients for cotangents ``G``: the layer's linear
+    part re-run on ``inputs`` (the forward op is pruned in graph mode) and differentiated.
+    A row-wise shift is constant in the weights, so this is also the gradient at the
+    shifted weights."""
+    kernel = _kernel(record.layer)
+    with tf.GradientTape() as tape:
+        z = _LINEAR[record.rule](record.layer, inputs)
+    grad = tape.gradient(z, kernel, output_gradients=cotangents, unconnected_gradients="zero")
+    return tf.convert_to_tensor(grad)  # embedding: IndexedSlices
+
+
+# ------------------------------------------------------------------------- results
+@dataclass
+class PerExampleGradients:
+    """The per-row facts of one batch, per weighted layer of the model (in forward order:
+    :func:`weighted_layers` of its layers; a nested model is one layer).
+
+    ``sq_norms[l]``: ``(b,)`` squared norms (float64) of each row's gradient for layer
+    ``l``'s variables (a nested chain model: the sum over the layers inside, ``records``).
+    ``y_pred``: the forward pass's predictions. :meth:`clipped_sums` returns ``{variable
+    ref: sum_i C_il g_il}`` for factors ``C_il``.
+    """
+
+    layers: list
+    sq_norms: list
+    y_pred: tf.Tensor
+    parts: list
+    records: list | None = None
+
+    def clipped_sums(self, factors, keep) -> dict:
+        """``factors[l]``: ``(b,)`` factors of layer ``l`` (float64); rows where ``keep``
+        is False contribute nothing (their inputs and cotangents are zeroed, rule S9)."""
+        sums = {}
+        for layer_parts, c in zip(self.parts, factors):
+            c = tf.where(keep, tf.cast(c, tf.float64), tf.zeros_like(c, tf.float64))
+            for part in layer_parts:
+                sums.update(part.clipped_sums(c, keep))
+        return sums
+
+
+def per_example_gradients(
+    model, x, per_example_losses, method="ghost", ascent=None
+) -> PerExampleGradients:
+    """The per-example squared norms of ``model`` (a chain of Keras layers run by
+    ``model.forward``) on ``x``; ``per_example_losses(y_pred)`` gives the ``(b,)`` losses.
+    ``ascent``: an :class:`Ascent` (ghost method only): the gradients of each row at its
+    own shifted weights."""
+    validation.choice("per-example gradient method", method, GRADIENT_METHODS)
+    if method == "jacobian":
+        if ascent is not None:
+            raise ValueError("A per-example ascent (BAM) needs gradient_method='ghost'.")
+        return _jacobian(model, x, per_example_losses)
+    records = []
+    with tf.GradientTape() as tape:
+        y_pred = _recorded_forward(model, x, records, ascent)
+        with tf.GradientTape() as probe:  # which trainable variables the loss reads
+            losses = per_example_losses(y_pred)
+        total = tf.reduce_sum(losses)
+    refuse_loss_reads(probe.watched_variables(), _variable_owners(model))
+    cotangents = tape.gradient(total, [r.outputs for r in records])
+    weighted_layers([r.layer for r in records])  # refuses shared variables
+    first = ascent.first.records if ascent is not None else [None] * len(records)
+    for record, g, before in zip(records, cotangents, first):
+        record.cotangents = tf.zeros_like(record.outputs) if g is None else g
+        record.unit, record.scales = _unit_rows(record.cotangents)
+        if record.rule == "vectorized":
+            scales = None if ascent is None else ascent.scales
+            record.per_row = _vectorized_gradients(record, before, scales)
+            parts = [_RowsPart(record.layer.trainable_variables, record.per_row, record.scales)]
+        else:
+            parts = _ghost_parts(record)
+        record.parts = parts
+    layers, parts = [], []  # per layer of the model: a nested chain's units together
+    for record in records:
+        if not layers or layers[-1] is not record.group:
+            layers.append(record.group)
+            parts.append([])
+        parts[-1].extend(record.parts)
+    sq_norms = [tf.add_n([p.sq_norms() for p in layer_parts]) for layer_parts in parts]
+    return PerExampleGradients(layers, sq_norms, y_pred, parts, records)
+
+
+def _jacobian(model, x, per_example_losses) -> PerExampleGradients:
+    layers = weighted_layers(model.layers_forward_order())
+    variables = [v for layer in layers for v in layer.trainable_variables]
+    vectorise = not row_loop_layers(layers)
+    with tf.GradientTape(persistent=not vectorise) as tape:  # a loop needs persistent
+        y_pred = model.forward(x, training=True)
+        losses = per_example_losses(y_pred)
+    jacobians = tape.jacobian(losses, variables, experimental_use_pfor=vectorise)
+    rows = tf.shape(losses)[0]
+    jacobians = [
+        tf.zeros(tf.concat([[rows], v.shape], 0), v.dtype) if j is None else j
+        for j, v in zip(jacobians, variables)
+    ]
+    parts, start = [], 0
+    for layer in layers:
+        count = len(layer.trainable_variables)
+        parts.append([_RowsPart(layer.trainable_variables, jacobians[start : start + count])])
+        start += count
+    sq_norms = [layer_parts[0].sq_norms() for layer_parts in parts]
+    return PerExampleGradients(layers, sq_norms, y_pred, parts)
+
+
+__all__ = [
+    "GRADIENT_METHODS",
+    "Ascent",
+    "PerExampleGradients",
+    "ghost_rule",
+    "per_example_gradients",
+    "refuse_loss_reads",
+    "refuse_untracked_reads",
+    "row_loop_layers",
+    "weighted_layers",
+]

@@ -1,0 +1,151 @@
+r"""Training under ``tf.distribute``: what a private step does when its batch is split.
+
+Under a strategy with ``R`` replicas in sync (``MirroredStrategy`` over devices,
+``MultiWorkerMirroredStrategy`` over processes), Keras runs the training step once per
+replica on that replica's part of the batch. A private step then does, on each replica
+``r`` with local rows ``B_r`` (``B = sum_r B_r`` the global batch):
+
+1. the local gradient ``g_r = grad sum_{i in B_r} loss_i / n`` with ``n`` the *global*
+   loss normaliser (``b``, or ``q N`` under Poisson sampling) -- not the local rows, not
+   Keras' ``1 / R`` loss scaling -- so that ``sum_r g_r`` is exactly the single-device
+   averaged gradient ``grad sum_{i in B} loss_i / n``, whose sensitivity
+   :mod:`lipdp.clipless.bounds` computes (``bound / n``: one example lives on one replica);
+2. the noise, drawn once per global step by the replica whose ``replica_id_in_sync_group``
+   is 0 and by no other (:func:`draws_noise`): ``g_0 + Z``, ``Z ~ N(0, s^2 I)``;
+3. the sum over replicas (:func:`sum_over_replicas`, an all-reduce), which every replica
+   receives identically: ``sum_r g_r + Z`` -- the released gradient, with exactly the
+   noise of one single-device step (no other term carries randomness). Adding noise on
+   every replica instead would give ``sqrt(R) s``; scaling it by ``1 / sqrt(R)`` would
+   need the replicas' streams to be independent (they are, by construction of
+   ``tf.random.Generator`` under a strategy, but one draw needs no such argument);
+4. the optimizer update of that identical sum, without a second aggregation
+   (:func:`apply_released`), then the step counter and the projections once, in
+   cross-replica context (:func:`once_per_step`): every copy of a weight receives the
+   same deterministic projection of the same value.
+
+Data. A record must sit on at most one replica per step, or its contribution counts
+twice. One process (``MirroredStrategy``): Keras splits each global batch of the one
+pipeline between the replicas -- a fixed batch of ``b`` into ``b / R`` rows each
+(:func:`check_replica_batches` refuses a ``b`` not divisible by ``R``), a Poisson batch
+into nearly equal parts. Several processes: each builds its own pipeline, whose
+shuffles and Poisson draws differ, so a record could appear on two workers in the same
+step; lipdp refuses that unless the data come from
+:func:`lipdp.data.sampling.distributed_poisson_batches`, which partitions the records
+between the replicas and Poisson-samples each part: since Poisson sampling keeps every
+record independently with probability ``q``, the union of independent Poisson samples
+of the parts *is* a Poisson sample of the whole data set with rate ``q`` -- the
+mechanism the accountant analyses.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def replica_context():
+    """The current replica context, or ``None`` in a cross-replica context (code called
+    inside ``strategy.scope()`` but outside ``strategy.run``)."""
+    return tf.distribute.get_replica_context()
+
+
+def replicas_in_sync() -> int:
+    """``R``: the replicas whose gradients are summed into one step (1 without a strategy)."""
+    return int(tf.distribute.get_strategy().num_replicas_in_sync)
+
+
+def draws_noise() -> bool:
+    """Whether the code being traced runs on the replica that draws the step's noise: the
+    replica of id 0 in its sync group (always true without a strategy, or in a
+    cross-replica context). Python, evaluated when the step is traced."""
+    context = replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return True
+    replica_id = tf.get_static_value(context.replica_id_in_sync_group)
+    if replica_id is None:
+        raise NotImplementedError(
+            f"{type(tf.distribute.get_strategy()).__name__} gives the replicas no static id, "
+            "so the noise cannot be drawn once per step: train with MirroredStrategy or "
+            "MultiWorkerMirroredStrategy."
+        )
+    return int(replica_id) == 0
+
+
+def sum_over_replicas(tensors) -> list:
+    """``sum_r t_r`` for every tensor, received identically by every replica (identity
+    with one replica)."""
+    tensors = list(tensors)
+    context = replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return tensors
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+
+
+def apply_released(optimizer, gradients, variables) -> None:
+    """Apply gradients that are already summed over the replicas (no second all-reduce)."""
+    pairs = list(zip(gradients, variables))
+    if isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
+        optimizer.apply_gradients(pairs, experimental_aggregate_gradients=False)
+    else:
+        optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
+
+
+def once_per_step(fn) -> None:
+    """Run ``fn()`` once per global step in cross-replica context, where assigning a
+    mirrored variable writes every copy (a plain call without a strategy)."""
+    context = replica_context()
+    if context is None:
+        fn()
+        return
+    context.merge_call(lambda _strategy: fn())
+
+
+def worker_count(strategy=None) -> int:
+    """Processes (workers) training in sync under ``strategy`` (default: the current one)."""
+    strategy = strategy or tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec()
+    jobs = spec.jobs if spec is not None else []
+    return sum(spec.num_tasks(job) for job in jobs if job in ("chief", "worker")) or 1
+
+
+_MIRRORED = {}
+
+
+def mirrored_strategy(devices) -> tf.distribute.MirroredStrategy:
+    """One ``MirroredStrategy`` per set of ``devices`` in this process, reused.
+
+    Why: TensorFlow 2.15 numbers the collective all-reduces of each new
+    ``MirroredStrategy`` from the same key, so a second strategy over the same devices in
+    one process fails on its first step with "Shape mismatch in the collective instance"
+    when its model differs (plain Keras models too). Reusing the strategy avoids it.
+    """
+    key = tuple(devices)
+    if key not in _MIRRORED:
+        _MIRRORED[key] = tf.distribute.MirroredStrategy(list(key))
+    return _MIRRORED[key]
+
+
+def check_replica_batches(rows_per_batch) -> None:
+    """A fixed batch of ``rows_per_batch`` rows must split evenly between the replicas:
+    every replica then checks that it holds ``rows_per_batch / R`` (rule S5)."""
+    replicas = replicas_in_sync()
+    if rows_per_batch % replicas:
+        raise ValueError(
+            f"The batch of {rows_per_batch} rows does not split evenly between {replicas} "
+            f"replicas: choose a batch size divisible by {replicas}."
+        )
+
+
+__all__ = [
+    "apply_released",
+    "check_replica_batches",
+    "draws_noise",
+    "mirrored_strategy",
+    "once_per_step",
+    "replica_context",
+    "replicas_in_sync",
+    "sum_over_replicas",
+    "worker_count",
+]

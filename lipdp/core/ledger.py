@@ -1,0 +1,379 @@
+r"""The privacy ledger: what a model has released, saved with its weights (rule S10).
+
+A model's ``epsilon`` is the composition of the mechanisms that were actually run on its
+training data -- not of the mechanisms its *current* configuration would run. Freezing
+layers (fewer per-layer Gaussians), another noise multiplier, another batch size or
+sampling rate, a reload: any of these changes the mechanism of the *next* steps, never
+the price of the past ones.
+
+**What is recorded.** One row per distinct mechanism, in order of first use, with the
+number of times it ran:
+
+* noisy gradient steps: a Poisson-subsampled Gaussian of multiplier ``sigma_eff`` (the
+  effective multiplier of the step's Gaussians, :func:`~lipdp.accounting.mechanisms.
+  effective_noise_multiplier`; 0 for a non-private step, whose ``epsilon`` is infinite)
+  and rate ``q = b / N``, with ``b``, ``N``, the sampling scheme and the number of
+  Gaussians for the report;
+* dynamic-clipping releases (:mod:`lipdp.clipless.dynamic`): a Laplace mechanism of cost
+  ``epsilon``, or a subsampled Gaussian count.
+
+A training step records the mechanism it was *traced with* -- the noise multipliers and
+the sampling rate baked into its graph -- in the graph itself, next to the step counter:
+what is recorded is what ran, whatever path called the step (``fit``,
+``train_on_batch``, a custom loop). Composition is commutative (Rényi DP curves add;
+privacy loss distributions convolve), so a mechanism that runs again after a change
+adds to its own row: the rows are the segments of the history up to their order, which
+no accountant needs.
+
+**Where it lives.** Two model variables (a ``float64`` table and an ``int64`` count per
+row), saved and restored with the weights in every format that carries the step count:
+``.keras`` files, ``save_weights`` checkpoints, ``BackupAndRestore``. Its state is the
+lineage of the weights it is saved with: ``model.set_weights(other.get_weights())`` or
+``load_weights`` copy the other model's ledger with its weights (copying weights layer
+by layer does not: use the model-level calls).
+
+**Capacity.** ``CAPACITY`` rows; the last three are overflow rows, one per kind. A new
+mechanism when the regular rows are full is merged into its kind's overflow row as a
+mechanism that dominates both (smallest noise multiplier, largest sampling rate,
+largest Laplace ``epsilon``): the privacy loss of a subsampled Gaussian grows as
+``sigma`` falls and as ``q`` rises, so the merged row over-states, never under-states,
+what ran.
+
+**Adaptive choices.** When a later mechanism is chosen after looking at earlier outputs
+(a user freezes layers or lowers the noise after evaluating the model), composing the
+mechanisms that ran is the standard accounting (Opacus and TensorFlow Privacy do the
+same). Strictly, such fully adaptive composition is covered by Rényi filters (Feldman &
+Zrnic, NeurIPS 2021) when the budget is fixed in advance (``DP_Accountant(
+epsilon_budget=...)``); without one, the reading is that of a privacy odometer, which
+costs slightly more in theory (Whitehouse et al., 2023).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian, dynamic_clipping_label
+from lipdp.accounting.plan import GRADIENT_STEPS as STEPS_LABEL
+from lipdp.accounting.tuning_cost import RandomSearch
+from lipdp.core.layer_walk import nested_layers
+
+logger = logging.getLogger(__name__)
+
+#: Rows of the ledger (the last ``len(KINDS)`` are overflow rows).
+CAPACITY = 64
+
+#: Columns of a row (``REPRODUCIBLE``: the step's noise came from a seeded generator).
+KIND, SCALE, RATE, BATCH, SAMPLES, POISSON, GAUSSIANS, MERGED, REPRODUCIBLE = range(9)
+WIDTH = 9
+
+#: Kinds of row (column ``KIND``; 0 is an empty row). ``SEARCH`` rows are not releases:
+#: they record that steps ran under a declared hyper-parameter search (``SCALE``: its
+#: mean number of runs, ``RATE``: its shape), whose cost every later epsilon includes.
+GRADIENT_STEPS, GAUSSIAN_RELEASE, LAPLACE_RELEASE, SEARCH = 1, 2, 3, 4
+KINDS = (GRADIENT_STEPS, GAUSSIAN_RELEASE, LAPLACE_RELEASE, SEARCH)
+
+#: The labels of the privacy plan's releases (lipdp.accounting.plan and lipdp.clipless.dynamic).
+LABELS = {
+    GRADIENT_STEPS: STEPS_LABEL,
+    GAUSSIAN_RELEASE: dynamic_clipping_label("quantiles"),
+    LAPLACE_RELEASE: dynamic_clipping_label("laplace"),
+    SEARCH: "declared hyper-parameter search",
+}
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One row: ``count`` runs of one mechanism.
+
+    Attributes:
+        label: what was released (a label of :data:`LABELS`).
+        mechanism: :class:`SubsampledGaussian` or :class:`Laplace`; ``None`` for
+            non-private steps (no noise: infinite ``epsilon``).
+        count: how many times it ran.
+        batch_size: ``b`` of the steps (0 for other releases).
+        nb_samples: ``N`` of the steps (0 for other releases).
+        sampling: ``"poisson"`` or ``"shuffle"`` (``""`` for other releases).
+        gaussians: Gaussian mechanisms in one step (per-layer noise: one per variable).
+        merged: an overflow row, dominating several mechanisms (module docstring).
+        reproducible: the noise came from a seeded generator
+            (:func:`lipdp.core.noise.use_reproducible_noise`): anyone with the seed can
+            regenerate it.
+        search: the :class:`~lipdp.accounting.tuning_cost.RandomSearch` of a search row.
+    """
+
+    label: str
+    mechanism: SubsampledGaussian | Laplace | None
+    count: int
+    batch_size: int = 0
+    nb_samples: int = 0
+    sampling: str = ""
+    gaussians: int = 1
+    merged: bool = False
+    reproducible: bool = False
+    search: RandomSearch | None = None
+
+    def describe(self) -> str:
+        if self.search is not None:
+            return f"{self.count} steps under a declared {self.search.describe()}"
+        what = "no noise (non-private)" if self.mechanism is None else self.mechanism.describe()
+        text = f"{self.count} x {self.label}: {what}"
+        if self.reproducible:
+            text += ", REPRODUCIBLE noise (seeded)"
+        if self.label == LABELS[GRADIENT_STEPS]:
+            text += f"; b = {self.batch_size}, N = {self.nb_samples}, {self.sampling} batches"
+            if self.gaussians > 1:
+                text += f", {self.gaussians} Gaussians per step"
+        if self.merged:
+            text += " (several mechanisms merged into one that dominates them)"
+        return text
+
+
+def step_row(
+    noise_multiplier, batch_size, nb_samples, poisson, gaussians, reproducible=False
+) -> np.ndarray:
+    """The row of one noisy gradient step (``noise_multiplier = 0``: non-private)."""
+    row = np.zeros(WIDTH)
+    row[[KIND, SCALE, RATE]] = GRADIENT_STEPS, noise_multiplier, batch_size / nb_samples
+    row[[BATCH, SAMPLES, POISSON, GAUSSIANS]] = batch_size, nb_samples, poisson, gaussians
+    row[REPRODUCIBLE] = reproducible
+    return row
+
+
+def search_row(search: RandomSearch) -> np.ndarray:
+    """The row recording one step run under a declared hyper-parameter search."""
+    row = np.zeros(WIDTH)
+    row[[KIND, SCALE, RATE]] = SEARCH, search.mean, search.shape
+    return row
+
+
+def release_row(mechanism) -> np.ndarray:
+    """The row of one dynamic-clipping release (a :class:`Laplace` or a
+    :class:`SubsampledGaussian` mechanism)."""
+    row = np.zeros(WIDTH)
+    if isinstance(mechanism, Laplace):
+        row[[KIND, SCALE]] = LAPLACE_RELEASE, mechanism.epsilon
+    else:
+        row[[KIND, SCALE, RATE]] = (
+            GAUSSIAN_RELEASE,
+            mechanism.noise_multiplier,
+            mechanism.sampling_rate,
+        )
+    row[GAUSSIANS] = 1
+    return row
+
+
+def _dominating(old, new, kind):
+    """A row that dominates ``old`` (an overflow row, maybe empty) and ``new``."""
+    # A Gaussian's sigma: smaller is worse; Laplace's epsilon, a search's mean: larger.
+    smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
+    # (A search's shape, in RATE: a larger eta costs more for the same mean.)
+    scale = (
+        tf.minimum(old[SCALE], new[SCALE])
+        if smaller_is_worse
+        else tf.maximum(old[SCALE], new[SCALE])
+    )
+    merged = tf.stack(
+        [
+            new[KIND],
+            scale,
+            tf.maximum(old[RATE], new[RATE]),
+            tf.maximum(old[BATCH], new[BATCH]),
+            tf.minimum(old[SAMPLES], new[SAMPLES]),
+            tf.minimum(old[POISSON], new[POISSON]),
+            tf.maximum(old[GAUSSIANS], new[GAUSSIANS]),
+            tf.constant(1.0, tf.float64),
+            tf.maximum(old[REPRODUCIBLE], new[REPRODUCIBLE]),
+        ]
+    )
+    return tf.where(tf.equal(old[KIND], 0.0), new, merged)
+
+
+class PrivacyLedger:
+    """A view of a model's ledger variables (module docstring)."""
+
+    def __init__(self, table: tf.Variable, counts: tf.Variable):
+        self.table = table
+        self.counts = counts
+
+    @staticmethod
+    def create_variables(name="privacy_ledger"):
+        """The two variables of an empty ledger (create them as model attributes, so that
+        they are saved with the weights)."""
+        table = tf.Variable(
+            tf.zeros([CAPACITY, WIDTH], tf.float64), trainable=False, name=f"{name}_table"
+        )
+        counts = tf.Variable(tf.zeros([CAPACITY], tf.int64), trainable=False, name=f"{name}_counts")
+        return table, counts
+
+    # ------------------------------------------------------------------ recording
+    def record(self, row, count=1):
+        """Add ``count`` runs of the mechanism ``row`` (:func:`step_row`,
+        :func:`release_row`): to its own row if it has one, else to the first empty
+        regular row, else merged into its kind's overflow row. Graph-safe (the training
+        step calls it once per step) and eager (the dynamic-clipping callbacks)."""
+        row = np.asarray(row, np.float64)
+        kind = int(row[KIND])
+        overflow = CAPACITY - len(KINDS) + KINDS.index(kind)
+        new = tf.constant(row)
+        table = tf.convert_to_tensor(self.table)
+        regular = table[: CAPACITY - len(KINDS)]
+        same = tf.reduce_all(tf.equal(regular, new[None]), axis=1)
+        empty = tf.equal(regular[:, KIND], 0.0)
+        # The first row holding this mechanism, else the first empty row.
+        score = 2 * tf.cast(same, tf.int32) + tf.cast(empty, tf.int32)
+        best = tf.argmax(score, output_type=tf.int32)
+        found = score[best] > 0
+        target = tf.where(found, best, overflow)
+        written = tf.where(found, new, _dominating(table[overflow], new, kind))
+        # Whole-variable assignments (mirrored variables under tf.distribute support
+        # them in cross-replica context, where the step count is updated too).
+        at_target = tf.one_hot(target, CAPACITY, on_value=True, off_value=False)
+        self.table.assign(tf.where(at_target[:, None], written[None], table))
+        return self.counts.assign_add(tf.cast(at_target, tf.int64) * count)
+
+    # -------------------------------------------------------------------- reading
+    def entries(self) -> list[LedgerEntry]:
+        """The rows that ran at least once, in order of first use (overflow rows last)."""
+        table, counts = self.table.numpy(), self.counts.numpy()
+        return [_entry(row, int(c)) for row, c in zip(table, counts) if c > 0]
+
+    def releases(self) -> list[LedgerEntry]:
+        """The entries that are releases (every row but the search rows)."""
+        return [entry for entry in self.entries() if entry.search is None]
+
+    def terms(self) -> tuple:
+        """``((mechanism, count), ...)`` for the accountants; ``None`` mechanisms (no
+        noise) are kept, the plan turns them into an infinite epsilon."""
+        merged = {}
+        for entry in self.releases():
+            merged[entry.mechanism] = merged.get(entry.mechanism, 0) + entry.count
+        return tuple(merged.items())
+
+    def counts_by_label(self) -> dict:
+        """``{label: total runs}`` of the releases (e.g. the gradient steps recorded)."""
+        totals = {}
+        for entry in self.releases():
+            totals[entry.label] = totals.get(entry.label, 0) + entry.count
+        return totals
+
+    def searches(self) -> tuple:
+        """The hyper-parameter searches some step ran under."""
+        return tuple(entry.search for entry in self.entries() if entry.search is not None)
+
+    def reproducible(self) -> bool:
+        """Some step drew its noise from a seeded generator."""
+        return any(entry.reproducible for entry in self.entries())
+
+    # ------------------------------------------------------------------ lineage
+    def snapshot(self) -> tuple:
+        """The rows and counts now (numpy), for :meth:`keep_at_least`."""
+        return self.table.numpy(), self.counts.numpy()
+
+    def keep_at_least(self, snapshot) -> None:
+        """Every row of ``snapshot`` counted at least as many times as there: after the
+        variables were overwritten by older ones (weights restored to an earlier epoch,
+        chosen after later epochs were released), nothing released is forgotten."""
+        table, counts = self.table.numpy(), self.counts.numpy()
+        for row, count in zip(*snapshot):
+            if count == 0:
+                continue
+            same = np.all(table == row, axis=1)
+            now = int(counts[same].sum()) if same.any() else 0
+            if count > now:
+                self.record(row, int(count - now))
+                table, counts = self.table.numpy(), self.counts.numpy()
+
+    def describe(self) -> list[str]:
+        return [entry.describe() for entry in self.entries()]
+
+
+def _entry(row, count) -> LedgerEntry:
+    kind = int(row[KIND])
+    if kind == SEARCH:
+        search = RandomSearch(float(row[SCALE]), float(row[RATE]))
+        return LedgerEntry(LABELS[kind], None, count, search=search, merged=bool(row[MERGED]))
+    if kind == LAPLACE_RELEASE:
+        mechanism = Laplace(float(row[SCALE]))
+    elif row[SCALE] == 0.0:
+        mechanism = None  # a non-private step
+    else:
+        mechanism = SubsampledGaussian(float(row[SCALE]), float(row[RATE]))
+    steps = kind == GRADIENT_STEPS
+    return LedgerEntry(
+        label=LABELS[kind],
+        mechanism=mechanism,
+        count=count,
+        batch_size=int(row[BATCH]) if steps else 0,
+        nb_samples=int(row[SAMPLES]) if steps else 0,
+        sampling=("poisson" if row[POISSON] else "shuffle") if steps else "",
+        gaussians=int(row[GAUSSIANS]),
+        merged=bool(row[MERGED]),
+        reproducible=bool(row[REPRODUCIBLE]),
+    )
+
+
+# ------------------------------------------------------------ layers and their ledger
+#: The ledger of the last private model that trained each layer (in this process; a
+#: layer saved on its own, ``layer.get_weights()``, does not carry it: save the model).
+_TRAINED_BY = weakref.WeakKeyDictionary()
+
+
+def tag_trained_layers(layers, ledger: PrivacyLedger) -> None:
+    """Record that ``ledger``'s model trains the layers of ``layers`` that have trainable
+    variables (at any depth)."""
+    for _, layer in nested_layers(layers):
+        if layer.trainable_variables:
+            _TRAINED_BY[layer] = ledger
+
+
+def ledgers_of(layers) -> dict:
+    """``{path: ledger}`` of the layers of ``layers`` (at any depth) that a private model
+    has trained in this process."""
+    found = {}
+    for path, layer in nested_layers(layers):
+        ledger = _TRAINED_BY.get(layer)
+        if ledger is not None:
+            found[path] = ledger
+    return found
+
+
+def inherited_ledger(layers) -> PrivacyLedger | None:
+    """The one ledger of the private model(s) that trained some of ``layers``, or
+    ``None``; layers trained under two different ledgers are refused (their releases
+    would have to be composed: train them in one model, or save and reload)."""
+    distinct = {}
+    for path, ledger in ledgers_of(layers).items():
+        distinct.setdefault(id(ledger.table), (path, ledger))
+    if len(distinct) > 1:
+        paths = ", ".join(repr(path) for path, _ in distinct.values())
+        raise ValueError(
+            f"Layers {paths} were trained privately by different models, each with its own "
+            "privacy ledger: a model built from them would under-report epsilon. Train them "
+            "in one model (or one after the other, building each model from the last)."
+        )
+    return next(iter(distinct.values()))[1] if distinct else None
+
+
+def is_non_private(terms) -> bool:
+    """Some recorded step had no noise."""
+    return any(mechanism is None and count > 0 for mechanism, count in terms)
+
+
+__all__ = [
+    "CAPACITY",
+    "LABELS",
+    "LedgerEntry",
+    "PrivacyLedger",
+    "inherited_ledger",
+    "is_non_private",
+    "ledgers_of",
+    "tag_trained_layers",
+    "release_row",
+    "search_row",
+    "step_row",
+]

@@ -1,0 +1,907 @@
+"""What both model families share: a Keras model trained privately.
+
+:class:`PrivateModel` holds the privacy parameters (:class:`DPParameters`), the dataset
+metadata (batch size ``b``, ``N``, sampling), the noisy-step counter and the privacy
+ledger saved with the weights (rule S10, :mod:`lipdp.core.ledger`), the one forward loop over
+the layers, the privacy plan built from the ledger and the model's noise multipliers
+(rule S11), the noise step (:mod:`lipdp.core.noise`), and the guards of
+``fit``, ``train_on_batch``, ``save``, ``set_weights`` and ``load_weights`` (rules S5, S9,
+S10, S12). A family says how its gradient is bounded:
+
+* :class:`lipdp.clipless.model.DP_Model` (clipless): sensitivities from the one bound pass of
+  :mod:`lipdp.clipless.bounds`, weights projected after every step;
+* :class:`lipdp.clipped.model.DPSGD_Model` (clipped DP-SGD): sensitivity = the clip norm.
+
+A family implements :meth:`PrivateModel.sensitivities`, :meth:`~PrivateModel.noise_multipliers`,
+:meth:`~PrivateModel.noise_stddevs` and ``train_step``, and may override the hooks
+``_check_layers``, ``_check_loss``, ``_all_layers``, ``_other_releases`` and ``project``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from lipdp.accounting.mechanisms import effective_noise_multiplier
+from lipdp.accounting.plan import PrivacyPlan
+from lipdp.core import batch_independence, distribute, ledger, noise
+from lipdp.core.adversarial import PGD, softmax_kl
+from lipdp.core.layer_walk import nested_layers
+from lipdp.core.ledger import PrivacyLedger, step_row
+from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.parameters import DPParameters
+from lipdp.core.records import ids_in_range, labels_in_range, neutralised_losses, read_ids
+
+logger = logging.getLogger(__name__)
+
+
+class PrivateModel(tf.keras.Model):
+    """A Keras model over a list of layers, trained under (epsilon, delta)-DP (module
+    docstring).
+
+    Args:
+        dp_layers: the layers, applied in order (checked by the family's ``_check_layers``).
+        dp_parameters: :class:`DPParameters`.
+        dataset_metadata: :class:`lipdp.core.metadata.DatasetMetadata` (the batch size
+            ``b`` and ``N``); required for training.
+        adversarial: a :class:`lipdp.core.adversarial.PGD` (or its config): train on each
+            row's adversarial version (or a mix), computed in the step from the current
+            weights; same sensitivity and privacy (:mod:`lipdp.core.adversarial`). ``None``
+            (default): clean training.
+        debug: run eagerly and log every step's sensitivities and noise levels.
+        independence_probe: run the batch-independence probe of
+            :mod:`lipdp.core.batch_independence` when the training step is first traced
+            (default). ``False`` skips it -- for a model you know treats each example on
+            its own -- and the privacy report says so; the structural walk and the
+            per-example loss check still run (rule S2).
+    """
+
+    _layers_key = "dp_layers"
+
+    @staticmethod
+    def _check_layers(layers) -> None:
+        """Refuse layers the family cannot bound (with the fix in the message)."""
+        raise NotImplementedError
+
+    def __init__(
+        self,
+        dp_layers,
+        *,
+        dp_parameters,
+        dataset_metadata=None,
+        adversarial=None,
+        debug=False,
+        independence_probe=True,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self._check_layers(dp_layers)
+        self.adversarial = adversarial
+        if not isinstance(dp_parameters, DPParameters):
+            raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
+        if dataset_metadata is not None and not isinstance(dataset_metadata, DatasetMetadata):
+            raise TypeError("dataset_metadata must be a lipdp.core.metadata.DatasetMetadata.")
+        self.dp_layers = list(dp_layers)
+        self.dp_parameters = dp_parameters
+        self.dataset_metadata = dataset_metadata
+        self.debug = bool(debug)
+        self.independence_probe = bool(independence_probe)
+        # The input specs the batch-independence probe has passed (reset by compile).
+        object.__setattr__(self, "_independence_probed", set())
+        # Training examples neutralised by rule S9, per epoch, in the training logs: with a
+        # NaN or an infinity (input or label), finite ones with a token id out of range
+        # and the others whose class label is out of range. Like the loss and the accuracy
+        # there, statistics of the private data for its owner, not part of the DP release.
+        # Kept out of Keras' metric list (object.__setattr__) so that evaluate() returns
+        # what it always did.
+        object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
+        object.__setattr__(self, "_invalid_inputs", tf.keras.metrics.Sum(name="invalid_inputs"))
+        object.__setattr__(self, "_invalid_labels", tf.keras.metrics.Sum(name="invalid_labels"))
+        #: Noisy steps taken (rule S10): a model variable, so it is saved and restored with
+        #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
+        #: and survives a new optimizer; the accountant counts epochs from it.
+        self.noisy_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noisy_steps")
+        #: What the steps released, mechanism by mechanism (rule S10, :mod:`lipdp.core.ledger`):
+        #: model variables too, saved wherever the step count is.
+        #: Layers another private model trained in this process bring its ledger: the
+        #: two models then share it (the lineage of those weights).
+        inherited = ledger.inherited_ledger(self.dp_layers)
+        if inherited is None:
+            table, counts = PrivacyLedger.create_variables()
+        else:
+            table, counts = inherited.table, inherited.counts
+        self.privacy_ledger_table, self.privacy_ledger_counts = table, counts
+        if dataset_metadata is not None:
+            if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
+                raise ValueError(
+                    "Augmentation multiplicity is not supported with Poisson sampling; "
+                    "use sampling='shuffle' or multiplicity=0."
+                )
+        input_shape = getattr(self.dp_layers[0], "_batch_input_shape", None)
+        if input_shape is not None:
+            self.build(input_shape)
+
+    # ----------------------------------------------------------------- structure
+    def call(self, inputs, training=None):
+        return self.forward(inputs, training=training)
+
+    @property
+    def adversarial(self) -> PGD | None:
+        """The adversarial training (:class:`lipdp.core.adversarial.PGD`) or ``None``; may be
+        set after construction (the next ``fit`` traces a new training step)."""
+        return self._adversarial
+
+    @adversarial.setter
+    def adversarial(self, value):
+        value = PGD.coerce(value)
+        if value is not None:
+            self._check_adversarial(value)
+        self._adversarial = value
+        self.train_function = None  # a step traced without (or with another) attack
+
+    def _check_adversarial(self, pgd) -> None:
+        """Refuse an attack the family cannot bound (hook; everything by default)."""
+
+    def forward(self, inputs, training=None, observe=None, apply=None, loss_weight=1.0):
+        """The one forward loop over ``dp_layers``.
+
+        Layers that clip cotangents receive the loss normaliser of the model's metadata
+        (:attr:`loss_normalizer`), divided by ``loss_weight`` when the pass's loss is
+        weighted (adversarial training's mix): its cotangents are then clipped at the
+        pass's share ``loss_weight * C`` of the clip value.
+
+        ``observe(index, output)``, if given, is called after
+        every layer and returns the tensor to continue with (e.g. after ``tape.watch``):
+        how diagnostics and dynamic clipping look inside the network without a second
+        copy of this loop. ``apply(layer, h, kwargs)``, if given, replaces the call
+        ``layer(h, training=training, **kwargs)`` (how :mod:`lipdp.clipped.per_example` records
+        each layer's pre-activation output).
+        """
+        h = inputs
+        normalizer = self.loss_normalizer
+        if loss_weight != 1.0:
+            rows = normalizer if normalizer is not None else tf.shape(tf.nest.flatten(h)[0])[0]
+            normalizer = tf.cast(rows, tf.float32) / loss_weight
+        normalizer = {"loss_normalizer": normalizer}
+        for index, layer in enumerate(self.dp_layers):
+            kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
+            if apply is None:
+                h = layer(h, training=training, **kwargs)
+            else:
+                h = apply(layer, h, kwargs)
+            if observe is not None:
+                h = observe(index, h)
+        return h
+
+    def layers_forward_order(self):
+        return list(self.dp_layers)
+
+    def layers_backward_order(self):
+        return list(reversed(self.dp_layers))
+
+    @property
+    def batch_size(self) -> int:
+        """``b``: the sensitivities of the averaged gradient are ``bound / b``."""
+        return int(self._metadata_for("training").batch_size)
+
+    @property
+    def loss_normalizer(self) -> int | None:
+        """What the summed per-row loss of a batch is divided by (``None``: the rows of
+        the batch, for a model without metadata)."""
+        metadata = self.dataset_metadata
+        return None if metadata is None else metadata.loss_normalizer
+
+    def _metadata_for(self, purpose) -> DatasetMetadata:
+        if self.dataset_metadata is None:
+            raise ValueError(
+                f"{type(self).__name__} needs dataset_metadata=DatasetMetadata(...) for "
+                f"{purpose}: the sensitivity depends on the batch size, the privacy "
+                "accounting on the sampling rate b/N and the steps per epoch."
+            )
+        return self.dataset_metadata
+
+    def _all_layers(self):
+        """Every layer whose dtype matters (wrapped blocks included)."""
+        return list(self.dp_layers)
+
+    # ---------------------------------------------------------------- compile
+    def _check_loss(self, loss) -> None:
+        """Refuse a loss whose per-example gradient the family cannot bound."""
+        if loss is None:
+            raise ValueError("compile(loss=...) is required.")
+        check_reduction(loss)
+
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
+        self._check_loss(loss)
+        _refuse_mixed_precision(self._all_layers())
+        # Layers frozen at construction may have been unfrozen since (rule S2).
+        batch_independence.refuse_coupling_layers(self.dp_layers)
+        self._independence_probed.clear()  # another loss: probed again
+        if kwargs.get("loss_weights") is not None:
+            raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
+        if self.debug:
+            kwargs["run_eagerly"] = True
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    # ------------------------------------------------------------- sensitivity
+    def sensitivities(self):
+        """``[(entry, Delta)]``: sensitivity ``Delta`` of each noised part of the averaged
+        gradient; ``entry.key`` names it, ``entry.bound`` is one example's bound."""
+        raise NotImplementedError
+
+    def noise_multipliers(self) -> list[float]:
+        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant
+        (:func:`lipdp.core.noise.noise_multipliers`)."""
+        raise NotImplementedError
+
+    def noise_stddevs(self, sensitivities=None):
+        """``{variable ref: standard deviation of its noise}`` (0 for a non-private
+        model); ``sensitivities``: the result of :meth:`sensitivities` if computed."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- privacy
+    def privacy_plan(self) -> PrivacyPlan:
+        """Every mechanism a training run of this model releases (rule S11): the noisy
+        steps (noise multipliers of :meth:`noise_multipliers`, sampling rate and steps per
+        epoch of the metadata) and the family's other releases (:meth:`_other_releases`)."""
+        metadata = self._metadata_for("privacy accounting")
+        params = self.dp_parameters
+        return PrivacyPlan.for_training(
+            ledger=self.privacy_ledger,
+            steps_done=int(self.noisy_steps.numpy()),
+            noise_multipliers=self.noise_multipliers() if not params.non_private else 1.0,
+            sampling_rate=metadata.sampling_rate,
+            steps_per_epoch=metadata.nb_steps_per_epochs,
+            delta=params.delta,
+            other_releases=self._other_releases(metadata),
+            non_private=params.non_private,
+            noise_multiplier=params.noise_multiplier if not params.non_private else None,
+            search=params.hyperparameter_search,
+        )
+
+    def _other_releases(self, metadata) -> tuple:
+        """Releases besides the noisy steps (none by default)."""
+        return ()
+
+    @property
+    def privacy_ledger(self) -> PrivacyLedger:
+        """What this model has released so far (:mod:`lipdp.core.ledger`): its epsilon is the
+        composition of these mechanisms, whatever its configuration is now."""
+        return PrivacyLedger(self.privacy_ledger_table, self.privacy_ledger_counts)
+
+    def _step_row(self):
+        """The ledger row of one step of the current configuration: the effective noise
+        multiplier of its Gaussians (0 without noise), ``b``, ``N``, the sampling."""
+        metadata = self._metadata_for("training")
+        if self.dp_parameters.non_private:
+            sigma, gaussians = 0.0, 1
+        else:
+            sigmas = self.noise_multipliers()
+            sigma, gaussians = effective_noise_multiplier(sigmas), len(sigmas)
+        return step_row(
+            sigma,
+            metadata.batch_size,
+            metadata.nb_samples_train,
+            metadata.sampling == "poisson",
+            gaussians,
+            reproducible=noise.reproducible_noise_seed() is not None,
+        )
+
+    def _step_configuration(self) -> tuple:
+        """What a traced training step bakes in: the privacy parameters (noise), the
+        metadata (``b``, the sampling rate), the attack and the trainable variables."""
+        trainable = tuple(v.ref() for v in self.trainable_variables)
+        return (self.dp_parameters, self.dataset_metadata, self.adversarial, trainable)
+
+    # --------------------------------------------------------------- training
+    def per_example_losses(self, y, y_pred):
+        """The loss of each row (mean over its non-batch axes), shape ``(rows,)``; a row
+        whose label is unusable -- a NaN or an infinity, a class index out of range --
+        counts 0 whatever the loss (rule S9, :func:`lipdp.core.records.neutralised_losses`)."""
+        loss = tf.keras.losses.get(self.loss)
+        fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
+
+        def rows(labels, predictions):
+            values = fn(_one_target_per_output(labels, predictions), predictions)
+            # A loss without per-row values (a batch mean) is refused when traced (S2).
+            batch_independence.check_per_example_values(values, predictions, self.loss)
+            rank = len(values.shape)
+            return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
+
+        with tf.GradientTape() as probe:  # the trainable variables the loss reads itself
+            losses = neutralised_losses(rows, y, y_pred, self._ignored_class())
+        self._refuse_loss_reads(probe.watched_variables())
+        return losses
+
+    def _refuse_loss_reads(self, read) -> None:
+        """Refuse a loss that reads (``read``: the variables a tape watched while it ran)
+        a trainable variable of the model itself, e.g. a weight penalty written inside the
+        loss: the sensitivities bound the loss's gradient through the predictions only,
+        and the penalty's gradient comes once per sampled row (clipless family: remove-one
+        ratio 2.8, ``tests/test_attacks_issue26.py``). A hook: the clipped family lets its gradient
+        method decide (:func:`lipdp.clipped.per_example.refuse_loss_reads`)."""
+        own = {v.ref() for v in self.trainable_variables}
+        for v in read:
+            if v.ref() in own:
+                raise ValueError(
+                    f"The loss reads variable {v.name!r} of the model directly: its gradient "
+                    "is outside the sensitivity bounds, which cover the loss through the "
+                    "predictions. Penalise the weights with a kernel_regularizer or "
+                    "add_loss(lambda: ...) (added outside the bounded sum)."
+                )
+
+    def class_labels_in_range(self, y, y_pred):
+        """``(rows,)`` booleans: the row's label is not a class index out of range
+        (:func:`lipdp.core.records.labels_in_range`, with the loss's ``ignore_class``)."""
+        return labels_in_range(y, y_pred, self._ignored_class())
+
+    def _ignored_class(self):
+        """The ``ignore_class`` of a Keras sparse cross-entropy (its entries have loss 0
+        by the loss itself: not out of range), or ``None``."""
+        loss = tf.keras.losses.get(self.loss)
+        config = loss.get_config() if isinstance(loss, tf.keras.losses.Loss) else {}
+        return config.get("ignore_class")
+
+    def input_ids_in_range(self, x):
+        """``(rows,)`` booleans: every token id of the row's input is in the range of the
+        layer reading it (:func:`lipdp.core.records.read_ids`, e.g. ``[0, input_dim)``
+        for an ``Embedding`` fed by the input); ``None`` when no input is read as ids."""
+        usable = [ids_in_range(ids, r.size) for ids, r in read_ids(self.dp_layers, x)]
+        return tf.reduce_all(tf.stack(usable), axis=0) if usable else None
+
+    def _count_neutralised(self, finite, labelled, ids=None) -> dict:
+        """Rule S9's counts for the training logs, each neutralised row counted once:
+        ``non_finite_examples`` (a NaN or an infinity in the input or the label),
+        ``invalid_inputs`` (finite rows with a token id out of range; only for a model
+        whose input is read as ids, ``ids`` not ``None``) and ``invalid_labels`` (the
+        other rows whose class label is out of range). Inputs and labels apart: the
+        owner of the data knows which to repair."""
+        self._non_finite.update_state(tf.reduce_sum(tf.cast(~finite, tf.float32)))
+        counts = {"non_finite_examples": self._non_finite.result()}
+        inputs_usable = finite
+        if ids is not None:
+            self._invalid_inputs.update_state(tf.reduce_sum(tf.cast(finite & ~ids, tf.float32)))
+            counts["invalid_inputs"] = self._invalid_inputs.result()
+            inputs_usable = finite & ids
+        invalid = tf.reduce_sum(tf.cast(inputs_usable & ~labelled, tf.float32))
+        self._invalid_labels.update_state(invalid)
+        return {**counts, "invalid_labels": self._invalid_labels.result()}
+
+    def adversarial_examples(self, x, y):
+        """Each row's adversarial version by the model's :class:`~lipdp.core.adversarial.PGD`
+        (ascending its own loss at the current weights, inference mode)."""
+        if self.adversarial is None:
+            raise ValueError("The model has no adversarial=PGD(...) option.")
+
+        if self.adversarial.trades_beta is not None:  # TRADES: ascend KL(p(x) || p(x'))
+            clean = tf.stop_gradient(self(x, training=False))
+
+            def row_losses(inputs):
+                return softmax_kl(clean, self(inputs, training=False))
+
+        else:
+
+            def row_losses(inputs):
+                return self.per_example_losses(y, self(inputs, training=False))
+
+        return self.adversarial.perturb(row_losses, x)
+
+    def noisify(self, gradients, variables):
+        """Add the calibrated Gaussian noise to ``gradients`` (aligned with ``variables``)."""
+        entries = self.sensitivities()
+        stddevs = self.noise_stddevs(entries)
+        if self.debug:
+            for entry, delta in entries:
+                logger.info("%s: sensitivity %.6g", entry.key, float(delta))
+            for v in variables:
+                logger.info("variable %s: noise std %.6g", v.name, float(stddevs[v.ref()]))
+        if self.dp_parameters.non_private:
+            return list(gradients)
+        return noise.add_noise(gradients, [stddevs[v.ref()] for v in variables])
+
+    def project(self):
+        """Bring the weights back into their constraint sets (none by default)."""
+        return None
+
+    def release_step(self, gradients, variables):
+        """The end of every family's training step, from the local gradients of the loss
+        ``sum_i loss_i / n`` (``n``: the global loss normaliser): noise drawn once per
+        global step, the sum over replicas, the update, then -- once, in cross-replica
+        context -- the step count and the projections (:mod:`lipdp.core.distribute`). Returns
+        the released gradients (identical on every replica), with the gradients of the
+        weight penalties added (:meth:`penalty_gradients`)."""
+        released = distribute.sum_over_replicas(self.noisify(gradients, variables))
+        penalty = self.penalty_gradients(variables)
+        if penalty is not None:
+            released = [r + p for r, p in zip(released, penalty)]
+        distribute.apply_released(self.optimizer, released, variables)
+        distribute.once_per_step(self._count_and_project)
+        return released
+
+    def _count_and_project(self):
+        # The step records the mechanism it was traced with (the noise above was drawn
+        # from the same configuration): what ran is what the ledger holds.
+        self.noisy_steps.assign_add(1)
+        self.privacy_ledger.record(self._step_row())
+        search = self.dp_parameters.hyperparameter_search
+        if search is not None:  # its cost stays with what ran under it
+            self.privacy_ledger.record(ledger.search_row(search))
+        self.project()
+
+    def make_train_function(self, force=False):
+        # A cached step keeps the noise, batch size and trainable variables it was traced
+        # with: traced again when any of them changed (frozen layers take effect, and the
+        # ledger records the mechanism that now runs).
+        if self.built and not self.trainable_variables:
+            raise ValueError(
+                f"{type(self).__name__} has no trainable variables (every layer is frozen): "
+                "a private step would release nothing. Unfreeze a layer (layer.trainable = "
+                "True) and compile again."
+            )
+        own = self.privacy_ledger
+        others = {
+            path: other
+            for path, other in ledger.ledgers_of(self.dp_layers).items()
+            if other.table is not own.table
+        }
+        if others:
+            raise ValueError(
+                f"Layer(s) {', '.join(map(repr, others))} were trained privately by another "
+                "model after this one was built, with that model's privacy ledger: build "
+                "this model after that training (it then shares that ledger)."
+            )
+        ledger.tag_trained_layers(self.dp_layers, own)
+        configuration = self._step_configuration()
+        if configuration != getattr(self, "_traced_configuration", None):
+            force = True
+        object.__setattr__(self, "_traced_configuration", configuration)
+        # The noise generator is created here, eagerly and in the strategy's scope, on
+        # every worker in the same order -- not lazily while one replica is traced.
+        with self.distribute_strategy.scope():
+            noise.noise_generator()
+        return super().make_train_function(force)
+
+    def _checked_batch(self, data):
+        """``(x, y, batch_rows)`` of a training batch, refusing what changes the
+        sensitivity. Python: runs when the step is traced, so every path (fit,
+        train_on_batch, custom loops) is checked at no per-step cost."""
+        _refuse_mixed_precision(self._all_layers())
+        check_reduction(self.loss)  # also a reduction set on the loss after compile
+        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise ValueError("sample weights are not supported: they change the sensitivity.")
+        self._check_batch_independence(x, y)
+        batch_rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        self._check_batch_rows(batch_rows)
+        return x, y, batch_rows
+
+    def _check_batch_independence(self, x, y) -> None:
+        """Rule S2 when the step is traced: the structural walk (layers may have been
+        unfrozen since compile), then, once per input spec, the numerical probe
+        (:mod:`lipdp.core.batch_independence`) unless ``independence_probe=False``."""
+        batch_independence.refuse_coupling_layers(self.dp_layers)
+        if self.independence_probe:
+            batch_independence.probe_when_traced(self, x, y)
+
+    def _check_batch_rows(self, batch_rows) -> None:
+        """Fixed-size batches must have the rows the sensitivity is computed for (S5)."""
+        if self.poisson_sampling:
+            return
+        # With augmentation multiplicity m a batch holds b originals x m copies; the
+        # loss is their mean, so one original moves it by at most G / b still. Under a
+        # strategy each of the R replicas holds its share of the global batch.
+        rows = self.dataset_metadata.rows_per_batch
+        replicas = distribute.replicas_in_sync()
+        distribute.check_replica_batches(rows)
+        share = f" ({rows // replicas} on each of {replicas} replicas)" if replicas > 1 else ""
+        tf.debugging.assert_equal(
+            batch_rows,
+            rows // replicas,
+            message=(
+                f"DP training needs every batch to have exactly {rows} rows{share} "
+                f"(batch_size={self.batch_size} x multiplicity; the sensitivity is computed "
+                "for it); drop the partial last batch (dataset.batch(b, drop_remainder=True))."
+            ),
+        )
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        self._non_finite.reset_state()
+        self._invalid_inputs.reset_state()
+        self._invalid_labels.reset_state()
+
+    @property
+    def poisson_sampling(self) -> bool:
+        return self.dataset_metadata is not None and self.dataset_metadata.sampling == "poisson"
+
+    def refuse_data_dependent_losses(self):
+        """Refuse a loss added from the data in a forward pass (``add_loss`` of a tensor in
+        a layer's call, an activity regulariser): the sensitivity bounds cover the
+        per-example losses only. Call after a forward pass (trace time)."""
+        inner = self._flatten_layers(include_self=False, recursive=False)
+        for path, layer in [(self.name, self), *nested_layers(inner)]:
+            # Keras 2 keeps losses computed in a call in _eager_losses (inside
+            # tf.function too), symbolic ones in _losses; callables elsewhere.
+            if layer._eager_losses or layer._losses:  # noqa: SLF001
+                raise ValueError(
+                    f"Layer {path!r} adds a loss computed in its call (add_loss of a "
+                    "tensor or an activity regulariser), outside the per-example losses the "
+                    "sensitivity covers: remove it, or penalise the weights only "
+                    "(add_loss(lambda: ...), kernel_regularizer)."
+                )
+
+    def penalty_gradients(self, variables):
+        """Gradients w.r.t. ``variables`` of the penalties of the weights alone (Keras
+        weight regularisers, ``add_loss`` of a zero-argument callable), or ``None``.
+
+        :meth:`release_step` adds them to the released (noisy) gradient, outside the
+        clipped or bounded sum: a function of the current weights, which are public
+        (every earlier update was released), so adding it is post-processing and the
+        sensitivity does not change. (Inside the sum a Poisson step would scale it by the
+        random batch size over ``b``: a dependence on the data.) A callable loss must
+        read weights only, as Keras' regularisers do; losses computed from the data are
+        refused (:meth:`refuse_data_dependent_losses`)."""
+        penalties = [fn for layer in self._flatten_layers() for fn in layer._callable_losses]  # noqa: SLF001
+        with tf.GradientTape() as tape:
+            values = [value for value in (fn() for fn in penalties) if value is not None]
+            if not values:
+                return None
+            total = tf.add_n([tf.cast(value, tf.float32) for value in values])
+        grads = tape.gradient(total, variables, unconnected_gradients="zero")
+        return [tf.convert_to_tensor(grad) for grad in grads]
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_fit_arguments(x, y, batch_size, kwargs)
+        if getattr(x, "lipdp_partitioned", False) and not args:
+            # An endless (distributed) stream of batches: its steps per epoch are stated.
+            kwargs.setdefault("steps_per_epoch", x.lipdp_steps_per_epoch)
+        # Weights set by hand (load_weights, set_weights) are brought back in the
+        # feasible set before the first bound is trusted.
+        self.project()
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def save(self, filepath, *args, **kwargs):
+        """Save in the ``.keras`` format only (rule S10).
+
+        Keras 2.15's SavedModel directory and HDF5 files do not restore everything a
+        privacy guarantee rests on (a SavedModel reload restores the optimizer's step count
+        as 0, and the DP configuration is not part of HDF5): a reload would under-count
+        epsilon. ``save_weights`` checkpoints keep the noisy step count (a model variable).
+        """
+        if not str(filepath).endswith(".keras"):
+            raise ValueError(
+                f"DP models are saved to .keras files (got {str(filepath)!r}): the SavedModel "
+                "and HDF5 formats do not carry the privacy state (step count, DP "
+                "configuration), so a reload would under-count epsilon."
+            )
+        return super().save(filepath, *args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
+        self._refuse_changed_trainable_state()
+        self.project()
+        return super().train_on_batch(*args, **kwargs)
+
+    def set_weights(self, weights):
+        """Set the weights, then project them onto their constraint sets (S12). The
+        privacy state is never rewound (:meth:`_keeping_the_privacy_state`)."""
+        with self._keeping_the_privacy_state():
+            super().set_weights(weights)
+        self.project()
+
+    @contextlib.contextmanager
+    def _keeping_the_privacy_state(self):
+        """Weights (and with them the ledger and the step count) may be restored to an
+        earlier state -- EarlyStopping's best weights, a best checkpoint -- chosen after
+        the later steps were released: what was recorded before stays recorded (rule
+        S10). A fresh model loading a checkpoint simply gets the checkpoint's ledger."""
+        before, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        yield
+        self.privacy_ledger.keep_at_least(before)
+        self.noisy_steps.assign(max(steps, int(self.noisy_steps.numpy())))
+
+    def load_weights(self, *args, **kwargs):
+        """Load the weights, then project them onto their constraint sets (S12)."""
+        with self._keeping_the_privacy_state():
+            status = super().load_weights(*args, **kwargs)
+        if self.built:
+            self.project()
+        return status
+
+    def _refuse_invalid_labels(self, x, y) -> None:
+        """Rule S9 for arrays: refuse class-index labels out of range (:func:`lipdp.core.records.
+        labels_in_range`, ``K`` the model's outputs), naming their rows. (Pipelines are
+        neutralised in-graph instead: such rows count zero.)"""
+        labels = tf.nest.flatten(y)
+        if len(labels) != 1 or labels[0] is None:
+            return
+        labels = tf.convert_to_tensor(labels[0])
+        input_shape = tf.nest.map_structure(lambda a: (None,) + np.shape(a)[1:], x)
+        output_shape = tf.TensorShape(self.compute_output_shape(input_shape))
+        classes = output_shape[-1] or self._metadata_for("training").nb_classes
+        # Only the rank and the last dimension of the predictions matter.
+        predictions = tf.zeros([1] * (output_shape.rank - 1) + [classes])
+        usable = labels_in_range(labels, predictions, self._ignored_class()).numpy()
+        bad = np.flatnonzero(~usable)
+        if bad.size:
+            raise ValueError(
+                f"y has {bad.size} example(s) whose class label is not a whole number in "
+                f"[0, {classes}) (rows {_shown(bad)}): the model has {classes} outputs. "
+                "Remove or repair these rows before fit."
+            )
+
+    def _refuse_changed_trainable_state(self) -> None:
+        """Keras 2's ``fit`` and ``train_on_batch`` train the layers that were trainable at
+        the last ``compile`` (``RespectCompiledTrainableState``), while the privacy plan and
+        the noise multipliers read the current flags: refuse until they agree (S11)."""
+        compiled = getattr(self, "_compiled_trainable_state", None)
+        if compiled is None:
+            return
+        # Layers created since compile (a nested Sequential builds its InputLayer on the
+        # first call) keep their own flags in Keras too: compare the layers of both.
+        current = self._get_trainable_state()  # noqa: SLF001
+        if any(current[layer] != flag for layer, flag in compiled.items() if layer in current):
+            raise ValueError(
+                "Layers were frozen or unfrozen after compile(): Keras would train the "
+                "layers of the last compile while the privacy plan prices the current ones. "
+                "Call compile() again."
+            )
+
+    def _refuse_invalid_inputs(self, x) -> None:
+        """Rule S9 for arrays: refuse token ids out of the range of the layer reading them
+        (:func:`lipdp.core.records.read_ids`), naming their rows. (Pipelines are
+        neutralised in-graph instead: such rows count zero.)"""
+        for array, ids in read_ids(self.dp_layers, x):
+            bad = np.flatnonzero(~ids_in_range(np.asarray(array), ids.size).numpy())
+            if bad.size:
+                raise ValueError(
+                    f"x has {bad.size} example(s) with a token id that is not a whole number "
+                    f"in [0, {ids.size}) (rows {_shown(bad)}): layer {ids.reader!r} reads ids "
+                    "in that range. Remove or repair these rows before fit."
+                )
+
+    def _check_fit_arguments(self, x, y, batch_size, kwargs):
+        if self.compiled_loss is None:
+            raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
+        self._refuse_changed_trainable_state()
+        b = self.batch_size
+        for unsupported in ("sample_weight", "class_weight"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(f"{unsupported} is not supported: it changes the sensitivity.")
+        _check_distributed_data(x, self.distribute_strategy)
+        if self.poisson_sampling:
+            if not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+                raise ValueError(
+                    "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
+                    "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
+                )
+            _check_poisson_pipeline(x, self.dataset_metadata)
+            _refuse_fixed_size_batches(x, self.dataset_metadata)
+            return
+        metadata = self.dataset_metadata
+        if metadata.partial_last_batch:
+            raise ValueError(
+                "dataset_metadata.partial_last_batch: the last batch of each epoch is partial "
+                "and would be refused mid-training. Prepare the data with drop_remainder=True."
+            )
+        if isinstance(x, tf.data.Dataset):
+            static = tf.nest.flatten(x.element_spec)[0].shape[0]
+            if static is not None and static != metadata.rows_per_batch:
+                raise ValueError(
+                    f"The dataset yields batches of {static}, the model expects "
+                    f"{metadata.rows_per_batch} (batch_size={b} x multiplicity, "
+                    "dataset_metadata)."
+                )
+            return
+        if metadata.multiplicity:
+            raise ValueError(
+                "dataset_metadata.multiplicity > 0: pass the augmented tf.data pipeline of "
+                "lipdp.pipeline.load_and_prepare_images_data, not arrays."
+            )
+        if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
+            return
+        _refuse_non_finite(x, y)
+        self._refuse_invalid_inputs(x)
+        self._refuse_invalid_labels(x, y)
+        n = len(tf.nest.flatten(x)[0])
+        if batch_size is not None and batch_size != b:
+            raise ValueError(
+                f"fit(batch_size={batch_size}) differs from the batch size "
+                f"{b} declared in dataset_metadata."
+            )
+        split = kwargs.get("validation_split") or 0.0
+        n_train = int(math.floor(n * (1.0 - split)))
+        if n_train != metadata.nb_samples_train:
+            raise ValueError(
+                f"fit receives {n_train} training examples but dataset_metadata declares "
+                f"nb_samples_train={metadata.nb_samples_train}: the sampling rate b/N of the "
+                "privacy accounting comes from it. Declare the number of examples trained on."
+            )
+        if n_train % b:
+            raise ValueError(
+                f"{n_train} training examples are not a multiple of batch_size={b}: the last "
+                f"batch would be partial. Use {n_train - n_train % b} examples, or a "
+                "tf.data pipeline with drop_remainder=True."
+            )
+        if kwargs.get("shuffle") is False:
+            logger.warning(
+                "fit(shuffle=False): batches are not random, so privacy "
+                "amplification by subsampling does not apply."
+            )
+
+    # ---------------------------------------------------------- serialisation
+    def get_compile_config(self):
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        # Keras skips compile() on load for models overriding it; our compile only
+        # adds checks, so the stored configuration is replayed through it.
+        config = tf.keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built and isinstance(self.optimizer, tf.keras.optimizers.Optimizer):
+            self.optimizer.build(self.trainable_variables)
+
+    def get_config(self):
+        return {
+            self._layers_key: [tf.keras.layers.serialize(layer) for layer in self.dp_layers],
+            "dp_parameters": self.dp_parameters.to_config(),
+            "dataset_metadata": (
+                None if self.dataset_metadata is None else self.dataset_metadata.to_config()
+            ),
+            "adversarial": None if self.adversarial is None else self.adversarial.to_config(),
+            "debug": self.debug,
+            "independence_probe": self.independence_probe,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        layers = [
+            tf.keras.layers.deserialize(c, custom_objects=custom_objects)
+            for c in config.pop(cls._layers_key)
+        ]
+        metadata = config.pop("dataset_metadata")
+        return cls(
+            layers,
+            dp_parameters=DPParameters(**config.pop("dp_parameters")),
+            dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
+            **config,
+        )
+
+
+def _one_target_per_output(labels, predictions):
+    """Targets ``(rows,)`` of predictions ``(rows, 1)`` as ``(rows, 1)``. Why: Keras' losses
+    squeeze such predictions to ``(rows,)`` and then average over their last axis -- the
+    batch --, one value for the whole batch (harmless for Keras' mean, wrong per row)."""
+    if not isinstance(labels, tf.Tensor) or not isinstance(predictions, tf.Tensor):
+        return labels
+    rank, last = predictions.shape.rank, predictions.shape[-1] if predictions.shape.rank else None
+    if rank is not None and rank >= 2 and last == 1 and labels.shape.rank == rank - 1:
+        return labels[..., None]
+    return labels
+
+
+def check_reduction(loss) -> None:
+    """The loss must be the mean over the batch (what the sensitivities divide by)."""
+    reduction = getattr(loss, "reduction", tf.keras.losses.Reduction.AUTO)
+    allowed = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
+    if reduction not in allowed:
+        raise ValueError(
+            f"Loss reduction {reduction!r} is not supported: sensitivities are computed for "
+            "the mean over the batch. Use reduction=SUM_OVER_BATCH_SIZE (the default)."
+        )
+
+
+def _check_poisson_pipeline(dataset, metadata) -> None:
+    """A Poisson pipeline that states its rate must draw at the metadata's rate (the rate
+    the accountant uses): batches drawn 4x more often cost far more than reported."""
+    rate = getattr(dataset, "lipdp_sampling_rate", None)
+    if rate is None:
+        logger.warning(
+            "The Poisson pipeline does not state its sampling rate (pass the dataset "
+            "poisson_batches returns, before map/prefetch): the accountant assumes q = %g.",
+            metadata.sampling_rate,
+        )
+        return
+    if not math.isclose(rate, metadata.sampling_rate, rel_tol=1e-9):
+        raise ValueError(
+            f"The Poisson pipeline samples at rate {rate:g} but dataset_metadata declares "
+            f"q = batch_size / N = {metadata.sampling_rate:g}, the rate the privacy "
+            "accounting uses. Build the batches with metadata.sampling_rate."
+        )
+    steps = getattr(dataset, "lipdp_steps_per_epoch", None)
+    if steps is not None and steps != metadata.nb_steps_per_epochs:
+        raise ValueError(
+            f"The Poisson pipeline has {steps} steps per epoch but dataset_metadata declares "
+            f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong number "
+            "of steps. Build the batches with metadata.nb_steps_per_epochs."
+        )
+
+
+def _refuse_fixed_size_batches(dataset, metadata) -> None:
+    """A dataset whose batches all have one static size is not Poisson-sampled (Poisson
+    batches have a random size): accounting it at rate b/N would be wrong. The one
+    exception is rate 1, where the Poisson sample is the whole data set, N rows."""
+    if not isinstance(dataset, tf.data.Dataset):
+        return
+    rows = tf.nest.flatten(dataset.element_spec)[0].shape
+    whole_set = metadata.sampling_rate >= 1.0 and rows.rank and rows[0] == metadata.nb_samples_train
+    if rows.rank and rows[0] is not None and not whole_set:
+        raise ValueError(
+            f"dataset_metadata.sampling='poisson' but every batch of the dataset has "
+            f"{rows[0]} rows: fixed-size batches are not Poisson samples. Pass "
+            "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch), or "
+            "declare sampling='shuffle'."
+        )
+
+
+def _check_distributed_data(x, strategy) -> None:
+    """Several workers each read their own pipeline: only a pipeline that partitions the
+    records between the replicas keeps every record on at most one replica per step
+    (:mod:`lipdp.core.distribute`)."""
+    if distribute.worker_count(strategy) == 1:
+        return
+    if getattr(x, "lipdp_partitioned", False):
+        return
+    raise ValueError(
+        "Training on several workers needs batches that never hold the same record on two "
+        "workers: pass lipdp.pipeline.distributed_poisson_batches(strategy, x, y, "
+        "sampling_rate, steps_per_epoch) with DatasetMetadata(sampling='poisson')."
+    )
+
+
+def _refuse_mixed_precision(layers) -> None:
+    """Bounds, clipping and noise are computed for float32: refuse other compute dtypes."""
+    policy = tf.keras.mixed_precision.global_policy()
+    names = [f"global policy {policy.name!r}"] if policy.compute_dtype != "float32" else []
+    names += [
+        f"layer {layer.name!r} ({layer.compute_dtype})"
+        for layer in layers
+        if _floating(getattr(layer, "compute_dtype", None)) not in ("float32", None)
+    ]
+    if names:
+        raise ValueError(
+            f"Mixed precision is not supported ({', '.join(names)}): float16 round-off "
+            "exceeds the slack of the sensitivity bounds (an input clipped to norm 1 can "
+            "come out above 1). Use tf.keras.mixed_precision.set_global_policy('float32')."
+        )
+
+
+def _floating(dtype) -> str | None:
+    """``dtype``'s name if it is a floating type (integer and string preprocessing layers,
+    e.g. ``StringLookup``, compute in their own types), else ``None``."""
+    return dtype if dtype is not None and tf.as_dtype(dtype).is_floating else None
+
+
+def _refuse_non_finite(x, y) -> None:
+    """Rule S9 for arrays: refuse examples with a NaN or an infinity, naming their rows.
+
+    (Pipelines are neutralised in-graph instead: such examples count zero.)
+    """
+    for name, values in (("x", x), ("y", y)):
+        for array in tf.nest.flatten(values):
+            if array is None:
+                continue
+            array = np.asarray(array)
+            if array.dtype.kind not in "fc" or array.ndim == 0:
+                continue
+            bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
+            if bad.size:
+                raise ValueError(
+                    f"{name} has {bad.size} example(s) with NaN or infinite values (rows "
+                    f"{_shown(bad)}): such a record has no bounded contribution. Remove or "
+                    "repair these rows before fit."
+                )
+
+
+def _shown(rows) -> str:
+    """The first ten row indices, for an error message."""
+    return ", ".join(str(i) for i in rows[:10]) + (", ..." if len(rows) > 10 else "")
+
+
+__all__ = ["DPParameters", "PrivateModel", "check_reduction"]

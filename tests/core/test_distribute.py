@@ -1,0 +1,230 @@
+"""Training under tf.distribute (lipdp.core.distribute): the same step as on one device, the
+noise of one step drawn once, the same epsilon -- MirroredStrategy over two logical CPU
+devices (split in conftest.py) and MultiWorkerMirroredStrategy with two processes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lipdp.accounting import get_eps_delta
+from lipdp.clipped.model import SharpnessAscent
+from lipdp.core.adversarial import PGD
+from lipdp.core.callbacks import DP_Accountant
+from lipdp.core.distribute import mirrored_strategy
+from lipdp.pipeline import distributed_poisson_batches, poisson_batches
+from tests import distribute_helpers as h
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def mirrored():
+    """The process's one MirroredStrategy over the two logical CPU devices (a second
+    strategy would fail in TensorFlow itself: lipdp.core.distribute.mirrored_strategy)."""
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    assert len(devices) == 2, "conftest.py splits the CPU into two logical devices"
+    return mirrored_strategy(devices)
+
+
+def _fit(model, x, y, pipeline, strategy):
+    """Two steps of a noiseless run: fixed batches of 32 in order, Poisson at rate 1/2
+    (seeded), or Poisson at rate 1 (every record in every batch, one step per epoch)
+    through the global or the partitioned pipeline."""
+    if pipeline.startswith("arrays"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    elif pipeline == "poisson":
+        model.fit(poisson_batches(x, y, 1.0, 1), epochs=2, verbose=0)
+    elif pipeline == "poisson-random-sizes":  # the same seeded draws for both runs
+        model.fit(poisson_batches(x, y, 0.5, 2, seed=11), epochs=1, verbose=0)
+    else:
+        model.fit(distributed_poisson_batches(strategy, x, y, 1.0, 1), epochs=2, verbose=0)
+
+
+def _noiseless_cases():
+    """Every pipeline runs by default in DP-SGD; the clipless family keeps arrays with
+    adversarial training (its clean and adversarial losses, mix = 0.5) and the partitioned
+    Poisson pipeline by default; its plain arrays and global Poisson pipelines (4-9 s
+    each, pipelines DP-SGD's default cases cover) run in make test-slow."""
+    cases = []
+    for family in h.FAMILIES:
+        for pipeline in ["arrays", "arrays-adversarial", "poisson", "poisson-random-sizes"]:
+            slow = family == "clipless" and pipeline != "arrays-adversarial"
+            marks = [pytest.mark.slow] if slow else []
+            cases.append(pytest.param(family, pipeline, marks=marks, id=f"{family}-{pipeline}"))
+        cases.append(
+            pytest.param(family, "partitioned", marks=pytest.mark.smoke, id=f"{family}-partitioned")
+        )
+    return cases
+
+
+@pytest.mark.parametrize("family, pipeline", _noiseless_cases())
+def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
+    """Same initial weights, same global batches, no noise: two replicas and one device
+    reach the same weights (the replicas' losses are scaled for the global batch, summed
+    once, and projected identically), also with adversarial training (its own loss)."""
+    x, y = h.data()
+    batch, sampling = (32, "shuffle") if pipeline.startswith("arrays") else (h.N, "poisson")
+    if pipeline == "poisson-random-sizes":  # global batches of random size, split by Keras
+        batch = 32
+    options = {}
+    if pipeline == "arrays-adversarial":
+        options["adversarial"] = PGD(0.2, steps=3, random_start=False, mix=0.5)
+    tf.keras.utils.set_random_seed(3)
+    single = h.build(family, 0.0, batch, sampling, **options)
+    initial = single.get_weights()
+    before = h.flat_weights(single)
+    strategy = mirrored()
+    with strategy.scope():
+        replicated = h.build(family, 0.0, batch, sampling, **options)
+    replicated.set_weights(initial)
+    _fit(single, x, y, pipeline, tf.distribute.get_strategy())
+    _fit(replicated, x, y, pipeline, strategy)
+    after = h.flat_weights(single)
+    assert np.abs(after - before).max() > 1e-3  # the steps moved the weights (2e-6 below)
+    np.testing.assert_allclose(h.flat_weights(replicated), after, atol=2e-6)
+    assert int(replicated.noisy_steps.numpy()) == int(single.noisy_steps.numpy()) == 2
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("family", h.FAMILIES)
+def test_released_noise_has_the_standard_deviation_of_one_step(family, replicas):
+    """Zero inputs make every gradient 0: what the optimizer receives is the aggregated
+    noise, whose standard deviation must be sigma x Delta (2 replicas adding their own
+    noise would give sqrt(2) times more)."""
+    zeros, y = h.data(zero_inputs=True)
+    strategy = mirrored() if replicas == 2 else tf.distribute.get_strategy()
+    recorder = h.RecordingSGD()
+    with strategy.scope():
+        model = h.build(family, 1.0, 32, optimizer=recorder)
+        recorder.start(model.trainable_variables)
+    model.fit(zeros, y, batch_size=32, epochs=16, verbose=0)
+    mean, std = recorder.noise_statistics()
+    expected = h.expected_stddev(model)
+    samples = 32 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert float(recorder.steps.numpy()) == 32
+    assert abs(std / expected - 1.0) < 0.05
+    assert abs(mean) < 5 * expected / np.sqrt(samples)
+
+
+@pytest.mark.parametrize("family", h.FAMILIES)
+def test_replicas_stay_identical_and_epsilon_counts_global_steps(family):
+    """Noisy training on two replicas: every copy of every weight is the same (one noise,
+    one update, one projection) and epsilon is the one of a single device after the same
+    number of global steps."""
+    x, y = h.data()
+    strategy = mirrored()
+    with strategy.scope():
+        model = h.build(family, 1.0, 32)
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[DP_Accountant()])
+    for variable in model.trainable_variables:
+        copies = [c.numpy() for c in strategy.experimental_local_results(variable)]
+        assert len(copies) == 2
+        np.testing.assert_array_equal(copies[0], copies[1])
+    assert int(model.noisy_steps.numpy()) == 3 * (h.N // 32)
+    single = h.build(family, 1.0, 32)
+    for epoch, epsilon in enumerate(history.history["epsilon"], start=1):
+        assert epsilon == get_eps_delta(single, epoch)[0]
+
+
+def test_uneven_batches_and_dp_sat_are_refused_with_the_fix():
+    x, y = h.data()
+    strategy = mirrored()
+    with strategy.scope():
+        odd = h.build("dp-sgd", 1.0, 1)
+    with pytest.raises(ValueError, match="divisible by 2"):  # at the first step's trace
+        odd.fit(x, y, batch_size=1, epochs=1, verbose=0)
+    with strategy.scope():
+        sat = h.build("dp-sgd", 1.0, 32, ascent=SharpnessAscent("dp-sat", 0.01))
+    with pytest.raises(ValueError, match="DP-SAT .* not supported under a distribution"):
+        sat.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param("clipless", marks=pytest.mark.smoke),
+        pytest.param("dp-sgd", marks=pytest.mark.slow),
+    ],
+)  # ~30 s each: two TensorFlow processes
+def test_two_workers_match_one_device_and_draw_the_noise_once(family, tmp_path):
+    """MultiWorkerMirroredStrategy, two processes on localhost (bounded in time): arrays
+    are refused, the noiseless steps equal a single device's on the same global batches,
+    the aggregated noise has standard deviation sigma x Delta, steps are global and
+    epsilon is a single device's."""
+    ports = ",".join(str(p) for p in _free_ports(2))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    outputs = [tmp_path / f"worker{i}.json" for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.distribute_worker", str(i), ports, family, str(out)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for i, out in enumerate(outputs)
+    ]
+    try:
+        errors = [w.communicate(timeout=300)[1].decode()[-3000:] for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+    assert all(w.returncode == 0 for w in workers), errors
+    results = [json.loads(out.read_text()) for out in outputs]
+
+    x, y = h.data()
+    single = h.build(family, 0.0, h.N, sampling="poisson")
+    single.set_weights([np.array(w) for w in results[0]["initial"]])
+    single.fit(poisson_batches(x, y, 1.0, 1), epochs=2, verbose=0)
+    private = h.build(family, 1.0, 32, sampling="poisson")
+    epsilons = [get_eps_delta(private, epoch)[0] for epoch in range(1, 17)]
+    for result in results:
+        assert result["replicas"] == 2
+        assert "several workers" in result["arrays_refused"]
+        assert result["initial"] == results[0]["initial"]
+        np.testing.assert_allclose(result["noiseless"], h.flat_weights(single), atol=2e-6)
+        assert result["noiseless_steps"] == 2 and result["private_steps"] == 32
+        assert abs(result["noise_std"] / result["expected_std"] - 1.0) < 0.05
+        assert result["epsilons"] == epsilons  # a single device's after the same steps
+
+
+@pytest.mark.parametrize("kind", ["laplace", "quantile"])
+def test_dynamic_clipping_under_mirrored_updates_every_copy_once(kind):
+    """One process: the callback releases one clip value per update (counted by the plan)
+    and writes it to every replica's copy of the threshold."""
+    from lipdp.clipless.dynamic import AdaptiveQuantileClipping, LaplaceAdaptiveLossGradientClipping
+    from tests.clipless.test_dynamic import datasets, make_data, make_model
+
+    train, full = datasets(*make_data())
+    if kind == "laplace":
+        callback = LaplaceAdaptiveLossGradientClipping(full, patience=1, epsilon=2.0, seed=0)
+    else:
+        callback = AdaptiveQuantileClipping(
+            full, noise_multiplier=1.0, quantile=0.5, learning_rate=0.5, seed=1
+        )
+    strategy = mirrored()
+    with strategy.scope():
+        model = make_model(dynamic=callback)
+    history = model.fit(train, epochs=3, verbose=0, callbacks=[callback])
+    copies = strategy.experimental_local_results(model.dp_layers[-1].clip_value)
+    assert len(copies) == 2 and float(copies[0]) == float(copies[1])
+    assert float(copies[0]) == pytest.approx(history.history["clip_value"][-1])
+    assert float(copies[0]) != 1.0  # updated from the initial clip value
+    assert model.privacy_plan().releases[1].count(3) == callback.releases >= 1
