@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lipdp.core import validation
+from lipdp.core.config import Config
 
 DYNAMIC_MODES = ("laplace", "quantiles")
 
@@ -56,7 +57,7 @@ def noise_multiplier_list(noise_multipliers) -> list[float]:
 
 
 @dataclass(frozen=True)
-class SubsampledGaussian:
+class SubsampledGaussian(Config):
     """Gaussian mechanism (``noise_multiplier``) on a Poisson subsample (``sampling_rate``)."""
 
     noise_multiplier: float
@@ -65,8 +66,8 @@ class SubsampledGaussian:
     def __post_init__(self):
         sigma = validation.positive("noise_multiplier", self.noise_multiplier)
         rate = validation.probability("sampling_rate", self.sampling_rate)
-        object.__setattr__(self, "noise_multiplier", sigma)
-        object.__setattr__(self, "sampling_rate", rate)
+        self._set("noise_multiplier", sigma)
+        self._set("sampling_rate", rate)
 
     def autodp(self):
         """autodp: ``AmplificationBySampling(PoissonSampling=True)`` of a Gaussian, with the
@@ -98,13 +99,13 @@ class SubsampledGaussian:
 
 
 @dataclass(frozen=True)
-class Laplace:
+class Laplace(Config):
     """Pure ``epsilon``-DP Laplace mechanism (``scale / sensitivity = 1 / epsilon``)."""
 
     epsilon: float
 
     def __post_init__(self):
-        object.__setattr__(self, "epsilon", validation.positive("epsilon", self.epsilon))
+        self._set("epsilon", validation.positive("epsilon", self.epsilon))
 
     def autodp(self):
         from autodp import mechanism_zoo
@@ -140,7 +141,7 @@ def subsample_autodp(base, gaussian: SubsampledGaussian):
 
 
 @dataclass(frozen=True)
-class Release:
+class Release(Config):
     """A mechanism run ``count(epochs)`` times in a training run of ``epochs`` epochs:
 
     ``epochs * per_epoch + (epochs // patience) * per_round + fixed``.
@@ -159,8 +160,8 @@ class Release:
 
     def __post_init__(self):
         for name in ("per_epoch", "per_round", "fixed"):
-            object.__setattr__(self, name, validation.count(name, getattr(self, name)))
-        object.__setattr__(self, "patience", validation.count("patience", self.patience, 1))
+            self._set(name, validation.count(name, getattr(self, name)))
+        self._set("patience", validation.count("patience", self.patience, 1))
 
     def count(self, epochs: int) -> int:
         epochs = validation.count("epochs", epochs)

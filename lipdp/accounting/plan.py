@@ -34,6 +34,7 @@ from lipdp.accounting.mechanisms import (
 from lipdp.accounting.registry import get_accountant
 from lipdp.accounting.tuning_cost import RandomSearch, search_epsilon
 from lipdp.core import validation
+from lipdp.core.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ EPOCHS_SEARCH_LIMIT = 2**24
 
 
 @dataclass(frozen=True)
-class PrivacyPlan:
+class PrivacyPlan(Config):
     """The mechanisms of a training run and the ``delta`` of its guarantee.
 
     Attributes:
@@ -89,13 +90,13 @@ class PrivacyPlan:
     spent_searches: tuple = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "search", RandomSearch.coerce(self.search))
-        object.__setattr__(self, "delta", validation.delta(self.delta))
-        object.__setattr__(self, "releases", tuple(self.releases))
-        object.__setattr__(self, "noise_multipliers", tuple(self.noise_multipliers))
-        object.__setattr__(self, "spent", tuple((m, int(c)) for m, c in self.spent if c))
-        object.__setattr__(self, "spent_counts", tuple(dict(self.spent_counts).items()))
-        object.__setattr__(self, "spent_searches", tuple(self.spent_searches))
+        self._set("search", RandomSearch.coerce(self.search))
+        self._set("delta", validation.delta(self.delta))
+        self._set("releases", tuple(self.releases))
+        self._set("noise_multipliers", tuple(self.noise_multipliers))
+        self._set("spent", tuple((m, int(c)) for m, c in self.spent if c))
+        self._set("spent_counts", tuple(dict(self.spent_counts).items()))
+        self._set("spent_searches", tuple(self.spent_searches))
 
     # ------------------------------------------------------------------- building
     @classmethod
