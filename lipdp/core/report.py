@@ -54,7 +54,8 @@ class PrivacyReport:
         lines = [
             f"(epsilon = {self.epsilon:.4f}, delta = {self.delta:g})-DP "
             f"[{self.accountant.upper()} accountant, {self.neighbouring_relation}]",
-            f"  steps: {self.steps} ({self.epochs} epochs, batch {self.batch_size}, "
+            f"  steps: {self.steps} ({self.epochs} epoch{'' if self.epochs == 1 else 's'}, "
+            f"batch {self.batch_size}, "
             f"N = {self.nb_samples_train}, q = {self.sampling_rate:.4g})",
             f"  sampling: {self.sampling_assumption}",
             f"  noise: {self.noise_strategy}, multipliers "

@@ -30,3 +30,11 @@ def test_shuffled_training_is_flagged_as_not_proven(caplog):
         for _ in range(2):
             model.fit(*small_data(), batch_size=B, epochs=1, verbose=0, callbacks=[DP_Accountant()])
     assert caplog.text.count("not a proven guarantee for shuffling") == 1  # once per process
+
+
+def test_one_epoch_is_singular():
+    from tests.cases import LAYER_CASES
+
+    model, _, _ = LAYER_CASES["SpectralDense"]()
+    assert "(1 epoch, batch" in str(privacy_report(model, epochs=1))
+    assert "(2 epochs, batch" in str(privacy_report(model, epochs=2))
