@@ -69,3 +69,13 @@ def test_membership_inference_detects_an_overfit_model_not_the_dp_one(digits, tr
     model, x, y = trained
     dp = membership.membership_inference(model, x, y, digits.x_test, digits.y_test).summary()
     assert dp["mia_auc_entire_dataset"] < overfit - 0.1
+
+
+def test_labels_of_shape_n_by_1_are_class_indices():
+    """``(n, 1)`` labels are indices, as ``(n,)`` ones (they were once read as one-hot rows,
+    which made every label class 0)."""
+    probs = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
+    labels = np.array([1, 0, 1])
+    expected = -np.log(probs[np.arange(3), labels])
+    for shaped in (labels, labels[:, None], np.eye(2)[labels]):
+        np.testing.assert_allclose(membership.per_example_loss(probs, shaped), expected)
