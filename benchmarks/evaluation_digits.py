@@ -30,9 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from lipdp.cli import cli_model  # noqa: E402
 from lipdp.clipless.audit import conv_operator_norm, dense_operator_norm  # noqa: E402
-from lipdp.clipless.model import DPParameters
 from lipdp.core.callbacks import DP_Accountant  # noqa: E402
 from lipdp.core.report import privacy_report  # noqa: E402
 from lipdp.data import sources as datasets  # noqa: E402
@@ -46,6 +44,7 @@ from lipdp.evaluation import (  # noqa: E402
     pgd_l2_attack,
 )
 from lipdp.evaluation.outputs import predict_logits, softmax  # noqa: E402
+from lipdp.recipes.runs import ModelRecipe, model_and_arrays  # noqa: E402
 from lipdp.sensitivity import get_max_epochs  # noqa: E402
 
 RADII = np.round(np.arange(0.0, 2.01, 0.25), 2)
@@ -54,14 +53,16 @@ PGD_RADII = [0.1, 0.25, 0.5, 1.0, 2.0]
 
 
 def lipdp_model(data, sigma, batch_size, non_private=False):
-    """The compiled CNN of ``lipdp train`` (:func:`lipdp.cli.cli_model`) on the whole
-    batches of the training set, with the CLI's metadata."""
-    params = (
-        DPParameters("global", 0.0, 1e-5, non_private=True)
-        if non_private
-        else DPParameters("global", sigma, 1e-5)
+    """The compiled CNN of ``lipdp train`` (:func:`lipdp.recipes.runs.build_model`) on the
+    whole batches of the training set, with the CLI's metadata."""
+    recipe = ModelRecipe(
+        dataset="digits",
+        batch_size=batch_size,
+        noise_multiplier=None if non_private else sigma,
+        non_private=non_private,
+        sampling="shuffle",
     )
-    return cli_model(data, "digits", batch_size, params)
+    return model_and_arrays(recipe, data)
 
 
 def baseline_model():

@@ -4,12 +4,12 @@ test process, and a small vector model."""
 import pytest
 import tensorflow as tf
 
-from lipdp.cli import cli_model
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.data import sources as datasets
+from lipdp.recipes import runs
 
 
 @pytest.fixture(scope="session")
@@ -18,9 +18,12 @@ def digits():
 
 
 def digits_cnn(data, sigma=1.0, batch_size=512):
-    """The compiled CNN of ``lipdp train`` on digits (:func:`lipdp.cli.cli_model`), on the
-    whole batches of the training set."""
-    return cli_model(data, "digits", batch_size, DPParameters("global", sigma, 1e-5))
+    """The compiled CNN of ``lipdp train`` on digits (:func:`lipdp.recipes.runs.build_model`),
+    on the whole batches of the training set: ``(model, x_train, y_train)``."""
+    recipe = runs.ModelRecipe(
+        dataset="digits", batch_size=batch_size, noise_multiplier=sigma, sampling="shuffle"
+    )
+    return runs.model_and_arrays(recipe, data)
 
 
 @pytest.fixture(scope="session")

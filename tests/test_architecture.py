@@ -60,6 +60,10 @@ ALLOWED = {
         "lipdp.clipped",
         "lipdp.evaluation",
     ),
+    # the command: arguments -> recipe -> printing. It builds, trains and measures
+    # nothing itself (the recipes do), so it reads only the recipes and the shared base
+    # (the privacy report, the distribution strategy of --mirrored).
+    "lipdp.cli": ("lipdp.cli", "lipdp.recipes", "lipdp.core"),
 }
 
 
@@ -118,6 +122,17 @@ def test_imports_point_down(path):
         if not any(name == a or name.startswith(a + ".") for a in allowed)
     ]
     assert not upward, f"{module} imports {upward}; it may import only {allowed or 'nothing'}"
+
+
+def test_the_recipes_never_import_the_cli():
+    """The arrow between the command and the recipes points one way: a benchmark, a test
+    or a tutorial reproduces ``lipdp train`` from the recipes, with no argparse."""
+    recipes = sorted((PACKAGE / "recipes").rglob("*.py"), key=str)
+    assert recipes
+    for path in recipes:
+        cli = [n for n in _lipdp_imports(path) if n == "lipdp.cli" or n.startswith("lipdp.cli.")]
+        assert not cli, f"{_module_name(path)} imports {cli}"
+    assert "lipdp.cli" not in ALLOWED["lipdp.recipes"]
 
 
 def _import_graph() -> dict:

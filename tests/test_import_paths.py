@@ -125,6 +125,31 @@ def test_original_paths_are_thin_re_exports(name):
         ], f"lipdp/{name}.py holds more than re-exports: {ast.dump(node)[:80]}"
 
 
+#: The sub-packages of the layout (DESIGN.md section 5), the command's included.
+PACKAGES = ["accounting", "cli", "clipless", "clipped", "core", "data", "evaluation", "recipes"]
+
+
 def test_the_top_of_the_package_is_the_entry_point_and_the_original_paths():
-    top = sorted(p.stem for p in Path(lipdp.__path__[0]).glob("*.py"))
-    assert top == sorted(["__init__", "cli", "entry", *THIN])
+    """At the top: the package, ``make_private``'s entry and the original paths; all else
+    lives in the layout's sub-packages (the ``lipdp`` command in ``lipdp/cli/``)."""
+    root = Path(lipdp.__path__[0])
+    top = sorted(p.stem for p in root.glob("*.py"))
+    assert top == sorted(["__init__", "entry", *THIN])
+    assert sorted(p.parent.name for p in root.glob("*/__init__.py")) == PACKAGES
+
+
+def test_the_console_script_is_the_cli_package_s_main():
+    """``lipdp = lipdp.cli:main`` (setup.cfg) and ``python -m lipdp.cli`` name the same
+    function."""
+    import configparser
+
+    import lipdp.cli
+    import lipdp.cli.commands
+
+    config = configparser.ConfigParser()
+    config.read(Path(lipdp.__path__[0]).parent / "setup.cfg", encoding="utf-8")
+    scripts = config["options.entry_points"]["console_scripts"].split("\n")
+    assert "lipdp = lipdp.cli:main" in [line.strip() for line in scripts]
+    assert lipdp.cli.main is lipdp.cli.commands.main
+    main_module = (Path(lipdp.cli.__path__[0]) / "__main__.py").read_text(encoding="utf-8")
+    assert "from lipdp.cli import main" in main_module

@@ -97,7 +97,7 @@ def pooled_cnn(
     ``DP_QuickSpectralDense(nb_classes)``.
 
     The command line uses ``widths=(16,)`` on digits (the default) and ``(32, 64)`` on
-    Fashion-MNIST (:data:`lipdp.cli.CNN_WIDTHS`).
+    Fashion-MNIST (:data:`lipdp.recipes.defaults.CNN_WIDTHS`).
 
     Why it is 1-Lipschitz: the clipped input has norm at most ``B``; each convolution
     has a reshaped kernel of spectral norm at most 1 and is scaled by ``1/sqrt(n)``,

@@ -1,5 +1,6 @@
 """lipdp.cli: the lipdp command, its errors and its output."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from lipdp import cli
+from lipdp.cli import arguments, devices
+from lipdp.recipes import defaults, runs
 
 MISUSES = [
     (["train", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
@@ -137,7 +140,7 @@ def test_cli_choices_are_the_library_s():
     from lipdp.clipped.model import CLIPPING_MODES
     from lipdp.clipped.per_example import GRADIENT_METHODS
 
-    actions = {a.dest: a for a in cli._parser()._subparsers._group_actions[0].choices[
+    actions = {a.dest: a for a in arguments.make_parser()._subparsers._group_actions[0].choices[
         "train"]._actions}  # fmt: skip
     assert tuple(actions["clipping"].choices) == CLIPPING_MODES
     assert tuple(actions["gradient_method"].choices) == GRADIENT_METHODS
@@ -189,12 +192,15 @@ def test_cli_trains_adversarially_in_both_families(method, capsys):
 
 
 def _digits_model(**options):
-    """The CLI's model for digits (batch 256, sigma 2) with these ``cli_model`` options."""
-    from lipdp.clipless.model import DPParameters
+    """The CLI's model for digits (batch 256, sigma 2, fixed-size batches) with these
+    recipe options."""
     from lipdp.data import sources as datasets
 
-    data = datasets.load_digits()
-    return cli.cli_model(data, "digits", 256, DPParameters("global", 2.0, 1e-3), **options)[0]
+    recipe = runs.ModelRecipe(
+        dataset="digits", batch_size=256, noise_multiplier=2.0, delta=1e-3, sampling="shuffle"
+    )
+    recipe = dataclasses.replace(recipe, **options)
+    return runs.model_and_arrays(recipe, datasets.load_digits())[0]
 
 
 @pytest.mark.parametrize("method", _LIPDP_THEN_SLOW_DP_SGD)  # dp-sgd's: ~3 s
@@ -240,30 +246,30 @@ def test_cli_gradient_clip_bounds_the_logit_gradient(capsys):
 
 def test_cli_model_follows_the_method_flags():
     from lipdp.clipless import layers as L
-    from lipdp.clipless.model import DPParameters
     from lipdp.data import sources as datasets
 
     data = datasets.load_breast_cancer()
-    params = DPParameters("global", 2.0, 1e-3)
-    model, x, _ = cli.cli_model(
-        data,
-        "breast_cancer",
-        64,
-        params,
-        "poisson",
+    params = dict(noise_multiplier=2.0, delta=1e-3)
+    recipe = runs.ModelRecipe(
+        dataset="breast_cancer",
+        batch_size=64,
+        sampling="poisson",
         method="lip-dp-sgd",
         weight_norm_bound=3.0,
         group_norm=4,
-        alpha=0.2,
+        group_norm_alpha=0.2,
+        **params,
     )
+    model, x, _ = runs.model_and_arrays(recipe, data)
     kernels = [layer for layer in model.dp_layers if hasattr(layer, "adaptive_norm")]
     assert len(kernels) == 2 and len(x) == 455
     assert all(k.adaptive_norm and k.weight_norm_bound == 3.0 for k in kernels)
     assert all(k.constraint == "spectral" for k in kernels)
     assert any(isinstance(layer, L.DP_GroupNormalization) for layer in model.dp_layers)
-    fixed, _, _ = cli.cli_model(
-        datasets.load_digits(), "digits", 512, params, method="lipdp", weight_norm_bound=2.0
+    recipe = runs.ModelRecipe(
+        dataset="digits", batch_size=512, sampling="shuffle", weight_norm_bound=2.0, **params
     )
+    fixed, _, _ = runs.model_and_arrays(recipe, datasets.load_digits())
     kernels = [layer for layer in fixed.dp_layers if hasattr(layer, "adaptive_norm")]
     assert all(not k.adaptive_norm and k.constraint == "orthogonal" for k in kernels)
     assert all(k.weight_norm_bound == 2.0 for k in kernels)
@@ -465,8 +471,8 @@ def test_a_flag_the_run_would_ignore_is_refused_in_one_line(argv, message, capsy
 
 
 def _check_options(argv):
-    args = cli._parser().parse_args(argv)
-    cli._refuse_inapplicable_options(args, cli._explicit_options(argv))
+    args = arguments.make_parser().parse_args(argv)
+    arguments.refuse_inapplicable_options(args, arguments.explicit_options(argv))
 
 
 @pytest.mark.parametrize(
@@ -491,22 +497,22 @@ def test_flags_that_apply_are_accepted(argv):
 def test_defaults_never_count_as_typed():
     """A default is not the user's choice: --clip-norm 1, --momentum 0, --adversarial-steps
     10, ... trigger no refusal, whatever the method."""
-    typed = cli._explicit_options(["train", "--momentum", "0", "--quiet"])
+    typed = arguments.explicit_options(["train", "--momentum", "0", "--quiet"])
     assert {"--momentum", "--quiet"} <= typed and "--clip-norm" not in typed
-    for method in cli.METHODS:
+    for method in defaults.METHODS:
         _check_options(["train", "--method", method])
     _check_options(["evaluate", "--model", __file__])
 
 
 def test_mirrored_beyond_the_usable_cores_is_refused_at_once(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_usable_cpu_cores", lambda: 2)
+    monkeypatch.setattr(devices, "usable_cpu_cores", lambda: 2)
     assert cli.main(["train", "--mirrored", "99"]) == 2
     assert capsys.readouterr().err == (
         "lipdp train: error: --mirrored 99: this machine gives at most 2 device(s) (0 GPU(s), "
         "2 CPU core(s); more logical CPU devices than cores only slow training down): use "
         "--mirrored 2.\n"
     )
-    monkeypatch.setattr(cli, "_usable_cpu_cores", lambda: 1)
+    monkeypatch.setattr(devices, "usable_cpu_cores", lambda: 1)
     assert cli.main(["train", "--mirrored", "2"]) == 2
     assert capsys.readouterr().err.endswith("only slow training down): drop --mirrored.\n")
 
@@ -536,9 +542,9 @@ def test_train_saves_a_model_that_loads_with_its_ledger(tmp_path, capsys):
 
 
 def test_every_option_has_help_and_no_markup():
-    parser = cli._parser()
+    parser = arguments.make_parser()
     assert "``" not in parser.format_help()
-    for name, subparser in cli._subcommand_parsers(parser).items():
+    for name, subparser in arguments.subcommand_parsers(parser).items():
         missing = [a.option_strings[-1] for a in subparser._actions if not a.help]
         assert missing == [], f"lipdp {name}: options without help: {missing}"
         text = subparser.format_help()

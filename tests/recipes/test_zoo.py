@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lipdp import cli
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters, compute_gradient_bounds
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.evaluation import lipschitz_constant
-from lipdp.recipes import zoo
+from lipdp.recipes import defaults, runs, zoo
 
 PARAMS = DPParameters("global", 1.0, 1e-5)
 BATCH = 8
@@ -170,7 +169,7 @@ def test_a_metadata_without_bound_needs_an_explicit_one():
 
 # ---------------------------------------------------------------- the CLI's CNN, exactly
 def _cli_cnn_before_the_zoo(shape, bound, dataset):
-    """``lipdp/cli.py::_build_model``'s layer list as it was written before the zoo."""
+    """The CLI's ``_build_model``'s layer list as it was written before the zoo."""
     width = 16 if dataset == "digits" else 32
     stack = [
         L.DP_BoundedInput(input_shape=shape, upper_bound=bound),
@@ -187,10 +186,10 @@ def _cli_cnn_before_the_zoo(shape, bound, dataset):
     return stack + [L.DP_Flatten(), L.DP_QuickSpectralDense(10)]
 
 
-def test_cli_widths_and_bounds_are_those_of_before():
-    assert cli.CNN_WIDTHS == {"digits": (16,), "fashion_mnist": (32, 64)}
+def test_run_widths_and_bounds_are_those_of_the_cli_before():
+    assert defaults.CNN_WIDTHS == {"digits": (16,), "fashion_mnist": (32, 64)}
     # breast cancer (issue 12): 30 features in [-1, 1], hence sqrt(30).
-    assert cli.INPUT_BOUNDS == {
+    assert defaults.INPUT_BOUNDS == {
         "digits": 5.0,
         "fashion_mnist": 10.0,
         "breast_cancer": math.sqrt(30.0),
@@ -199,14 +198,14 @@ def test_cli_widths_and_bounds_are_those_of_before():
 
 @pytest.mark.parametrize("dataset, shape", [("digits", (8, 8, 1)), ("fashion_mnist", (28, 28, 1))])
 def test_pooled_cnn_is_exactly_the_cli_cnn(dataset, shape):
-    bound = cli.INPUT_BOUNDS[dataset]
+    bound = defaults.INPUT_BOUNDS[dataset]
     metadata = _metadata(shape, bound, 10)
-    built = zoo.pooled_cnn(metadata, widths=cli.CNN_WIDTHS[dataset])
+    built = zoo.pooled_cnn(metadata, widths=defaults.CNN_WIDTHS[dataset])
     assert _configs(built) == _configs(_cli_cnn_before_the_zoo(shape, bound, dataset))
     kinds = [type(layer).__name__ for layer in built]
-    assert kinds.count("DP_QuickSpectralConv2D") == len(cli.CNN_WIDTHS[dataset])
+    assert kinds.count("DP_QuickSpectralConv2D") == len(defaults.CNN_WIDTHS[dataset])
     assert [layer.filters for layer in built if hasattr(layer, "filters")] == list(
-        cli.CNN_WIDTHS[dataset]
+        defaults.CNN_WIDTHS[dataset]
     )
 
 
@@ -221,8 +220,9 @@ class _Stop(Exception):
     pass
 
 
-def test_the_cli_asks_the_zoo_for_its_model(monkeypatch):
-    """The CLI's architecture comes from the registry (stopped before any training)."""
+def test_the_run_recipe_asks_the_zoo_for_its_model(monkeypatch):
+    """The architecture of ``lipdp train``'s recipe comes from the registry (stopped before
+    any training; that the CLI runs this recipe: tests/cli/test_commands.py)."""
     calls = []
 
     def spy(metadata, **options):
@@ -231,10 +231,10 @@ def test_the_cli_asks_the_zoo_for_its_model(monkeypatch):
 
     monkeypatch.setitem(zoo.ZOO, "pooled_cnn", spy)
     with pytest.raises(_Stop):
-        cli.main(["train", "--quiet", "--epochs", "1"])
+        runs.prepare(runs.RunConfig(epochs=1))
     ((metadata, options),) = calls
-    assert options == {"widths": cli.CNN_WIDTHS["digits"]}
-    assert metadata.max_norm == cli.INPUT_BOUNDS["digits"]
+    assert options == {"widths": defaults.CNN_WIDTHS["digits"]}
+    assert metadata.max_norm == defaults.INPUT_BOUNDS["digits"]
     assert metadata.input_shape == (8, 8, 1) and metadata.nb_classes == 10
 
 

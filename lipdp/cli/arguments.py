@@ -1,0 +1,648 @@
+"""The arguments of ``lipdp``: the parser and its help, the value checks, the refusal of a
+flag the run would ignore, and the arguments turned into a recipe
+(:class:`lipdp.recipes.runs.RunConfig`, :class:`lipdp.recipes.run_evaluation.EvaluationConfig`).
+
+Every option's ``dest`` is the name of the recipe field it sets (``--clip-norm`` sets
+``clip_norm``): :func:`model_recipe` copies them over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from lipdp.recipes import defaults as D
+
+#: ``lipdp --help``'s description: plain text (the module docstring's markup would show).
+DESCRIPTION = (
+    "lipdp: train Keras networks with differential privacy (Lipschitz networks without "
+    "clipping, or clipped DP-SGD) and evaluate them."
+)
+
+
+def _defaults_text(setting) -> str:
+    """``"512 (digits), 2048 (fashion_mnist), ..."``: the help's statement of a default."""
+    return ", ".join(
+        f"{getattr(values, setting):g} ({name})" for name, values in D.DEFAULTS.items()
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line, ``lipdp <command>: error: ...``, exit status 2 (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# -------------------------------------------------------------------------- value types
+def _number(convert, check, requirement):
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
+_seed = _number(int, lambda v: v >= 0, "an integer >= 0")
+_non_negative_int = _seed
+_positive_float = _number(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+_probability = _number(float, lambda v: 0 < v < 1, "a number in (0, 1)")
+_radius = _number(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+_mix = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_decay = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+_replicas = _number(int, lambda v: v >= 2, "an integer >= 2")
+
+
+def _directory(text):
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
+    return text
+
+
+def _model_file(text):
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+def _keras_path(text):
+    if not text.endswith(".keras"):
+        raise argparse.ArgumentTypeError(
+            f"must end with .keras (the format that saves the privacy state), got {text!r}"
+        )
+    # Checked now, not after a training of minutes that could then not be saved.
+    directory = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"no such directory: {directory!r}")
+    return text
+
+
+# ------------------------------------------------------------------------------ parsers
+def make_parser() -> argparse.ArgumentParser:
+    """The ``lipdp`` parser: ``train`` and ``evaluate`` (``args.command``)."""
+    parser = _Parser(prog="lipdp", description=DESCRIPTION)
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {sys.modules['lipdp'].__version__}"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    summary = "train a private network under a privacy budget and report its test accuracy"
+    train = commands.add_parser("train", help=summary, description=summary)
+    _add_run_arguments(train)
+    _add_save_argument(train)
+    _add_evaluate_parser(commands)
+    return parser
+
+
+def subcommand_parsers(parser) -> dict:
+    """``{"train": parser, "evaluate": parser}``: the parsers of the subcommands."""
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return subparsers.choices
+
+
+def _add_save_argument(parser) -> None:
+    parser.add_argument(
+        "--save",
+        type=_keras_path,
+        default=None,
+        metavar="PATH",
+        help="save the trained model to this .keras path (with its privacy ledger)",
+    )
+
+
+def _add_run_arguments(parser) -> None:
+    """The options of a training run, shared by ``train`` and ``evaluate``, in the order
+    of the help (the order in which the refusals are checked, too)."""
+    _add_data_arguments(parser)
+    _add_budget_arguments(parser)
+    _add_method_arguments(parser)
+    _add_network_arguments(parser)
+    _add_optimisation_arguments(parser)
+    _add_adversarial_arguments(parser)
+    parser.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="seed of the initial weights (the noise and the Poisson batches are drawn from "
+        "the operating system's entropy regardless)",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="one line per epoch instead of the progress bar"
+    )
+
+
+def _add_data_arguments(parser) -> None:
+    parser.add_argument(
+        "--dataset",
+        choices=D.DATASETS,
+        default="digits",
+        help="digits (default) and breast_cancer are bundled; fashion_mnist is read from "
+        "local files (--data-dir)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=_directory,
+        default=None,
+        help="fashion_mnist only: directory of its IDX files (default: the places "
+        "lipdp.data.sources looks in)",
+    )
+
+
+def _add_budget_arguments(parser) -> None:
+    """The privacy budget and the mechanism it buys (batch, noise, epochs, sampling)."""
+    parser.add_argument(
+        "--epsilon", type=_positive_float, default=3.0, help="privacy budget epsilon (default 3)"
+    )
+    parser.add_argument(
+        "--delta",
+        type=_probability,
+        default=1e-5,
+        help="privacy parameter delta, in (0, 1); keep it below 1/N (default 1e-5)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        help=f"expected batch size b; default: {_defaults_text('batch_size')}",
+    )
+    parser.add_argument(
+        "--noise-multiplier",
+        type=_positive_float,
+        default=None,
+        help=f"sigma, the noise standard deviation over the sensitivity; default: "
+        f"{_defaults_text('noise_multiplier')}",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=_positive_int,
+        default=None,
+        help="default: the most epochs within the budget",
+    )
+    parser.add_argument(
+        "--sampling",
+        choices=D.SAMPLINGS,
+        default="poisson",
+        help="poisson (default): batches are Poisson samples of rate b/N, the mechanism the "
+        "accountant analyses; shuffle: fixed-size batches of a shuffle, as the original "
+        "package (the Poisson analysis is then an assumption)",
+    )
+
+
+def _add_method_arguments(parser) -> None:
+    """The method, and clipped DP-SGD's clipping and ascent steps."""
+    parser.add_argument(
+        "--method",
+        choices=D.METHODS,
+        default="lipdp",
+        help="lipdp (default): kernels kept at norm C, bounds from C; lip-dp-sgd: kernels in "
+        "balls of radius C, bounds from their current norms (less noise when they shrink)",
+    )
+    parser.add_argument(
+        "--clipping",
+        choices=D.CLIPPING_MODES,
+        default="flat",
+        help="dp-sgd only: per-example clipping, flat min(1, R/|g|), per-layer (radius "
+        "R/sqrt(K) for each of K layers; with --strategy per-layer, one mechanism per "
+        "layer), automatic R/(|g|+0.01) or global R/Z below Z, 0 above (default flat)",
+    )
+    parser.add_argument(
+        "--gradient-method",
+        choices=D.GRADIENT_METHODS,
+        default="ghost",
+        help="dp-sgd only: per-example gradient norms by ghost norms (default, fast) or the "
+        "full Jacobian (reference)",
+    )
+    ascent = parser.add_mutually_exclusive_group()
+    ascent.add_argument(
+        "--bam",
+        type=_positive_float,
+        default=None,
+        metavar="LAMBDA",
+        help="dp-sgd only: Bias-Aware Minimisation, each example's gradient taken after its "
+        "own ascent step of length LAMBDA (about 2x the step cost, same privacy)",
+    )
+    ascent.add_argument(
+        "--dp-sat",
+        type=_positive_float,
+        default=None,
+        metavar="RHO",
+        help="dp-sgd only: DP-SAT, gradients taken after an ascent step of length RHO along "
+        "the previous released gradient (same privacy)",
+    )
+    parser.add_argument(
+        "--clip-norm", type=_positive_float, default=1.0, help="dp-sgd only: R (default 1)"
+    )
+    parser.add_argument(
+        "--clip-threshold",
+        type=_positive_float,
+        default=None,
+        help="dp-sgd --clipping global only: Z, examples with larger gradients are dropped",
+    )
+
+
+def _add_network_arguments(parser) -> None:
+    """The network: logit-gradient clipping, kernel balls, group normalisation, scattering."""
+    parser.add_argument(
+        "--gradient-clip",
+        type=_positive_float,
+        default=None,
+        metavar="C",
+        help="lipdp / lip-dp-sgd: clip each example's loss gradient at the logits to norm C "
+        "(DP_ClipGradient; every bound upstream uses C instead of the loss's own bound, no "
+        "per-example parameter gradients); default: none",
+    )
+    parser.add_argument(
+        "--weight-norm-bound",
+        type=_positive_float,
+        default=1.0,
+        help="C, the radius of every kernel's norm ball (default 1)",
+    )
+    parser.add_argument(
+        "--group-norm",
+        type=_positive_int,
+        default=None,
+        help="number of groups of a group normalisation (x - mean) / max(alpha, std) after "
+        "each hidden layer (default: none)",
+    )
+    parser.add_argument(
+        "--group-norm-alpha",
+        type=_positive_float,
+        default=1.0,
+        help="alpha of the group normalisation (the layer is 1/alpha-Lipschitz; default 1)",
+    )
+    parser.add_argument(
+        "--scattering",
+        action="store_true",
+        help="images: a scattering front-end (Kymatio's J=2, L=8, no weights, certified "
+        "Lipschitz constant), a group normalisation (--group-norm groups, default 27 per "
+        "channel; alpha 1e-4) and a linear head (zoo.scattering_net; with dp-sgd the same "
+        "layers and a Dense head)",
+    )
+
+
+def _add_optimisation_arguments(parser) -> None:
+    """Averaging, noise strategy, devices, accountant and the optimiser."""
+    parser.add_argument(
+        "--averaging",
+        type=_decay,
+        default=None,
+        help="evaluate the exponential moving average of the weights with this decay "
+        "(e.g. 0.99; post-processing, no privacy cost)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=D.NOISE_STRATEGIES,
+        default="global",
+        help="global (default): one Gaussian mechanism on the whole gradient; per-layer: one "
+        "per layer, each with its own sensitivity (dp-sgd: with --clipping per-layer only)",
+    )
+    parser.add_argument(
+        "--mirrored",
+        type=_replicas,
+        default=None,
+        metavar="R",
+        help="train under tf.distribute.MirroredStrategy over R devices: the first R GPUs, "
+        "else the CPU split into R logical devices (same global batch, same noise and "
+        "epsilon; the batch size must be divisible by R)",
+    )
+    parser.add_argument(
+        "--accountant",
+        choices=D.ACCOUNTANTS,
+        default="rdp",
+        help="rdp (default) or pld: upper bounds; gdp: the central-limit approximation of "
+        "Bu et al. (not a proven bound, flagged in the report)",
+    )
+    parser.add_argument(
+        "--learning-rate",
+        type=_positive_float,
+        default=None,
+        help=f"step size of the optimiser; default: {_defaults_text('learning_rate')}",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=D.OPTIMIZERS,
+        default="adam",
+        help="adam (default) or sgd (with --momentum; Tramer & Boneh's choice for linear "
+        "heads on scattering features); the noise is added before the optimiser, so either "
+        "is post-processing",
+    )
+    parser.add_argument(
+        "--momentum",
+        type=_decay,
+        default=0.0,
+        help="heavy-ball momentum of --optimizer sgd, in [0, 1) (default 0)",
+    )
+
+
+def _add_adversarial_arguments(parser) -> None:
+    parser.add_argument(
+        "--adversarial-radius",
+        type=_positive_float,
+        default=None,
+        metavar="R",
+        help="adversarial training (both methods): each example replaced by its PGD "
+        "adversarial version within radius R, computed from the current weights (same "
+        "privacy; lipdp.core.adversarial); default: none",
+    )
+    parser.add_argument(
+        "--adversarial-norm",
+        choices=D.ADVERSARIAL_NORMS,
+        default="l2",
+        help="the ball of --adversarial-radius (default l2)",
+    )
+    parser.add_argument(
+        "--adversarial-steps",
+        type=_positive_int,
+        default=10,
+        help="PGD steps of adversarial training (default 10; step 2.5 R / steps)",
+    )
+    parser.add_argument(
+        "--adversarial-mix",
+        type=_mix,
+        default=1.0,
+        help="weight w in (0, 1] of the adversarial loss: (1 - w) clean + w adversarial "
+        "(default 1: adversarial examples only)",
+    )
+    parser.add_argument(
+        "--trades",
+        type=_positive_float,
+        default=None,
+        metavar="BETA",
+        help="with --adversarial-radius, dp-sgd and --gradient-method jacobian only: the "
+        "TRADES loss CE(x) + BETA KL(p(x) || p(x')) (replaces --adversarial-mix)",
+    )
+
+
+def _add_evaluate_parser(commands) -> None:
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="train (or load) a model and report privacy, accuracy, certified accuracy, "
+        "calibration and membership inference",
+    )
+    evaluate.add_argument(
+        "--model",
+        type=_model_file,
+        default=None,
+        help="a saved .keras lipdp model to evaluate (no training)",
+    )
+    _add_save_argument(evaluate)
+    _add_run_arguments(evaluate)
+    _add_evaluation_arguments(evaluate)
+
+
+def _add_evaluation_arguments(evaluate) -> None:
+    evaluate.add_argument(
+        "--radii",
+        type=_radius,
+        nargs="+",
+        default=[0.0, 0.05, 0.1, 0.2, 0.5],
+        help="radii of the certified (l2) and PGD accuracy",
+    )
+    evaluate.add_argument(
+        "--attack-steps",
+        type=_non_negative_int,
+        default=20,
+        help="PGD steps of the robustness table at each of --radii (0: no attack; default 20)",
+    )
+    evaluate.add_argument(
+        "--attack-restarts",
+        type=_positive_int,
+        default=1,
+        help="PGD restarts, the first from the clean point (default 1)",
+    )
+    evaluate.add_argument(
+        "--attack-norms",
+        choices=D.ADVERSARIAL_NORMS,
+        nargs="+",
+        default=["l2"],
+        help="balls of the PGD attack (default l2; the radii are the same numbers)",
+    )
+    evaluate.add_argument(
+        "--attack-examples",
+        type=_positive_int,
+        default=1000,
+        help="test examples attacked (the first ones; default 1000)",
+    )
+    evaluate.add_argument(
+        "--bins", type=_positive_int, default=15, help="confidence bins of the ECE"
+    )
+
+
+# ------------------------------------------------------------------ inapplicable flags
+def explicit_options(argv) -> set:
+    """The options typed on the command line (``{"--clip-norm", ...}``): ``argv`` parsed
+    again with every default suppressed, so that a default never counts as the user's
+    choice (``--clip-norm`` defaults to 1 for every method)."""
+    parser = make_parser()
+    for subparser in subcommand_parsers(parser).values():
+        for action in subparser._actions:
+            action.default = argparse.SUPPRESS
+    typed = vars(parser.parse_args(argv))
+    return {"--" + dest.replace("_", "-") for dest in typed}
+
+
+def refuse_inapplicable_options(args, typed) -> None:
+    """A ``ValueError`` (one line: the flag, why, the fix) for the first typed option that
+    the run would ignore: the CLI never silently drops a flag the user chose."""
+    refusals = _inapplicable_options(args)
+    for flag in _option_order(subcommand_parsers(make_parser())[args.command]):
+        if flag in typed and flag in refusals:
+            raise ValueError(refusals[flag])
+
+
+def _option_order(parser) -> list:
+    """The long options of ``parser`` in the order of its ``--help``."""
+    return [a.option_strings[-1] for a in parser._actions if a.option_strings]
+
+
+def _inapplicable_options(args) -> dict:
+    """``{flag: message}`` for every option that does not apply to the run ``args``
+    describes (whether typed or not: the caller keeps the typed ones)."""
+    if getattr(args, "model", None) is not None:
+        refusals = _options_unused_by_a_saved_model()
+    else:
+        refusals = _family_refusals(args)
+        refusals.update(_clipping_refusals(args))
+        refusals.update(_group_norm_refusals(args))
+        refusals.update(_adversarial_refusals(args))
+    if args.optimizer != "sgd":
+        refusals.setdefault(
+            "--momentum",
+            "--momentum applies to --optimizer sgd only (Adam keeps its own moment "
+            "estimates): drop --momentum or add --optimizer sgd.",
+        )
+    if args.dataset != "fashion_mnist":
+        refusals["--data-dir"] = (
+            f"--data-dir applies to --dataset fashion_mnist only ({args.dataset} is "
+            "bundled): drop --data-dir or add --dataset fashion_mnist."
+        )
+    if args.command == "evaluate" and args.attack_steps == 0:
+        for flag in ("--attack-restarts", "--attack-norms", "--attack-examples"):
+            refusals[flag] = (
+                f"{flag} applies to the PGD attack, which --attack-steps 0 turns off: drop "
+                f"{flag} or give --attack-steps N >= 1."
+            )
+    return refusals
+
+
+def _family_refusals(args) -> dict:
+    """The options of the other family than ``--method``'s."""
+    if args.method != "dp-sgd":
+        why = (
+            f"--method {args.method} clips no gradient: its sensitivities come from the "
+            "layers' Lipschitz bounds"
+        )
+        flags = ("--clipping", "--clip-norm", "--clip-threshold", "--gradient-method")
+        refusals = {
+            f: f"{f} applies to --method dp-sgd only ({why}): drop {f} or add --method dp-sgd."
+            for f in flags
+        }
+        for flag in ("--bam", "--dp-sat"):
+            refusals[flag] = (
+                f"{flag} applies to --method dp-sgd only (the clipless methods have no "
+                f"sharpness-aware step): drop {flag} or add --method dp-sgd."
+            )
+        return refusals
+    return {
+        "--gradient-clip": "--gradient-clip applies to the clipless methods; dp-sgd clips "
+        "per-example gradients with --clip-norm.",
+        "--weight-norm-bound": "--weight-norm-bound applies to the clipless methods (lipdp, "
+        "lip-dp-sgd) only: dp-sgd's layers have unconstrained kernels (their gradients are "
+        "clipped at --clip-norm): drop --weight-norm-bound.",
+    }
+
+
+def _clipping_refusals(args) -> dict:
+    if args.method == "dp-sgd" and args.clipping != "global":
+        return {
+            "--clip-threshold": f"--clip-threshold applies to --clipping global only "
+            f"({args.clipping} clipping drops no example): drop --clip-threshold or add "
+            "--clipping global."
+        }
+    return {}
+
+
+def _group_norm_refusals(args) -> dict:
+    """Group normalisation: in the clipless networks (``--group-norm``, ``--group-norm-alpha``)
+    and in either family's scattering network (``--group-norm`` only: its alpha is fixed)."""
+    refusals = {}
+    if args.method == "dp-sgd" and not args.scattering:
+        refusals["--group-norm"] = (
+            "--group-norm applies to the clipless methods, or to dp-sgd with --scattering "
+            "(dp-sgd's plain network has no group normalisation): drop --group-norm."
+        )
+    if args.scattering:
+        refusals["--group-norm-alpha"] = (
+            "--group-norm-alpha does not apply to --scattering, whose group normalisation "
+            "has its own alpha (lipdp.recipes.zoo.SCATTERING_ALPHA): drop --group-norm-alpha."
+        )
+    elif args.method == "dp-sgd":
+        refusals["--group-norm-alpha"] = (
+            "--group-norm-alpha applies to the clipless methods only (dp-sgd's plain "
+            "network has no group normalisation): drop --group-norm-alpha."
+        )
+    elif args.group_norm is None:
+        refusals["--group-norm-alpha"] = (
+            "--group-norm-alpha needs --group-norm G (without it the network has no group "
+            "normalisation): add --group-norm G or drop --group-norm-alpha."
+        )
+    return refusals
+
+
+def _adversarial_refusals(args) -> dict:
+    if args.adversarial_radius is None:
+        flags = ("--adversarial-norm", "--adversarial-steps", "--adversarial-mix", "--trades")
+        return {
+            f: f"{f} needs --adversarial-radius R (the ball of its attack; without it there "
+            f"is no adversarial training): add --adversarial-radius R or drop {f}."
+            for f in flags
+        }
+    if args.trades is not None:
+        return {
+            "--adversarial-mix": "--adversarial-mix does not apply with --trades (the TRADES "
+            "loss replaces the mixed loss): drop one of them."
+        }
+    return {}
+
+
+def _options_unused_by_a_saved_model() -> dict:
+    """``evaluate --model``: no training, so every training option would be ignored; the
+    data set, the accountant of the report and the seed of the evaluations still apply."""
+    used = {"--dataset", "--data-dir", "--accountant", "--seed"}
+    training = subcommand_parsers(make_parser())["train"]
+    refusals = {
+        flag: f"{flag} configures training, and evaluate --model evaluates a saved model "
+        f"without training: drop {flag}."
+        for flag in _option_order(training)
+        if flag not in used
+    }
+    refusals["--save"] = (
+        "--save saves the model this command trains, and --model loads one already saved: "
+        "drop --save."
+    )
+    return refusals
+
+
+# --------------------------------------------------------------- arguments -> recipe
+def refuse_missing_settings(args) -> None:
+    """A ``ValueError`` in the flags' words for a run that lacks a setting it needs (the
+    recipe would refuse it too, in its fields' words)."""
+    if args.method == "dp-sgd" and args.clipping == "global" and args.clip_threshold is None:
+        raise ValueError(
+            "--clipping global needs --clip-threshold Z (the norm above which an "
+            "example's gradient is dropped)."
+        )
+    if args.scattering and args.dataset not in D.IMAGE_DATASETS:
+        raise ValueError(f"--scattering needs images; {args.dataset} is tabular.")
+
+
+def batch_size(args) -> int:
+    """``--batch-size``, or the data set's default."""
+    return args.batch_size or D.DEFAULTS[args.dataset].batch_size
+
+
+def model_recipe(args):
+    """The :class:`~lipdp.recipes.runs.ModelRecipe` of ``args``: every recipe field that is
+    an option (the options are named after the fields)."""
+    from lipdp.recipes.runs import ModelRecipe
+
+    names = [f.name for f in dataclasses.fields(ModelRecipe) if hasattr(args, f.name)]
+    return ModelRecipe(**{name: getattr(args, name) for name in names})
+
+
+def run_config(args):
+    """The :class:`~lipdp.recipes.runs.RunConfig` of ``args``."""
+    from lipdp.recipes.runs import RunConfig
+
+    return RunConfig(
+        model_recipe(args),
+        epsilon=args.epsilon,
+        epochs=args.epochs,
+        accountant=args.accountant,
+        averaging=args.averaging,
+        seed=args.seed,
+        data_dir=args.data_dir,
+    )
+
+
+def evaluation_config(args):
+    """The :class:`~lipdp.recipes.run_evaluation.EvaluationConfig` of ``evaluate``'s
+    ``args``."""
+    from lipdp.recipes.run_evaluation import EvaluationConfig
+
+    return EvaluationConfig(
+        radii=tuple(args.radii),
+        bins=args.bins,
+        attack_steps=args.attack_steps,
+        attack_restarts=args.attack_restarts,
+        attack_norms=tuple(args.attack_norms),
+        attack_examples=args.attack_examples,
+        seed=args.seed,
+    )

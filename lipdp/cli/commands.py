@@ -1,0 +1,174 @@
+"""``lipdp train`` and ``lipdp evaluate``: arguments -> recipe -> the recipes' results,
+printed. :func:`main` is the console script (``lipdp = lipdp.cli:main``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+
+from lipdp.cli import arguments, devices, output
+from lipdp.recipes import run_evaluation, runs
+
+
+def _prepared_run(args, verb):
+    """The run of ``args``, built and stated (``lipdp train: ...``), not yet trained.
+
+    Checked first, in the flags' words: the batch size against the data, the devices of
+    ``--mirrored``, the settings the run needs (which the recipe would refuse too, in its
+    fields' words).
+    """
+    data = runs.load_data(args.dataset, args.data_dir)
+    batch_size = arguments.batch_size(args)
+    if batch_size > len(data.x_train):
+        raise ValueError(
+            f"--batch-size {batch_size} exceeds the {len(data.x_train)} training examples."
+        )
+    strategy = devices.distribution_strategy(args.mirrored)
+    arguments.refuse_missing_settings(args)
+    prepared = runs.prepare(arguments.run_config(args), data, strategy)
+    print(output.run_line(verb, prepared, args.mirrored))
+    return prepared
+
+
+def _train(args, verb):
+    """Build, state and train the run of ``args``. Returns ``(prepared run, seconds)``."""
+    prepared = _prepared_run(args, verb)
+    callbacks = [output.epoch_lines(prepared.epochs)] if args.quiet else []
+    start = time.perf_counter()
+    runs.fit(prepared, callbacks, verbose=0 if args.quiet else 1)
+    return prepared, time.perf_counter() - start
+
+
+def train_command(args) -> int:
+    """``lipdp train``: the run stated, trained, its privacy report and test accuracy
+    (``--save``: the model saved with its ledger)."""
+    from lipdp.core.report import privacy_report
+
+    prepared, seconds = _train(args, "train")
+    model, data = prepared.model, prepared.data
+    accuracy = runs.metrics_on_test_set(model, data)["accuracy"]
+    print()
+    print(privacy_report(model, accountant=args.accountant))
+    print(f"test accuracy: {accuracy:.4f} ({len(data.x_test)} examples, {seconds:.1f} s training)")
+    if args.save:
+        _save(model, args.save)
+    return 0
+
+
+def _save(model, path) -> None:
+    """The ``.keras`` file keeps the privacy ledger: ``evaluate --model`` reports the same
+    epsilon."""
+    model.save(path)
+    print(f"saved to {path}")
+
+
+def _refuse_other_data(model, data, args) -> None:
+    """A saved model evaluated on a data set of other inputs or classes fails deep inside
+    Keras with a long traceback: one line instead, before any evaluation."""
+    shape, classes = run_evaluation.input_signature(model)
+    data_shape = tuple(data.x_train.shape[1:])
+    if shape == data_shape and classes == data.nb_classes:
+        return
+    raise ValueError(
+        f"--model {args.model!r} takes inputs of shape {shape} in {classes} classes, but "
+        f"--dataset {args.dataset} has inputs of shape {data_shape} in {data.nb_classes} "
+        "classes: give the --dataset the model was trained on."
+    )
+
+
+def _saved_model(args):
+    """``(model, data, x_train, y_train)`` of ``evaluate --model PATH``."""
+    runs.set_seed(args.seed)
+    data = runs.load_data(args.dataset, args.data_dir)
+    try:
+        model = run_evaluation.load_private_model(args.model)
+    except ValueError as error:
+        raise ValueError(f"--model: {error}") from None
+    _refuse_other_data(model, data, args)
+    print(f"lipdp evaluate: {args.model} on {args.dataset}")
+    return (model, data, *run_evaluation.saved_training_arrays(model, data))
+
+
+def evaluate_command(args) -> int:
+    """``lipdp evaluate``: the privacy report and the evaluations of lipdp.evaluation.
+
+    Membership inference reads the training data: it is an empirical audit for the
+    data owner, not part of the DP release.
+    """
+    if args.model is not None:
+        model, data, x_train, y_train = _saved_model(args)
+    else:
+        prepared, _ = _train(args, "evaluate")
+        model, data = prepared.model, prepared.data
+        x_train, y_train = prepared.x_train, prepared.y_train
+        if args.save:
+            _save(model, args.save)
+    print()
+    report = run_evaluation.privacy_report_of(model, args.accountant)
+    if report is None:
+        print("privacy report: unavailable (the model has no optimizer state or metadata)")
+    else:
+        print(report)
+    print()
+    config = arguments.evaluation_config(args)
+    results = run_evaluation.evaluate_model(model, data, x_train, y_train, config)
+    print("\n".join(output.evaluation_lines(results, config)))
+    return 0
+
+
+#: The function of each subcommand.
+COMMANDS = {"train": train_command, "evaluate": evaluate_command}
+
+
+@contextlib.contextmanager
+def _native_logs_silenced():
+    """TensorFlow's C++ and absl start-up lines (CUDA factories, XLA compilation notices)
+    write to file descriptor 2 directly, whatever TF_CPP_MIN_LOG_LEVEL says: send that
+    descriptor to /dev/null while Python's own stderr (errors, warnings, logging) keeps
+    the real one. ``LIPDP_NATIVE_LOGS=1`` keeps them."""
+    if os.environ.get("LIPDP_NATIVE_LOGS") == "1" or sys.stderr is not sys.__stderr__:
+        yield  # (a caller that replaced sys.stderr, e.g. a test, manages its own streams)
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    python_stderr = sys.stderr
+    try:
+        sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        _move_log_handlers(python_stderr, sys.stderr)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        replaced, sys.stderr = sys.stderr, python_stderr
+        _move_log_handlers(replaced, python_stderr)
+        replaced.close()
+
+
+def _move_log_handlers(old, new) -> None:
+    """Point the root logger's stream handlers that write to ``old`` at ``new``."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+            handler.setStream(new)
+
+
+def main(argv=None) -> int:
+    """The ``lipdp`` command on ``argv`` (default: ``sys.argv[1:]``). Returns the exit
+    status: 0, or 2 after a one-line error on stderr (a bad value exits with 2 from the
+    parser)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = arguments.make_parser().parse_args(argv)
+    with _native_logs_silenced():
+        try:
+            arguments.refuse_inapplicable_options(args, arguments.explicit_options(argv))
+            return COMMANDS[args.command](args)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"lipdp {args.command}: error: {error}", file=sys.stderr)
+            return 2

@@ -1,0 +1,206 @@
+"""lipdp.recipes.runs and run_evaluation on their own: the run configurations (validation
+in one line, serialisation), the pieces of a run, and ``lipdp train`` reproduced without
+the command line."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from lipdp.accounting.budget import get_eps_delta
+from lipdp.data import sources
+from lipdp.recipes import defaults, run_evaluation, runs
+
+BAD_RECIPES = [
+    (dict(dataset="mnist"), "dataset must be one of"),
+    (dict(method="clipping"), "method must be one of"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1"),
+    (dict(noise_multiplier=-1.0), "noise_multiplier must be > 0"),
+    (dict(delta=2.0), "delta must be < 1.0"),
+    (dict(optimizer="rmsprop"), "optimizer must be one of"),
+    (dict(momentum=1.0), "momentum must be < 1.0"),
+    (dict(momentum=0.9), "momentum=0.9 applies to optimizer='sgd' only"),
+    (dict(clip_norm=2.0), "clip_norm=2.0 applies to method='dp-sgd' only"),
+    (dict(bam=0.1), "bam=0.1 applies to method='dp-sgd' only"),
+    (dict(method="dp-sgd", gradient_clip=0.5), "gradient_clip=0.5 applies to the clipless"),
+    (dict(method="dp-sgd", weight_norm_bound=2.0), "weight_norm_bound=2.0 applies to the"),
+    (dict(method="dp-sgd", group_norm=4), "group_norm=4 applies to the clipless methods, or"),
+    (dict(group_norm_alpha=0.5), "group_norm_alpha=0.5 applies to the group normalisation"),
+    (dict(method="dp-sgd", clipping="global"), "clipping='global' needs clip_threshold"),
+    (dict(method="dp-sgd", clip_threshold=5.0), "clip_threshold=5.0 applies to clipping='glob"),
+    (dict(method="dp-sgd", bam=0.1, dp_sat=0.1), "bam and dp_sat are two ascent steps"),
+    (dict(dataset="breast_cancer", scattering=True), "scattering needs images; breast_cancer"),
+    (dict(non_private=True, noise_multiplier=1.0), "non_private=True is a noiseless reference"),
+    (dict(trades=2.0), "trades=2.0 needs adversarial_radius"),
+    (dict(adversarial_steps=3), "adversarial_steps=3 needs adversarial_radius"),
+    (dict(adversarial_radius=0.1, trades=2.0, adversarial_mix=0.5), "adversarial_mix=0.5 does"),
+]
+
+BAD_RUNS = [
+    (dict(epsilon=0.0), "epsilon must be > 0"),
+    (dict(epochs=0), "epochs must be an integer >= 1"),
+    (dict(accountant="moments"), "accountant must be one of"),
+    (dict(averaging=1.0), "averaging must be < 1.0"),
+    (dict(seed=-1), "seed must be an integer >= 0"),
+    (dict(data_dir="/tmp"), "data_dir applies to dataset='fashion_mnist' only"),
+    (dict(model="digits"), "model must be a ModelRecipe or its config dict"),
+]
+
+
+def _one_line_error(make, match):
+    with pytest.raises((ValueError, TypeError), match=match) as error:
+        make()
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("settings, match", BAD_RECIPES, ids=lambda v: str(v)[:60])
+def test_a_bad_model_recipe_is_a_one_line_error(settings, match):
+    _one_line_error(lambda: runs.ModelRecipe(**settings), match)
+
+
+@pytest.mark.parametrize("settings, match", BAD_RUNS, ids=lambda v: str(v)[:60])
+def test_a_bad_run_is_a_one_line_error(settings, match):
+    _one_line_error(lambda: runs.RunConfig(**settings), match)
+
+
+def test_a_bad_evaluation_is_a_one_line_error():
+    E = run_evaluation.EvaluationConfig
+    _one_line_error(lambda: E(radii=(-0.1,)), "radius must be >= 0")
+    _one_line_error(lambda: E(radii=()), "radii must hold at least one radius")
+    _one_line_error(lambda: E(attack_norms=("l1",)), "attack norm must be one of")
+    _one_line_error(lambda: E(bins=0), "bins must be an integer >= 1")
+
+
+def test_settings_at_their_defaults_are_never_refused():
+    """A setting that does not apply is refused only when it differs from its default:
+    every method and data set takes the defaults of the others' settings."""
+    for dataset in defaults.DATASETS:
+        for method in defaults.METHODS:
+            runs.ModelRecipe(dataset=dataset, method=method)
+
+
+def test_configurations_round_trip_through_plain_dicts():
+    recipe = runs.ModelRecipe(
+        dataset="breast_cancer",
+        method="dp-sgd",
+        batch_size=32,
+        clipping="global",
+        clip_threshold=5,
+        bam=0.1,
+        optimizer="sgd",
+        momentum=0.9,
+        adversarial_radius=0.1,
+        trades=2,
+    )
+    run = runs.RunConfig(recipe, epsilon=1, epochs=2, accountant="pld", averaging=0.99)
+    config = json.loads(json.dumps(run.to_config()))  # plain values only
+    assert config["model"]["clip_threshold"] == 5.0 and config["epochs"] == 2
+    assert runs.RunConfig.from_config(config) == run
+    assert runs.RunConfig.coerce(config) == run
+    evaluation = run_evaluation.EvaluationConfig(radii=(0, 0.5), attack_norms=("l2", "linf"))
+    plain = json.loads(json.dumps(evaluation.to_config()))
+    assert run_evaluation.EvaluationConfig.from_config(plain) == evaluation
+
+
+def test_resolved_takes_the_data_set_defaults():
+    for dataset, default in defaults.DEFAULTS.items():
+        recipe = runs.ModelRecipe(dataset=dataset).resolved()
+        assert recipe.batch_size == default.batch_size
+        assert recipe.noise_multiplier == default.noise_multiplier
+        assert recipe.learning_rate == default.learning_rate
+    given = runs.ModelRecipe(batch_size=100, noise_multiplier=3, learning_rate=0.5)
+    assert given.resolved() == given
+    reference = runs.ModelRecipe(non_private=True)
+    assert runs.dp_parameters(reference).noise_multiplier == 0.0
+    assert runs.dp_parameters(reference).non_private
+
+
+@pytest.mark.parametrize(
+    "settings, name",
+    [
+        (dict(), "pooled_cnn"),
+        (dict(weight_norm_bound=2.0), "lip_convnet"),
+        (dict(method="lip-dp-sgd"), "lip_convnet"),
+        (dict(group_norm=4), "lip_convnet"),
+        (dict(dataset="breast_cancer"), "lip_mlp"),
+        (dict(scattering=True), "scattering_net"),
+    ],
+)
+def test_the_architecture_follows_the_recipe(settings, name):
+    assert runs.architecture(runs.ModelRecipe(**settings))[0] == name
+
+
+def test_the_library_objects_of_a_recipe():
+    from lipdp.clipped.model import Clipping, SharpnessAscent
+
+    recipe = runs.ModelRecipe(
+        dataset="breast_cancer",
+        method="dp-sgd",
+        clipping="global",
+        clip_norm=0.5,
+        clip_threshold=4,
+        dp_sat=0.2,
+        adversarial_radius=0.1,
+        adversarial_norm="linf",
+    )
+    assert runs.clipping(recipe) == Clipping("global", 0.5, threshold=4.0)
+    assert runs.ascent(recipe) == SharpnessAscent("dp-sat", 0.2)
+    attack = runs.adversarial(recipe)
+    assert attack.norm == "linf" and attack.clip_values == defaults.FEATURE_RANGES["breast_cancer"]
+    clipless = runs.ModelRecipe()
+    assert runs.clipping(clipless) is None and runs.ascent(clipless) is None
+    assert runs.adversarial(clipless) is None
+
+
+def test_the_metadata_of_a_run():
+    data = sources.load_digits()
+    poisson = runs.run_metadata(runs.ModelRecipe(batch_size=500), data)
+    assert poisson.nb_samples_train == 1536 and poisson.max_norm == defaults.INPUT_BOUNDS["digits"]
+    shuffle = runs.run_metadata(runs.ModelRecipe(batch_size=500, sampling="shuffle"), data)
+    assert shuffle.nb_samples_train == 1500  # whole batches only (rule S5)
+    x, y = runs.training_arrays(shuffle, data)
+    assert len(x) == len(y) == 1500 and y.shape == (1500, 10) and y.dtype == np.float32
+    _one_line_error(
+        lambda: runs.run_metadata(runs.ModelRecipe(batch_size=2000), data),
+        "batch_size 2000 exceeds the 1536 training examples",
+    )
+
+
+def test_prepare_takes_the_most_epochs_within_the_budget():
+    prepared = runs.prepare(runs.RunConfig(epsilon=3.0))
+    model, epochs = prepared.model, prepared.epochs
+    assert model.dataset_metadata.batch_size == 512 and len(prepared.x_train) == 1536
+    assert get_eps_delta(model, epochs)[0] <= 3.0 < get_eps_delta(model, epochs + 1)[0]
+
+
+def test_one_epoch_on_digits_logs_the_model_s_epsilon_and_prints_nothing(capsys):
+    """``train`` is ``lipdp train`` without the printing; the epsilon ``DP_Accountant`` logs
+    is the model's own ``get_eps_delta``. The evaluation of ``lipdp evaluate`` on it."""
+    data = sources.load_digits()
+    model, history, metrics = runs.train(runs.RunConfig(epochs=1), data)
+    assert capsys.readouterr().out == ""
+    assert len(history.history["epsilon"]) == 1
+    assert history.history["epsilon"][-1] == get_eps_delta(model, 1)[0]
+    assert 0.0 <= metrics["accuracy"] <= 1.0 and np.isfinite(metrics["loss"])
+
+    config = run_evaluation.EvaluationConfig(radii=(0.0, 0.1), attack_steps=2, attack_examples=20)
+    x_train, y_train = runs.training_arrays(model.dataset_metadata, data)
+    results = run_evaluation.evaluate_model(model, data, x_train, y_train, config)
+    assert results.accuracy == pytest.approx(metrics["accuracy"], abs=1e-6)
+    assert results.lipschitz > 0 and len(results.certified) == 2
+    assert results.certified[0] == pytest.approx(results.accuracy)  # radius 0: correct ones
+    assert results.attacked == 20 and set(results.robustness) == {
+        "radii",
+        "pgd_l2",
+        "certified_l2",
+    }
+    assert run_evaluation.privacy_report_of(model).epsilon == pytest.approx(
+        history.history["epsilon"][-1]
+    )
+
+
+def test_a_recipe_is_frozen():
+    recipe = runs.ModelRecipe()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe.method = "dp-sgd"
