@@ -1,8 +1,9 @@
 """The base of lipdp's configuration objects: :class:`Config`.
 
 ``DPParameters``, ``DatasetMetadata``, ``Clipping``, ``SharpnessAscent``, ``PGD``,
-``RandomSearch``, ``DynamicClippingSpec``, the accountants' mechanisms and releases and
-the ``PrivacyPlan`` are frozen dataclasses: a model, its privacy
+``RandomSearch``, ``DynamicClippingSpec``, the accountants' mechanisms and releases,
+the ``PrivacyPlan`` and the run recipes (``ModelRecipe``, ``RunConfig``,
+``EvaluationConfig``) are frozen dataclasses: a model, its privacy
 plan and its traced step read the same instance, so a value changed after a plan was
 made would make the plan wrong (``dataclasses.replace`` gives a variant). Each validates
 and normalises its fields in ``__post_init__`` (:meth:`Config._set`), and all share one
