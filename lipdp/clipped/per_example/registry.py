@@ -38,8 +38,9 @@ optional (defaults in :class:`GhostRule`)
     ``kernel_rows(layer, a, g)`` (materialised ``grad_W,i`` when cheaper than the ghost
     norm; they then also give the clipped sum and BAM's shift).
 
-The engine checks that the kernel and the bias are exactly the layer's trainable
-variables (a variable outside the rule would be missing from the row's norm).
+The engine refuses, in one line, a rule whose kernel and bias are not exactly the
+layer's trainable variables (a variable outside the rule would be missing from the
+row's norm) and squared norms that are not float64.
 
 **Lookup by class.** :func:`find_ghost_rule` walks the layer's class MRO to the nearest
 class with a registration (a class that registers its own rule overrides its parents').
