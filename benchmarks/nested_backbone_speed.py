@@ -14,8 +14,8 @@ ghost norms, sigma = 1, SGD). Three variants, each its own model with the same w
   ``Conv2D`` and ``Dense`` inside, the vectorised fallback for each ``GroupNormalization``
   alone;
 * ``nested-as-one-layer``: the same model traced with the recursion switched off
-  (``lipdp.clipped.per_example._chain_layers`` patched to return ``None`` while the step is
-  traced): every trainable variable of the backbone materialised per row by
+  (``lipdp.clipped.per_example.engine._chain_layers`` patched to return ``None`` while
+  the step is traced): every trainable variable of the backbone materialised per row by
   ``tf.vectorized_map`` over the backbone's own vector-Jacobian product -- the engine
   before the change;
 * ``flat``: the backbone's layers listed in ``DPSGD_Sequential`` directly.
@@ -110,7 +110,7 @@ def variants(batch):
     flat_head.build((None, 64))
     flat_head.set_weights(head.get_weights())
     flat = dp_model([*flat_layers(flat_net), flat_head], batch)
-    no_recursion = mock.patch("lipdp.clipped.per_example._chain_layers", return_value=None)
+    no_recursion = mock.patch("lipdp.clipped.per_example.engine._chain_layers", return_value=None)
     return {
         "nested": (nested, contextlib.nullcontext()),
         "nested-as-one-layer": (as_one, no_recursion),

@@ -424,7 +424,7 @@ def test_the_clipless_family_refuses_a_loss_reading_a_weight(rng):
 # ========================================================= S9 / S13: records that break steps
 @pytest.mark.parametrize("method", ["ghost", "jacobian"])
 def test_an_out_of_range_token_id_does_not_fail_the_step(method, rng):
-    """``tf.nn.embedding_lookup`` (``per_example._embedding_linear``, Keras' Embedding in
+    """``tf.nn.embedding_lookup`` (``per_example.embedding``, Keras' Embedding in
     the Jacobian method) raises on the CPU for an id outside ``[0, input_dim)``: the step
     failed iff the record was sampled. Now such rows are neutralised like out-of-range
     labels (ids zeroed, factor 0, counted in ``invalid_inputs``; the range from the layer

@@ -1,4 +1,4 @@
-r"""Per-example gradient norms and clipped gradient sums for a chain of Keras layers.
+r"""The per-example engine: norms and clipped gradient sums for a chain of Keras layers.
 
 Clipped DP-SGD (:mod:`lipdp.clipped.model`) needs, for every row ``i`` of a batch and every layer
 ``l`` with trainable variables, the squared norm ``||g_il||^2`` of the row's gradient for
@@ -19,22 +19,22 @@ Goodfellow 2015 and Li et al. 2022)
     normalisation is refused). Then, per row (``G`` below is the *unit* cotangent
     ``G_i / s_i`` of the next section):
 
-    * ``Dense`` on ``(b, d)``: ``grad_W = a_i g_i^T`` so ``||grad_W||^2 = ||a_i||^2
-      ||g_i||^2``; bias ``||g_i||^2``.
-    * ``Dense`` on sequences ``(b, T, d)`` and ``Conv2D`` (``A_i``: the ``T`` positions'
-      input patches, ``k_h k_w c`` wide, from ``tf.image.extract_patches``): ``grad_W =
-      A_i^T G_i``, ``||grad_W||_F^2 = <A_i A_i^T, G_i G_i^T>`` (cost ``T^2 (d + p)`` per
-      row for ``d`` inputs and ``p`` outputs, float64 against cancellation) or the
-      materialised ``A_i^T G_i`` (cost ``T d p``), whichever is cheaper; bias
-      ``||sum_t G_it||^2``.
-    * ``Embedding``: ``grad_E = sum_t e_{id_t} G_it^T`` so ``||grad_E||^2 = sum_{t,s}
-      [id_t = id_s] <G_it, G_is>`` (float64).
+    * a layer with a ghost rule (:mod:`lipdp.clipped.per_example.registry`, looked up by
+      its Keras class): its kernel's squared norm from the rule's identity in ``A_i`` and
+      ``G_i`` (or its materialised gradient, where the rule finds that cheaper), its bias
+      from ``sum_t G_it``. The built-in rules and their identities:
+      :mod:`~lipdp.clipped.per_example.dense` (``||a_i||^2 ||g_i||^2``; on sequences the
+      ``T x T`` Grams ``<A_i A_i^T, G_i G_i^T>``),
+      :mod:`~lipdp.clipped.per_example.convolution` (``Conv2D``: a Dense on input
+      patches), :mod:`~lipdp.clipped.per_example.embedding` (``sum_{t,s} [id_t = id_s]
+      <G_it, G_is>``). Supporting another layer is one rule registered for its class:
+      nothing here changes.
     * any other layer with variables (normalisations, depthwise and grouped convolutions,
-      recurrent layers, wrappers, nested models that are not a chain, subclasses of the
-      above): its per-example gradients from a vectorised map of the layer's own
-      vector-Jacobian product ``(a_i, g_i) -> grad`` (each row with its Keras mask);
-      materialised for that layer only (:func:`row_loop_layers` names the layers whose
-      ops ``pfor`` cannot vectorise: they run the same map as a loop).
+      recurrent layers, wrappers, nested models that are not a chain, subclasses of
+      ``Dense``, ``Conv2D``, ``Embedding``): its per-example gradients from a vectorised
+      map of the layer's own vector-Jacobian product ``(a_i, g_i) -> grad`` (each row with
+      its Keras mask); materialised for that layer only (:func:`row_loop_layers` names the
+      layers whose ops ``pfor`` cannot vectorise: they run the same map as a loop).
     * a nested model that is a chain -- a ``Sequential``, or a functional model whose
       layers each take the previous layer's output alone, at any depth: how pretrained
       backbones arrive -- is run layer by layer, each layer inside treated by the rules
@@ -46,12 +46,12 @@ Goodfellow 2015 and Li et al. 2022)
       layer instead. (A CNN backbone on the fallback as one layer took 2.0-2.5x the
       step time: :mod:`lipdp.clipped.model`.)
 
-    The clipped sum of a ghost kernel is its vector-Jacobian product with the cotangents
-    ``C_il G_i`` (a layer-local second backward pass, rows dropped by the clipping zeroed
-    in both ``A`` and ``G``): no per-example gradient of those layers is materialised;
-    where the materialised branch was cheaper, its ``A_i^T G_i`` give the clipped sum
-    ``sum_i C_il A_i^T G_i`` directly and the second backward pass is skipped. Biases
-    are summed from their per-row gradients ``sum_t G_it`` (``b x p`` floats).
+    The clipped sum of a ghost kernel is the vector-Jacobian product of the rule's linear
+    map with the cotangents ``C_il G_i`` (a layer-local second backward pass, rows dropped
+    by the clipping zeroed in both ``A`` and ``G``): no per-example gradient of those
+    layers is materialised; where the rule materialised them (cheaper), they give the
+    clipped sum ``sum_i C_il grad_W,i`` directly and the second backward pass is skipped.
+    Biases are summed from their per-row gradients ``sum_t G_it`` (``b x p`` floats).
 
 **Scale: norms that cannot underflow or overflow** (rule S13). A finite record can put
 a row's quantities far from 1: with inputs of ``1e-19`` and a cotangent of ``1e19`` a
@@ -119,6 +119,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
+from lipdp.clipped.per_example.registry import FALLBACK, GhostRule, find_ghost_rule
 from lipdp.core import validation
 from lipdp.core.records import zero_rows
 
@@ -200,20 +201,6 @@ def _variable_owners(model) -> dict:
     }
 
 
-def ghost_rule(layer) -> str:
-    """How the ghost method treats ``layer``: ``"dense"``, ``"conv2d"``, ``"embedding"``
-    or ``"vectorized"`` (exact classes only: a subclass may change ``call``)."""
-    layers = tf.keras.layers
-    kind = type(layer)
-    if kind is layers.Dense:
-        return "dense"
-    if kind is layers.Conv2D and layer.groups == 1 and layer.data_format == "channels_last":
-        return "conv2d"
-    if kind is layers.Embedding and not layer.mask_zero:
-        return "embedding"
-    return "vectorized"
-
-
 def _functional_chain(model) -> list | None:
     """The layers of a functional model in call order if its graph is one chain (each
     layer called once on the previous layer's output alone, no other argument, from the
@@ -290,35 +277,12 @@ def row_loop_layers(layers) -> list:
     return [layer for layer in layers if _needs_row_loop(layer)]
 
 
-def _dense_linear(layer, a):
-    z = tf.tensordot(a, layer.kernel, [[a.shape.rank - 1], [0]])
-    z.set_shape(a.shape[:-1].concatenate([layer.units]))
-    return z + layer.bias if layer.use_bias else z
-
-
-def _conv2d_linear(layer, a):
-    z = layer.convolution_op(a, layer.kernel)
-    return tf.nn.bias_add(z, layer.bias) if layer.use_bias else z
-
-
-def _embedding_linear(layer, a):
-    ids = a if a.dtype in (tf.int32, tf.int64) else tf.cast(a, tf.int32)
-    return tf.nn.embedding_lookup(layer.embeddings, ids)
-
-
-_LINEAR = {"dense": _dense_linear, "conv2d": _conv2d_linear, "embedding": _embedding_linear}
-
-
-def _kernel(layer):
-    """The variable of a ghost rule's linear map (its clipped sum is a layer-local VJP)."""
-    return layer.embeddings if ghost_rule(layer) == "embedding" else layer.kernel
-
-
 @dataclass
 class _Record:
     """One weighted layer seen by a forward pass (nested chains expanded): its input,
-    its (pre-activation) output on the tape, the ghost rule, the layer of the model it
-    belongs to (``group``: itself, or the nested model holding it); after the backward
+    its (pre-activation) output on the tape, the name of its ghost rule (``"vectorized"``:
+    the fallback), the layer of the model it belongs to (``group``: itself, or the nested
+    model holding it), the rule itself (``None``: the fallback); after the backward
     pass, the output cotangents ``G``, their per-row scales ``s`` and unit cotangents ``U
     = G / s`` (module docstring), the parts that give the norms and the clipped sums and,
     for the vectorised fallback and the materialised ghost branch, the per-row gradients
@@ -329,6 +293,7 @@ class _Record:
     outputs: tf.Tensor
     rule: str
     group: tf.keras.layers.Layer
+    ghost: GhostRule | None = None
     cotangents: tf.Tensor | None = None
     scales: tf.Tensor | None = None
     unit: tf.Tensor | None = None
@@ -383,25 +348,47 @@ def _recorded_forward(model, x, records, ascent=None):
                 return out
             except _UntrackedRead:  # between two of its layers: run it as one layer
                 del records[start:]
-        rule = ghost_rule(layer)
-        if rule == "vectorized" and first is None:
+        registration = find_ghost_rule(layer)
+        if registration is None and first is None:
             out = watched_call(layer, h, kwargs)
-            records.append(_Record(layer, h, out, rule, group))
+            records.append(_Record(layer, h, out, FALLBACK, group))
             return out
-        if rule == "vectorized":
+        if registration is None:
             out = _shifted_call(first, h, ascent.scales)
-            records.append(_Record(layer, h, out, rule, group))
+            records.append(_Record(layer, h, out, FALLBACK, group))
             return _masked_like_keras(layer, h, out)
-        z = _LINEAR[rule](layer, h)
+        rule = registration.rule
+        _refuse_partial_rule(registration, layer)
+        z = rule.linear(layer, h)
         if first is not None:
-            z = z + _SHIFT[rule](first, h, _float32_coefficients(ascent.scales))
-        records.append(_Record(layer, h, z, rule, group))
-        return _masked_like_keras(layer, h, z if rule == "embedding" else layer.activation(z))
+            z = z + _ghost_shift(first, h, _float32_coefficients(ascent.scales))
+        records.append(_Record(layer, h, z, registration.name, group, rule))
+        return _masked_like_keras(layer, h, rule.activation(layer, z))
 
     try:
         return model.forward(x, training=True, apply=apply)
     except _UntrackedRead as error:
         raise ValueError(str(error)) from None
+
+
+def _rule_variables(rule, layer) -> list:
+    """The variables a ghost rule covers: its kernel, then its bias if any."""
+    bias = rule.bias(layer)
+    return [rule.kernel(layer)] + ([] if bias is None else [bias])
+
+
+def _refuse_partial_rule(registration, layer) -> None:
+    """Refuse a rule whose kernel and bias are not exactly the layer's trainable
+    variables: a variable it does not cover would be missing from the row's norm."""
+    covered = _rule_variables(registration.rule, layer)
+    trained = layer.trainable_variables
+    refs = {v.ref() for v in covered}
+    if len(refs) != len(covered) or refs != {v.ref() for v in trained}:
+        raise ValueError(
+            f"Ghost rule {registration.name!r} covers {[v.name for v in covered]} of layer "
+            f"{layer.name!r}, which trains {[v.name for v in trained]}: fix the rule's "
+            "kernel/bias, or unregister it (the fallback differentiates every variable)."
+        )
 
 
 def _as_model_input(model, h):
@@ -497,113 +484,29 @@ class _GhostKernelPart:
         record = self.record
         k = _float32_coefficients(factors * tf.cast(record.scales, tf.float64), keep)
         cotangents = _scaled(k, zero_rows(keep, record.unit))
-        kernel = _kernel(record.layer)
+        kernel = record.ghost.kernel(record.layer)
         return {kernel.ref(): _local_vjp(record, zero_rows(keep, record.inputs), cotangents)}
 
 
 # --------------------------------------------------------------------- ghost norms
-def _rows(t, width):
-    """``t`` as ``(rows, positions, width)``."""
-    return tf.reshape(t, [tf.shape(t)[0], -1, width])
-
-
-def _materialise(positions, d, p) -> bool:
-    """Cheaper to materialise ``A_i^T G_i`` (``T d p`` multiply-adds per row) than to go
-    through the ``T x T`` Grams (``T^2 (d + p)``)?"""
-    return positions is not None and positions * (d + p) >= d * p
-
-
-def _product_sq_norms(a, g):
-    """``||A_i^T G_i||_F^2`` per row for ``A: (b, T, d)``, ``G: (b, T, p)``, through the
-    ``T x T`` Grams (float64 against cancellation, and for the range: module docstring);
-    see :func:`_materialised_gradients` for the other branch."""
-    a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
-    grams = tf.einsum("btd,bsd->bts", a, a) * tf.einsum("btp,bsp->bts", g, g)
-    return tf.reduce_sum(grams, axis=[1, 2])
-
-
-def _patches(layer, a):
-    """The input patch of every output position of a Conv2D, ``(b, T, k_h k_w c)``."""
-    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
-    patches = tf.image.extract_patches(
-        a,
-        sizes=[1, kh, kw, 1],
-        strides=[1, sh, sw, 1],
-        rates=[1, dh, dw, 1],
-        padding=layer.padding.upper(),
-    )
-    return _rows(patches, kh * kw * a.shape[-1])
-
-
-def _width(layer) -> int:
-    return layer.filters if ghost_rule(layer) == "conv2d" else layer.units
-
-
-def _materialised_gradients(record):
-    """Row-wise gradients ``[A_i^T U_i, sum_t U_it]`` of a Dense layer on sequences or
-    of a Conv2D layer for the unit cotangents, when materialising them is cheaper than the
-    Grams (:func:`_materialise`), else ``None``. Once paid for, they also give the clipped
-    sum (``sum_i k_i grad_i``, ``b d p`` multiply-adds) and BAM's shift, so the
-    layer-local backward pass is skipped."""
-    layer, a, g = record.layer, record.inputs, record.unit
-    if record.rule == "conv2d":
-        a, width = _patches(layer, a), layer.filters
-    elif record.rule == "dense" and a.shape.rank > 2:
-        a, width = _rows(a, a.shape[-1]), layer.units
-    else:
-        return None
-    if not _materialise(a.shape[1], a.shape[2], width):
-        return None
-    g = _rows(g, width)
-    kernel = tf.einsum("btd,btp->bdp", a, g)
-    grads = [tf.reshape(kernel, [-1, *layer.kernel.shape])]  # patches are (k_h, k_w, c)
-    return grads + [tf.reduce_sum(g, axis=1)] if layer.use_bias else grads
-
-
-def _dense_kernel_sq_norms(layer, a, g):
-    if a.shape.rank == 2:
-        a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
-        return tf.reduce_sum(tf.square(a), axis=1) * tf.reduce_sum(tf.square(g), axis=1)
-    return _product_sq_norms(_rows(a, a.shape[-1]), _rows(g, layer.units))
-
-
-def _conv2d_kernel_sq_norms(layer, a, g):
-    return _product_sq_norms(_patches(layer, a), _rows(g, layer.filters))
-
-
-def _same_ids(a):
-    """``(b, T, T)``: positions ``t, s`` of a row hold the same id."""
-    ids = tf.reshape(tf.cast(a, tf.int64), [tf.shape(a)[0], -1])
-    return tf.equal(ids[:, :, None], ids[:, None, :])
-
-
-def _embedding_kernel_sq_norms(layer, a, g):
-    g = tf.cast(_rows(g, layer.output_dim), tf.float64)
-    inner = tf.einsum("btp,bsp->bts", g, g)
-    same = tf.where(_same_ids(a), inner, tf.zeros_like(inner))
-    return tf.reduce_sum(same, [1, 2])
-
-
-_KERNEL_SQ_NORMS = {
-    "dense": _dense_kernel_sq_norms,
-    "conv2d": _conv2d_kernel_sq_norms,
-    "embedding": _embedding_kernel_sq_norms,
-}
-
-
 def _ghost_parts(record) -> list:
-    """The parts of a ghost-rule layer: materialised rows where cheaper, else the ghost
-    kernel and the bias rows ``sum_t U_it``."""
-    layer = record.layer
-    materialised = _materialised_gradients(record)
-    if materialised is not None:
-        record.per_row = materialised
-        return [_RowsPart(layer.trainable_variables, materialised, record.scales)]
-    unit_sq = _KERNEL_SQ_NORMS[record.rule](layer, record.inputs, record.unit)
+    """The parts of a ghost-rule layer: its materialised rows where the rule finds them
+    cheaper, else the ghost kernel; and the bias rows ``sum_t U_it``."""
+    layer, rule, unit = record.layer, record.ghost, record.unit
+    bias = rule.bias(layer)
+    kernel_rows = rule.kernel_rows(layer, record.inputs, unit)
+    if kernel_rows is not None:
+        record.per_row = [kernel_rows] + ([] if bias is None else [rule.bias_rows(layer, unit)])
+        return [_RowsPart(_rule_variables(rule, layer), record.per_row, record.scales)]
+    unit_sq = rule.kernel_sq_norms(layer, record.inputs, unit)
+    if unit_sq.dtype != tf.float64:
+        raise TypeError(
+            f"Ghost rule {record.rule!r} gave {unit_sq.dtype.name} squared norms for layer "
+            f"{layer.name!r}: they must be float64 (float32 squares underflow, rule S13)."
+        )
     parts = [_GhostKernelPart(record, unit_sq)]
-    if record.rule != "embedding" and layer.use_bias:
-        bias_rows = tf.reduce_sum(_rows(record.unit, _width(layer)), axis=1)
-        parts.append(_RowsPart([layer.bias], [bias_rows], record.scales))
+    if bias is not None:
+        parts.append(_RowsPart([bias], [rule.bias_rows(layer, unit)], record.scales))
     return parts
 
 
@@ -614,53 +517,16 @@ def _ascent_row_scales(scales, record):
     return _float32_coefficients(tf.cast(scales, tf.float64) * tf.cast(record.scales, tf.float64))
 
 
-def _product_shift(a_new, a, g, first):
-    """``A'_i (A_i^T G_i)`` per row: the linear part's response to the kernel gradient
-    (from the first pass's materialised gradients when it has them)."""
+def _ghost_shift(first, a_new, coefficients):
+    """``k_i (f(a'_i; grad_W,i) + grad_b,i)``: the change of a ghost-rule layer's output
+    at ``W + k_i grad_i`` (the rule's :meth:`~GhostRule.shift`), ``grad_i`` the first
+    pass's gradient of row ``i`` held constant: its input and cotangents (not the unit
+    ones), and its materialised kernel rows when it has them (times their scales)."""
+    a, g = tf.stop_gradient(first.inputs), tf.stop_gradient(first.cotangents)
+    kernel_rows = None
     if first.per_row is not None:
-        kernel = _scaled(first.scales, tf.stop_gradient(first.per_row[0]))
-        return tf.einsum("btd,bdp->btp", a_new, tf.reshape(kernel, [-1, a.shape[2], g.shape[2]]))
-    return tf.einsum("bts,bsp->btp", tf.einsum("btd,bsd->bts", a_new, a), g)
-
-
-def _first_pass(first):
-    """A first-pass record's input and cotangent, held constant in the second pass."""
-    return tf.stop_gradient(first.inputs), tf.stop_gradient(first.cotangents)
-
-
-def _dense_shift(first, a_new, scales):
-    """``a'_i (s_i grad_W) + s_i grad_b`` of a Dense layer (``grad_W = A_i^T G_i``)."""
-    layer, (a, g) = first.layer, _first_pass(first)
-    if a.shape.rank == 2:
-        shift = tf.reduce_sum(a_new * a, axis=1, keepdims=True) * g
-        shift = shift + g if layer.use_bias else shift
-        return _scaled(scales, shift)
-    width = a.shape[-1]
-    shift = _product_shift(_rows(a_new, width), _rows(a, width), _rows(g, layer.units), first)
-    if layer.use_bias:
-        shift = shift + tf.reduce_sum(_rows(g, layer.units), axis=1, keepdims=True)
-    return _scaled(scales, tf.reshape(shift, tf.shape(g)))
-
-
-def _conv2d_shift(first, a_new, scales):
-    layer, (a, g) = first.layer, _first_pass(first)
-    g_rows = _rows(g, layer.filters)
-    shift = _product_shift(_patches(layer, a_new), _patches(layer, a), g_rows, first)
-    if layer.use_bias:
-        shift = shift + tf.reduce_sum(g_rows, axis=1, keepdims=True)
-    return _scaled(scales, tf.reshape(shift, tf.shape(g)))
-
-
-def _embedding_shift(first, a_new, scales):
-    """Position ``s`` of row ``i`` looks up ``E + s_i grad_E``: ``s_i sum_t [id_t = id_s]
-    G_it`` more (the ids are the data: the same in both passes)."""
-    layer, (a, g) = first.layer, _first_pass(first)
-    g_rows = _rows(g, layer.output_dim)
-    shift = tf.einsum("bst,btp->bsp", tf.cast(_same_ids(a), g.dtype), g_rows)
-    return _scaled(scales, tf.reshape(shift, tf.shape(g)))
-
-
-_SHIFT = {"dense": _dense_shift, "conv2d": _conv2d_shift, "embedding": _embedding_shift}
+        kernel_rows = _scaled(first.scales, tf.stop_gradient(first.per_row[0]))
+    return _scaled(coefficients, first.ghost.shift(first.layer, a_new, a, g, kernel_rows))
 
 
 def _variable_slots(layer) -> list:
@@ -777,9 +643,9 @@ def _local_vjp(record, inputs, cotangents):
     part re-run on ``inputs`` (the forward op is pruned in graph mode) and differentiated.
     A row-wise shift is constant in the weights, so this is also the gradient at the
     shifted weights."""
-    kernel = _kernel(record.layer)
+    kernel = record.ghost.kernel(record.layer)
     with tf.GradientTape() as tape:
-        z = _LINEAR[record.rule](record.layer, inputs)
+        z = record.ghost.linear(record.layer, inputs)
     grad = tape.gradient(z, kernel, output_gradients=cotangents, unconnected_gradients="zero")
     return tf.convert_to_tensor(grad)  # embedding: IndexedSlices
 
@@ -838,7 +704,7 @@ def per_example_gradients(
     for record, g, before in zip(records, cotangents, first):
         record.cotangents = tf.zeros_like(record.outputs) if g is None else g
         record.unit, record.scales = _unit_rows(record.cotangents)
-        if record.rule == "vectorized":
+        if record.ghost is None:
             scales = None if ascent is None else ascent.scales
             record.per_row = _vectorized_gradients(record, before, scales)
             parts = [_RowsPart(record.layer.trainable_variables, record.per_row, record.scales)]
@@ -881,7 +747,6 @@ __all__ = [
     "GRADIENT_METHODS",
     "Ascent",
     "PerExampleGradients",
-    "ghost_rule",
     "per_example_gradients",
     "refuse_loss_reads",
     "refuse_untracked_reads",

@@ -1,0 +1,72 @@
+r"""Ghost rule of ``tf.keras.layers.Conv2D`` (exact class, ``groups == 1``,
+``channels_last``): a Dense layer on input patches.
+
+Output position ``t`` of row ``i`` is ``z_t = P_t(A_i) W + b``, where ``P_t(A_i)`` is the
+input patch the kernel covers at ``t`` (``k_h x k_w x c``, with the layer's strides,
+dilation and padding, flattened in that order: ``tf.image.extract_patches``) and ``W``
+the kernel reshaped to ``(k_h k_w c, filters)``. With ``A_i`` replaced by the ``T x k_h
+k_w c`` matrix of its patches, every identity of :mod:`lipdp.clipped.per_example.dense`
+holds as is: kernel gradient ``P_i^T G_i``, ghost norm
+
+    ``||P_i^T G_i||_F^2 = <P_i P_i^T, G_i G_i^T>``
+
+(``T^2 (k_h k_w c + filters)`` per row, float64) or the materialised ``P_i^T G_i`` (``T
+k_h k_w c filters``) when cheaper, bias ``sum_t g_t``, BAM's shift ``(P'_i P_i^T) G_i``.
+
+Grouped convolutions (``groups > 1``: the kernel is block-diagonal across channel groups,
+not one matrix on whole patches), ``channels_first`` (the patches would be taken along the
+wrong axes), subclasses and the other convolutions (``Conv1D``, ``Conv3D``,
+``DepthwiseConv2D``, transposed ones) go to the vectorised fallback.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from lipdp.clipped.per_example.dense import product_rows, product_shift, product_sq_norms
+from lipdp.clipped.per_example.registry import GhostRule, register_ghost_rule, rows
+
+
+def patches(layer, a):
+    """The input patch of every output position of a Conv2D, ``(b, T, k_h k_w c)``."""
+    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
+    result = tf.image.extract_patches(
+        a,
+        sizes=[1, kh, kw, 1],
+        strides=[1, sh, sw, 1],
+        rates=[1, dh, dw, 1],
+        padding=layer.padding.upper(),
+    )
+    return rows(result, kh * kw * a.shape[-1])
+
+
+class Conv2DRule(GhostRule):
+    """``Conv2D`` with ``groups == 1`` and ``channels_last`` (module docstring)."""
+
+    name = "conv2d"
+
+    def applies(self, layer) -> bool:
+        return layer.groups == 1 and layer.data_format == "channels_last"
+
+    def linear(self, layer, a):
+        z = layer.convolution_op(a, layer.kernel)
+        return tf.nn.bias_add(z, layer.bias) if layer.use_bias else z
+
+    def kernel_sq_norms(self, layer, a, g):
+        return product_sq_norms(patches(layer, a), rows(g, layer.filters))
+
+    def kernel_rows(self, layer, a, g):
+        # the patches are (k_h, k_w, c): the kernel's layout, (k_h, k_w, c, filters)
+        return product_rows(patches(layer, a), rows(g, layer.filters), layer.kernel.shape)
+
+    def shift(self, layer, a_new, a, g, kernel_rows):
+        g_rows = rows(g, layer.filters)
+        shift = product_shift(patches(layer, a_new), patches(layer, a), g_rows, kernel_rows)
+        if layer.use_bias:
+            shift = shift + tf.reduce_sum(g_rows, axis=1, keepdims=True)
+        return tf.reshape(shift, tf.shape(g))
+
+
+register_ghost_rule(tf.keras.layers.Conv2D, Conv2DRule())
+
+__all__ = ["Conv2DRule", "patches"]

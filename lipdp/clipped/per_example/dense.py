@@ -1,0 +1,101 @@
+r"""Ghost rule of ``tf.keras.layers.Dense`` (exact class), and the identities of a kernel
+gradient that is a sum of outer products over positions (shared with
+:mod:`lipdp.clipped.per_example.convolution`).
+
+``Z_i = A_i W + b`` for row ``i``'s input ``A_i`` of ``T`` positions (``T = 1`` on
+``(b, d)`` inputs; a ``(b, ..., d)`` input has every axis but the last as positions),
+``W`` of shape ``(d, p)``. For the output cotangent ``G_i`` (``T x p``):
+
+* kernel gradient ``grad_W,i = A_i^T G_i = sum_t a_t g_t^T``; on ``(b, d)`` inputs
+  ``a_i g_i^T``, of squared norm ``||a_i||^2 ||g_i||^2``;
+* on sequences the *ghost norm*
+
+      ``||sum_t a_t g_t^T||_F^2 = sum_{t,s} <a_t, a_s> <g_t, g_s> = <A_i A_i^T, G_i G_i^T>``
+
+  from the two ``T x T`` Grams, ``T^2 (d + p)`` multiply-adds per row, in float64
+  (against cancellation between positions, and for the range: rule S13); or the
+  materialised ``A_i^T G_i`` (``T d p``), whichever is cheaper (:func:`materialise`): the
+  materialised rows then also give the clipped sum ``sum_i k_i A_i^T U_i`` and BAM's
+  shift without a second backward pass;
+* bias gradient ``sum_t g_t``;
+* BAM's shift (:meth:`~lipdp.clipped.per_example.registry.GhostRule.shift`): at weights
+  ``W + grad_W,i`` the input ``A'_i`` gives ``A'_i A_i^T G_i = (A'_i A_i^T) G_i`` more
+  (``<a'_i, a_i> g_i`` for ``T = 1``), plus ``sum_t g_t`` for the bias.
+
+A subclass of ``Dense`` goes to the vectorised fallback unless a rule is registered for
+it: it may compute its kernel otherwise (:mod:`lipdp.clipped.per_example.registry`).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from lipdp.clipped.per_example.registry import GhostRule, register_ghost_rule, rows
+
+
+def materialise(positions, d, p) -> bool:
+    """Cheaper to materialise ``A_i^T G_i`` (``T d p`` multiply-adds per row) than to go
+    through the ``T x T`` Grams (``T^2 (d + p)``)? (``positions`` unknown: no.)"""
+    return positions is not None and positions * (d + p) >= d * p
+
+
+def product_sq_norms(a, g):
+    """``||A_i^T G_i||_F^2`` per row for ``A: (b, T, d)``, ``G: (b, T, p)``, through the
+    ``T x T`` Grams ``<A_i A_i^T, G_i G_i^T>``, in float64 (module docstring)."""
+    a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+    grams = tf.einsum("btd,bsd->bts", a, a) * tf.einsum("btp,bsp->bts", g, g)
+    return tf.reduce_sum(grams, axis=[1, 2])
+
+
+def product_rows(a, g, kernel_shape):
+    """``A_i^T G_i`` per row, reshaped to ``(b, *kernel_shape)``, when materialising is
+    cheaper than the Grams (:func:`materialise`), else ``None``."""
+    if not materialise(a.shape[1], a.shape[2], g.shape[2]):
+        return None
+    return tf.reshape(tf.einsum("btd,btp->bdp", a, g), [-1, *kernel_shape])
+
+
+def product_shift(a_new, a, g, kernel_rows):
+    """``A'_i (A_i^T G_i)`` per row for ``A', A: (b, T, d)``, ``G: (b, T, p)``: from the
+    materialised ``kernel_rows`` when there are some, else as ``(A'_i A_i^T) G_i``."""
+    if kernel_rows is not None:
+        kernel = tf.reshape(kernel_rows, [-1, a.shape[2], g.shape[2]])
+        return tf.einsum("btd,bdp->btp", a_new, kernel)
+    return tf.einsum("bts,bsp->btp", tf.einsum("btd,bsd->bts", a_new, a), g)
+
+
+class DenseRule(GhostRule):
+    """``Dense`` on ``(b, d)`` or ``(b, ..., d)`` inputs (module docstring)."""
+
+    name = "dense"
+
+    def linear(self, layer, a):
+        z = tf.tensordot(a, layer.kernel, [[a.shape.rank - 1], [0]])
+        z.set_shape(a.shape[:-1].concatenate([layer.units]))
+        return z + layer.bias if layer.use_bias else z
+
+    def kernel_sq_norms(self, layer, a, g):
+        if a.shape.rank == 2:
+            a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+            return tf.reduce_sum(tf.square(a), axis=1) * tf.reduce_sum(tf.square(g), axis=1)
+        return product_sq_norms(rows(a, a.shape[-1]), rows(g, layer.units))
+
+    def kernel_rows(self, layer, a, g):
+        if a.shape.rank == 2:
+            return None  # a_i g_i^T: the ghost norm is always cheaper
+        return product_rows(rows(a, a.shape[-1]), rows(g, layer.units), layer.kernel.shape)
+
+    def shift(self, layer, a_new, a, g, kernel_rows):
+        if a.shape.rank == 2:
+            shift = tf.reduce_sum(a_new * a, axis=1, keepdims=True) * g
+            return shift + g if layer.use_bias else shift
+        width, g_rows = a.shape[-1], rows(g, layer.units)
+        shift = product_shift(rows(a_new, width), rows(a, width), g_rows, kernel_rows)
+        if layer.use_bias:
+            shift = shift + tf.reduce_sum(g_rows, axis=1, keepdims=True)
+        return tf.reshape(shift, tf.shape(g))
+
+
+register_ghost_rule(tf.keras.layers.Dense, DenseRule())
+
+__all__ = ["DenseRule", "materialise", "product_rows", "product_shift", "product_sq_norms"]
