@@ -1,6 +1,7 @@
 """DP models: Keras models whose training step is Clipless DP-SGD.
 
-One training step (``DP_Model.train_step``):
+One training step (:meth:`lipdp.core.private_model.PrivateModel.train_step`, shared with
+the clipped family; this module gives its hooks):
 
 1. forward and backward pass on the batch (loss = sum of the per-example losses divided
    by the loss normaliser of the metadata; a row with an unusable label counts 0, S9);
@@ -31,18 +32,17 @@ import tensorflow as tf
 from lipdp.clipless.bounds import bound_pass, parameterized_variables
 from lipdp.clipless.dynamic import dynamic_clip_layers
 from lipdp.clipless.layers import DP_BoundedInput, DP_InputLayer, DPLayer
-from lipdp.core import noise
 from lipdp.core.batch_independence import refuse_coupling_layers
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.private_model import (  # noqa: F401  (DPParameters and the guards: public here too)
     DPParameters,
     PrivateModel,
+    StepGradients,
     _check_poisson_pipeline,
     _refuse_mixed_precision,
     _refuse_non_finite,
     check_reduction,
 )
-from lipdp.core.records import finite_rows, zero_rows
 
 logger = logging.getLogger(__name__)
 
@@ -209,27 +209,14 @@ class DP_Model(PrivateModel):
             )
         return result
 
-    def noise_multipliers(self) -> list[float]:
-        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant
-        (:func:`lipdp.core.noise.noise_multipliers`)."""
-        params = self.dp_parameters
-        coefs = [float(layer.nm_coef) for layer, _ in parameterized_variables(self.dp_layers)]
-        return noise.noise_multipliers(params.noisify_strategy, params.noise_multiplier, coefs)
+    def _noise_coefficients(self) -> list[float]:
+        """``nm_coef`` of the layer owning each trainable variable, forward order (the
+        order of :meth:`sensitivities`), without the bound pass."""
+        return [float(layer.nm_coef) for layer, _ in parameterized_variables(self.dp_layers)]
 
-    def noise_stddevs(self, sensitivities=None):
-        """``{variable ref: standard deviation of its noise}`` by the noise rule of
-        :mod:`lipdp.core.noise` (0 for a non-private model); ``sensitivities``: the result of
-        :meth:`sensitivities` if already computed."""
-        params = self.dp_parameters
-        entries = self.sensitivities() if sensitivities is None else sensitivities
-        sigma = 0.0 if params.non_private else params.noise_multiplier
-        stddevs = noise.noise_stddevs(
-            params.noisify_strategy,
-            sigma,
-            [delta for _, delta in entries],
-            [entry.nm_coef for entry, _ in entries],
-        )
-        return {entry.variable.ref(): s for (entry, _), s in zip(entries, stddevs)}
+    def _noised_variables(self, entries) -> list[list]:
+        """One variable per sensitivity entry."""
+        return [[entry.variable] for entry, _ in entries]
 
     # ----------------------------------------------------------------- privacy
     def _other_releases(self, metadata) -> tuple:
@@ -239,7 +226,7 @@ class DP_Model(PrivateModel):
         params = self.dp_parameters
         spec = params.dynamic_clipping
         dynamic_layers = dynamic_clip_layers(self.dp_layers)
-        if dynamic_layers and spec is None and not params.non_private:
+        if dynamic_layers and spec is None and not self._noiseless:
             names = ", ".join(repr(layer.name) for _, layer in dynamic_layers)
             raise ValueError(
                 f"DP_ClipGradient layer(s) {names} have mode='dynamic': their clip values are "
@@ -263,12 +250,17 @@ class DP_Model(PrivateModel):
             layer.project()
 
     # --------------------------------------------------------------- training
-    def train_step(self, data):
-        x, y, _ = self._checked_batch(data)
-        # Rule S9: DP_BoundedInput zeroes inputs with a NaN or an infinity, and
-        # per_example_losses gives unusable labels (non-finite, class index out of range)
-        # a zero loss; here they are only counted.
-        finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
+    def _neutralised_rows(self, x, y, usable):
+        """Rule S9 without zeroing in the step: ``DP_BoundedInput`` zeroes inputs with a
+        NaN or an infinity and :meth:`per_example_losses` gives unusable labels
+        (non-finite, class index out of range) a zero loss; no DP layer reads ids."""
+        return x, y
+
+    def _private_gradients(self, x, y, kept) -> StepGradients:
+        """The gradient of ``sum_i loss_i / n`` (:meth:`_clean_loss`), or of the
+        adversarial loss (:meth:`adversarial_loss_rows`), by one backward pass: every
+        example's part is within the bounds of :meth:`sensitivities` (a variable the
+        loss does not reach gets a zero gradient)."""
         x_adv = None if self.adversarial is None else self.adversarial_examples(x, y)
         with tf.GradientTape() as tape:
             if x_adv is None:
@@ -278,14 +270,7 @@ class DP_Model(PrivateModel):
         variables = self.trainable_variables
         gradients = tape.gradient(loss, variables)
         gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
-        self.release_step(gradients, variables)
-        # The training logs (not the step): a label out of range would make a sparse loss
-        # or metric fail, it is logged as class 0.
-        labelled = self.class_labels_in_range(y, y_pred)
-        y_logged = zero_rows(labelled, y)
-        self.compute_loss(x if x_adv is None else x_adv, y_logged, y_pred)  # the loss tracker
-        logs = self.compute_metrics(x, y_logged, y_pred, None)
-        return {**logs, **self._count_neutralised(finite, labelled)}
+        return StepGradients(gradients, y_pred, x if x_adv is None else x_adv)
 
     def _clean_loss(self, x, y):
         """``(sum_i loss_i / n, predictions)``, ``n`` the loss normaliser: the number the

@@ -64,13 +64,13 @@ from lipdp.clipped.per_example import (
     per_example_gradients,
     weighted_layers,
 )
-from lipdp.core import distribute, noise, validation
+from lipdp.core import distribute, validation
 from lipdp.core.adversarial import softmax_kl
 from lipdp.core.batch_independence import refuse_coupling_layers
 from lipdp.core.config import Config
 from lipdp.core.noise import ROUNDOFF_SLACK
-from lipdp.core.private_model import DPParameters, PrivateModel
-from lipdp.core.records import finite_rows, zero_rows
+from lipdp.core.private_model import DPParameters, PrivateModel, StepGradients
+from lipdp.core.records import kept_rows
 
 #: Clipping modes (per-example factor rules, :class:`Clipping`).
 CLIPPING_MODES = ("flat", "per-layer", "automatic", "global")
@@ -226,27 +226,6 @@ class ClippedGradientBound:
     nm_coef: float = 1.0
 
 
-def _neutralised(model, x, y):
-    """``(x, y, finite, ids)`` with the rows holding a NaN or an infinity (``finite``
-    False) or a token id outside the range of the layer reading it (``ids`` False;
-    ``None`` when the model reads no ids: :meth:`PrivateModel.input_ids_in_range`)
-    zeroed -- finite, and id 0 for every reader -- so that the step runs on them; they
-    are masked with the clipping (rule S9). Rows whose class label is out of range need
-    the predictions' shape: their loss is 0 (:meth:`PrivateModel.per_example_losses`) and
-    they are masked with the clipping too."""
-    finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
-    ids = model.input_ids_in_range(x)  # on the record as given, before any zeroing
-    usable = finite if ids is None else finite & ids
-    x = tf.nest.map_structure(lambda t: zero_rows(usable, t), x)
-    y = zero_rows(usable, y) if y.dtype.is_floating else y
-    return x, y, finite, ids
-
-
-def _kept(finite, ids):
-    """The rows a step may count before its labels are read: finite, ids in range."""
-    return finite if ids is None else finite & ids
-
-
 def _refuse_replicas(what) -> None:
     if distribute.replicas_in_sync() > 1:
         raise ValueError(
@@ -372,29 +351,17 @@ class DPSGD_Model(PrivateModel):
         entry = ClippedGradientBound(f"all variables ({self.clipping.mode} clipping)", bound)
         return [(entry, bound * slack)]
 
-    def noise_multipliers(self) -> list[float]:
-        params = self.dp_parameters
+    def _noise_coefficients(self) -> list[float]:
+        """1 for the one entry, or for every weighted layer under per-layer noise."""
         mechanisms = len(self.weighted_layers()) if self._per_layer_noise() else 1
-        return noise.noise_multipliers(
-            params.noisify_strategy, params.noise_multiplier, [1.0] * mechanisms
-        )
+        return [1.0] * mechanisms
 
-    def noise_stddevs(self, sensitivities=None):
-        """``{variable ref: standard deviation}`` by the noise rule of :mod:`lipdp.core.noise`:
-        ``sigma R / b`` on every variable, or ``sigma R_l / b`` on layer ``l``'s (0 if
-        non-private)."""
-        entries = self.sensitivities() if sensitivities is None else sensitivities
-        params = self.dp_parameters
-        sigma = 0.0 if params.non_private else params.noise_multiplier
-        deltas = [d for _, d in entries]
-        stddevs = noise.noise_stddevs(params.noisify_strategy, sigma, deltas, [1.0] * len(deltas))
+    def _noised_variables(self, entries) -> list[list]:
+        """Every trainable variable under the one entry, or each weighted layer's under
+        its own entry (per-layer noise)."""
         if not self._per_layer_noise():
-            return {v.ref(): stddevs[0] for v in self.trainable_variables}
-        return {
-            v.ref(): std
-            for layer, std in zip(self.weighted_layers(), stddevs)
-            for v in layer.trainable_variables
-        }
+            return [list(self.trainable_variables)]
+        return [list(layer.trainable_variables) for layer in self.weighted_layers()]
 
     # -------------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
@@ -424,8 +391,8 @@ class DPSGD_Model(PrivateModel):
         adversarial rows, if any), the predictions and the rows not neutralised for their
         input (finite, token ids in range: rule S9)."""
         x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
-        x, y, finite, ids = _neutralised(self, x, y)
-        kept = _kept(finite, ids)
+        x, y, finite, ids = self._neutralised_batch(x, y)
+        kept = kept_rows(finite, ids)
         summed, y_pred = self._step_sum(x, y, kept)
         return summed, y_pred, kept
 
@@ -519,26 +486,22 @@ class DPSGD_Model(PrivateModel):
             v.assign(value)
         return result
 
-    def train_step(self, data):
+    def _refuse_unsupported_step(self) -> None:
         if self.ascent is not None and self.ascent.mode == "dp-sat":
             _refuse_replicas("DP-SAT (it moves the weights inside the step)")
-        x, y, _ = self._checked_batch(data)
-        x, y, finite, ids = _neutralised(self, x, y)
-        summed, y_pred = self._step_sum(x, y, _kept(finite, ids))
-        labelled = self.class_labels_in_range(y, y_pred)
+
+    def _private_gradients(self, x, y, kept) -> StepGradients:
+        """``sum_i C_i g_i / n`` (:meth:`clipped_gradient_sum`) on rows already
+        neutralised (S9): each clipped term of norm at most ``R``."""
+        summed, y_pred = self._step_sum(x, y, kept)
         normalizer = float(self.dataset_metadata.loss_normalizer)
-        gradients = [s / normalizer for s in summed]
-        variables = self.trainable_variables
-        released = self.release_step(gradients, variables)
+        return StepGradients([s / normalizer for s in summed], y_pred, x)
+
+    def _after_release(self, released) -> None:
+        """DP-SAT's next ascent direction: the gradient just released."""
         if self.ascent is not None and self.ascent.mode == "dp-sat":
             for kept, value in zip(self.previous_noisy_gradient, released):
                 kept.assign(value)
-        # The training logs (not the step): a label out of range would make a sparse loss
-        # or metric fail, it is logged as class 0.
-        y_logged = zero_rows(labelled, y)
-        self.compute_loss(x, y_logged, y_pred)
-        logs = self.compute_metrics(x, y_logged, y_pred, None)
-        return {**logs, **self._count_neutralised(finite, labelled, ids)}
 
     # ------------------------------------------------------------- serialisation
     def get_config(self):

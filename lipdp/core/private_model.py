@@ -4,17 +4,24 @@
 metadata (batch size ``b``, ``N``, sampling), the noisy-step counter and the privacy
 ledger saved with the weights (rule S10, :mod:`lipdp.core.ledger`), the one forward loop over
 the layers, the privacy plan built from the ledger and the model's noise multipliers
-(rule S11), the noise step (:mod:`lipdp.core.noise`), and the guards of
-``fit``, ``train_on_batch``, ``save``, ``set_weights`` and ``load_weights`` (rules S5, S9,
-S10, S12). A family says how its gradient is bounded:
+(rule S11), the one training step (:meth:`PrivateModel.train_step`: rule S9, the noise of
+:mod:`lipdp.core.noise` -- its standard deviations and the accountant's multipliers
+computed here, once, for both families --, the update, the ledger row, the logs), the
+non-private reference run (:attr:`PrivateModel._noiseless`), and the guards of ``fit``,
+``train_on_batch``, ``save``, ``set_weights`` and ``load_weights`` (rules S5, S9, S10,
+S12). A family says how its gradient is bounded:
 
 * :class:`lipdp.clipless.model.DP_Model` (clipless): sensitivities from the one bound pass of
-  :mod:`lipdp.clipless.bounds`, weights projected after every step;
-* :class:`lipdp.clipped.model.DPSGD_Model` (clipped DP-SGD): sensitivity = the clip norm.
+  :mod:`lipdp.clipless.bounds`, the gradient of the batch loss, weights projected after
+  every step;
+* :class:`lipdp.clipped.model.DPSGD_Model` (clipped DP-SGD): sensitivity = the clip norm,
+  per-example gradients clipped and summed.
 
-A family implements :meth:`PrivateModel.sensitivities`, :meth:`~PrivateModel.noise_multipliers`,
-:meth:`~PrivateModel.noise_stddevs` and ``train_step``, and may override the hooks
-``_check_layers``, ``_check_loss``, ``_all_layers``, ``_other_releases`` and ``project``.
+A family implements :meth:`PrivateModel.sensitivities`, ``_noise_coefficients`` and
+``_noised_variables`` (what each sensitivity's noise covers), ``_private_gradients`` (the
+averaged gradient of a batch), and may override the hooks ``_check_layers``,
+``_check_loss``, ``_check_adversarial``, ``_all_layers``, ``_other_releases``,
+``_refuse_unsupported_step``, ``_neutralised_rows``, ``_after_release`` and ``project``.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -34,9 +42,28 @@ from lipdp.core.layer_walk import nested_layers
 from lipdp.core.ledger import PrivacyLedger, step_row
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
-from lipdp.core.records import ids_in_range, labels_in_range, neutralised_losses, read_ids
+from lipdp.core.records import (
+    finite_rows,
+    ids_in_range,
+    kept_rows,
+    labels_in_range,
+    neutralised_losses,
+    read_ids,
+    zero_rows,
+)
 
 logger = logging.getLogger(__name__)
+
+
+class StepGradients(NamedTuple):
+    """What a family's :meth:`PrivateModel._private_gradients` gives the shared step."""
+
+    #: The averaged gradient (before noise), aligned with ``trainable_variables``.
+    gradients: list
+    #: The predictions the logs' loss and metrics are computed on.
+    predictions: tf.Tensor
+    #: The inputs handed to ``compute_loss`` (the rows the predictions are of).
+    loss_inputs: object
 
 
 class PrivateModel(tf.keras.Model):
@@ -229,19 +256,57 @@ class PrivateModel(tf.keras.Model):
 
     # ------------------------------------------------------------- sensitivity
     def sensitivities(self):
-        """``[(entry, Delta)]``: sensitivity ``Delta`` of each noised part of the averaged
-        gradient; ``entry.key`` names it, ``entry.bound`` is one example's bound."""
+        """``[(entry, Delta)]``: sensitivity ``Delta`` of each Gaussian mechanism's part of
+        the averaged gradient (family hook); ``entry.key`` names it, ``entry.bound`` is one
+        example's bound, ``entry.nm_coef`` its noise coefficient ``c``."""
         raise NotImplementedError
+
+    def _noise_coefficients(self) -> list[float]:
+        """``c`` of every entry of :meth:`sensitivities`, in its order (family hook): what
+        the accountant's multipliers are made of. A hook of its own because the plan is
+        made before training, when the sensitivities (which need the compiled loss and the
+        batch size) may not be computable yet."""
+        raise NotImplementedError
+
+    def _noised_variables(self, entries) -> list[list]:
+        """The trainable variables each entry of :meth:`sensitivities` covers, aligned with
+        ``entries`` (family hook): its noise standard deviation applies to each of them."""
+        raise NotImplementedError
+
+    @property
+    def _noiseless(self) -> bool:
+        """A non-private reference run (``DPParameters(non_private=True)``), the one place
+        the flag is read for the noise and the accounting: sigma is 0 (standard deviations
+        and multipliers 0), :meth:`noisify` draws nothing, the ledger records steps of
+        sigma 0 and the plan has no mechanism (epsilon infinite after any step)."""
+        return self.dp_parameters.non_private
+
+    def _sigma(self) -> float:
+        """The noise multiplier ``sigma`` of the steps (0 for a non-private reference)."""
+        return 0.0 if self._noiseless else self.dp_parameters.noise_multiplier
 
     def noise_multipliers(self) -> list[float]:
-        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant
-        (:func:`lipdp.core.noise.noise_multipliers`)."""
-        raise NotImplementedError
+        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant:
+        ``[sigma]`` (``"global"``) or ``[sigma * c]`` for every entry of
+        :meth:`sensitivities` (``"per-layer"``), by :func:`lipdp.core.noise.noise_multipliers`."""
+        strategy = self.dp_parameters.noisify_strategy
+        return noise.noise_multipliers(strategy, self._sigma(), self._noise_coefficients())
 
     def noise_stddevs(self, sensitivities=None):
-        """``{variable ref: standard deviation of its noise}`` (0 for a non-private
-        model); ``sensitivities``: the result of :meth:`sensitivities` if computed."""
-        raise NotImplementedError
+        """``{variable ref: standard deviation of its noise}`` by the noise rule of
+        :func:`lipdp.core.noise.noise_stddevs`: ``sigma sqrt(sum Delta^2)`` on every
+        variable (``"global"``), ``sigma c Delta`` on the variables of each entry
+        (``"per-layer"``); 0 for a non-private model. ``sensitivities``: the result of
+        :meth:`sensitivities` if already computed."""
+        entries = self.sensitivities() if sensitivities is None else sensitivities
+        stddevs = noise.noise_stddevs(
+            self.dp_parameters.noisify_strategy,
+            self._sigma(),
+            [delta for _, delta in entries],
+            [entry.nm_coef for entry, _ in entries],
+        )
+        groups = self._noised_variables(entries)
+        return {v.ref(): std for group, std in zip(groups, stddevs) for v in group}
 
     # ----------------------------------------------------------------- privacy
     def privacy_plan(self) -> PrivacyPlan:
@@ -250,16 +315,17 @@ class PrivateModel(tf.keras.Model):
         epoch of the metadata) and the family's other releases (:meth:`_other_releases`)."""
         metadata = self._metadata_for("privacy accounting")
         params = self.dp_parameters
+        noiseless = self._noiseless  # no mechanism: the multipliers are not read
         return PrivacyPlan.for_training(
             ledger=self.privacy_ledger,
             steps_done=int(self.noisy_steps.numpy()),
-            noise_multipliers=self.noise_multipliers() if not params.non_private else 1.0,
+            noise_multipliers=1.0 if noiseless else self.noise_multipliers(),
             sampling_rate=metadata.sampling_rate,
             steps_per_epoch=metadata.nb_steps_per_epochs,
             delta=params.delta,
             other_releases=self._other_releases(metadata),
-            non_private=params.non_private,
-            noise_multiplier=params.noise_multiplier if not params.non_private else None,
+            non_private=noiseless,
+            noise_multiplier=None if noiseless else self._sigma(),
             search=params.hyperparameter_search,
         )
 
@@ -277,7 +343,7 @@ class PrivateModel(tf.keras.Model):
         """The ledger row of one step of the current configuration: the effective noise
         multiplier of its Gaussians (0 without noise), ``b``, ``N``, the sampling."""
         metadata = self._metadata_for("training")
-        if self.dp_parameters.non_private:
+        if self._noiseless:
             sigma, gaussians = 0.0, 1
         else:
             sigmas = self.noise_multipliers()
@@ -390,6 +456,73 @@ class PrivateModel(tf.keras.Model):
 
         return self.adversarial.perturb(row_losses, x)
 
+    # ------------------------------------------------------------- the step
+    def train_step(self, data):
+        """One private step, for both families (the families differ only in their hooks):
+
+        1. the batch, checked (:meth:`_checked_batch`: sample weights, batch size, rules
+           S2 and S5 when traced);
+        2. rule S9: the rows with a NaN or an infinity and those holding a token id out of
+           range are found and neutralised (:meth:`_neutralised_batch`);
+        3. the averaged gradient ``sum_i C_i g_i / n`` of the family (hook
+           :meth:`_private_gradients`), whose sensitivities :meth:`sensitivities` states;
+        4. :meth:`release_step`: the noise of the one noise rule (:meth:`noisify`), the sum
+           over replicas, the weight penalties (after the noise), the optimizer, then once
+           per step the step count, the ledger row and :meth:`project`; and the family's
+           :meth:`_after_release`;
+        5. the training logs (loss, metrics, the rows neutralised by S9) -- statistics of
+           the private data for its owner, not part of the release.
+        """
+        self._refuse_unsupported_step()
+        x, y, _ = self._checked_batch(data)
+        x, y, finite, ids = self._neutralised_batch(x, y)
+        step = self._private_gradients(x, y, kept_rows(finite, ids))
+        labelled = self.class_labels_in_range(y, step.predictions)
+        released = self.release_step(step.gradients, self.trainable_variables)
+        self._after_release(released)
+        # A label out of range would make a sparse loss or metric fail: logged as class 0.
+        y_logged = zero_rows(labelled, y)
+        self.compute_loss(step.loss_inputs, y_logged, step.predictions)  # the loss tracker
+        logs = self.compute_metrics(x, y_logged, step.predictions, None)
+        return {**logs, **self._count_neutralised(finite, labelled, ids)}
+
+    def _refuse_unsupported_step(self) -> None:
+        """Refuse, when the step is traced and before anything else runs, a step the
+        family cannot take in this context (hook; none by default)."""
+
+    def _neutralised_batch(self, x, y):
+        """``(x, y, finite, ids)``: rule S9 for a batch. ``finite``: the rows without a NaN
+        or an infinity (input or label); ``ids``: the rows whose token ids are in the range
+        of the layer reading them (``None`` when no input is read as ids,
+        :meth:`input_ids_in_range`, read on the record as given); the other rows made
+        harmless by :meth:`_neutralised_rows`. Rows whose class label is out of range need
+        the predictions: their loss is 0 (:meth:`per_example_losses`)."""
+        finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
+        ids = self.input_ids_in_range(x)
+        x, y = self._neutralised_rows(x, y, kept_rows(finite, ids))
+        return x, y, finite, ids
+
+    def _neutralised_rows(self, x, y, usable):
+        """``(x, y)`` with the rows not ``usable`` zeroed -- finite, and id 0, in every
+        range -- so that the step runs on them; the family gives them no contribution
+        (hook; by default the inputs and the floating labels are zeroed)."""
+        x = tf.nest.map_structure(lambda t: zero_rows(usable, t), x)
+        y = zero_rows(usable, y) if y.dtype.is_floating else y
+        return x, y
+
+    def _private_gradients(self, x, y, kept) -> StepGradients:
+        """The family's averaged gradient of a batch already neutralised (S9; ``kept``: the
+        rows not neutralised for their input), aligned with ``trainable_variables``: the
+        local part ``sum_{i local} C_i g_i / n`` (``n`` the global loss normaliser) of the
+        released sum, each term within the sensitivities of :meth:`sensitivities`
+        (family hook)."""
+        raise NotImplementedError
+
+    def _after_release(self, released) -> None:
+        """Called with the released gradients after the update, on every replica (hook;
+        nothing by default). The once-per-step hook, in cross-replica context, is
+        :meth:`project`."""
+
     def noisify(self, gradients, variables):
         """Add the calibrated Gaussian noise to ``gradients`` (aligned with ``variables``)."""
         entries = self.sensitivities()
@@ -399,7 +532,7 @@ class PrivateModel(tf.keras.Model):
                 logger.info("%s: sensitivity %.6g", entry.key, float(delta))
             for v in variables:
                 logger.info("variable %s: noise std %.6g", v.name, float(stddevs[v.ref()]))
-        if self.dp_parameters.non_private:
+        if self._noiseless:  # no draw at all (a draw of standard deviation 0 would add 0)
             return list(gradients)
         return noise.add_noise(gradients, [stddevs[v.ref()] for v in variables])
 
@@ -904,4 +1037,4 @@ def _shown(rows) -> str:
     return ", ".join(str(i) for i in rows[:10]) + (", ..." if len(rows) > 10 else "")
 
 
-__all__ = ["DPParameters", "PrivateModel", "check_reduction"]
+__all__ = ["DPParameters", "PrivateModel", "StepGradients", "check_reduction"]

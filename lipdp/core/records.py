@@ -62,6 +62,13 @@ def zero_rows(keep, values):
     return tf.where(mask, values, tf.zeros_like(values))
 
 
+def kept_rows(finite, ids):
+    """``(batch,)`` booleans: the rows a step may count before its labels are read --
+    ``finite`` (:func:`finite_rows` of input and label) and, when the input is read as
+    ids (``ids`` not ``None``, :func:`ids_in_range`), every id in range."""
+    return finite if ids is None else finite & ids
+
+
 def sparse_labels(labels, predictions) -> bool:
     """Whether ``labels`` are class indices into the last axis of ``predictions``, decided
     from the static shapes (at trace time): integer or floating labels whose rank is one
@@ -257,6 +264,7 @@ __all__ = [
     "finite_rows",
     "ids_in_range",
     "input_id_ranges",
+    "kept_rows",
     "read_ids",
     "labels_in_range",
     "neutralised_losses",
