@@ -39,7 +39,8 @@ from lipdp.accounting import calibrate_noise_multiplier
 from lipdp.clipless.layers import DP_BoundedInput
 from lipdp.clipless.layers.base import DPLayer
 from lipdp.clipless.model import DP_Sequential
-from lipdp.clipped.model import CLIPPING_MODES, Clipping, DPSGD_Sequential
+from lipdp.clipped.clipping import CLIPPING_MODES, Clipping
+from lipdp.clipped.model import DPSGD_Sequential
 from lipdp.core import validation
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.private_model import DPParameters

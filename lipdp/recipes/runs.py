@@ -355,7 +355,7 @@ def optimizer(recipe: ModelRecipe):
 def clipping(recipe: ModelRecipe):
     """The :class:`~lipdp.clipped.model.Clipping` of a dp-sgd recipe (``None`` for the
     clipless methods: their sensitivities are the layers' bounds)."""
-    from lipdp.clipped.model import Clipping
+    from lipdp.clipped.clipping import Clipping
 
     if recipe.method != "dp-sgd":
         return None
@@ -365,7 +365,7 @@ def clipping(recipe: ModelRecipe):
 
 def ascent(recipe: ModelRecipe):
     """The BAM or DP-SAT :class:`~lipdp.clipped.model.SharpnessAscent` (or ``None``)."""
-    from lipdp.clipped.model import SharpnessAscent
+    from lipdp.clipped.sharpness import SharpnessAscent
 
     if recipe.bam is not None:
         return SharpnessAscent("bam", recipe.bam)
