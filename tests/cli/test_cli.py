@@ -318,6 +318,9 @@ def test_cli_evaluate_trains_saves_and_loads(tmp_path, capsys):
     assert loaded_output[loaded_output.index("test accuracy") :] == tail
 
 
+# Two trainings (about 30 s on 2 idle cores); tests/core/test_distribute.py covers mirrored
+# training itself in the default run.
+@pytest.mark.slow
 def test_cli_mirrored_training_reports_the_single_device_epsilon(capsys):
     """--mirrored 2 (the two logical CPU devices of conftest.py): the same epsilon per
     epoch as one device, the replicas named; more devices than exist: a one-line error."""
