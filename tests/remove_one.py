@@ -27,8 +27,8 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 
-from lipdp.clipless.bounds import ROUNDOFF_SLACK
 from lipdp.core import noise
+from lipdp.core.noise import ROUNDOFF_SLACK
 
 #: Released differences may exceed the declared sensitivity by float32 round-off only.
 TOLERANCE = ROUNDOFF_SLACK

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from lipdp.clipless.bounds import ROUNDOFF_SLACK
+from lipdp.core.noise import ROUNDOFF_SLACK
 
 #: The noise is calibrated for the bound times (1 + ROUNDOFF_SLACK): float32
 #: round-off may exceed the exact bound by that much, not more.

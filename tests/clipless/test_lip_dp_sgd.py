@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses, projections
-from lipdp.clipless.bounds import ROUNDOFF_SLACK
+from lipdp.core.noise import ROUNDOFF_SLACK
 from tests.cases import IMG, VEC, build
 
 

@@ -21,6 +21,7 @@ from lipdp.clipped.per_example import (
     unregister_ghost_rule,
 )
 from lipdp.core.metadata import DatasetMetadata
+from tests.clipped.test_per_example import _naive_bam_sum
 
 L = tf.keras.layers
 BATCH, CLASSES = 6, 3
@@ -204,32 +205,6 @@ def test_the_registered_rule_is_exact_for_rows_of_norm_1e_minus_20_to_1e20(shape
     assert expected.min() < 1e-70 and expected.max() > 1e70
     np.testing.assert_allclose(facts.sq_norms[0].numpy(), expected, rtol=1e-5)
     _check_clipped_sums(facts, rows, radius=1.0)
-
-
-def _naive_bam_sum(model, x, y, radius, clip):
-    """BAM one row at a time: gradient g_i at theta, weights moved to theta + radius g_i /
-    ||g_i||, the gradient there flat-clipped, summed."""
-    loss_fn = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
-    variables = model.trainable_variables
-    start = [v.numpy() for v in variables]
-
-    def gradient(xi, yi):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yi[None], model(xi[None], training=True))
-        return [g.numpy().astype("float64") for g in tape.gradient(loss, variables)]
-
-    total = [np.zeros(v.shape) for v in variables]
-    for xi, yi in zip(x, y):
-        grads = gradient(xi, yi)
-        norm = np.sqrt(sum(np.sum(t**2) for t in grads))
-        for v, w, t in zip(variables, start, grads):
-            v.assign(w + radius * t / norm)
-        shifted = gradient(xi, yi)
-        for v, w in zip(variables, start):
-            v.assign(w)
-        factor = min(1.0, clip / np.sqrt(sum(np.sum(t**2) for t in shifted)))
-        total = [s + factor * t for s, t in zip(total, shifted)]
-    return total
 
 
 def test_bam_moves_the_toy_layer_by_its_rules_shift(rule, rng):

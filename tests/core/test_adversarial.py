@@ -9,9 +9,9 @@ import pytest
 import tensorflow as tf
 
 from lipdp.accounting import get_eps_delta
-from lipdp.clipless.bounds import ROUNDOFF_SLACK
 from lipdp.clipped.model import Clipping
 from lipdp.core.adversarial import PGD, matching_l2_radius, softmax_kl
+from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.report import privacy_report
 from lipdp.evaluation import robustness
 from tests import cases
