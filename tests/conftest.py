@@ -63,6 +63,16 @@ with _native_start_up_lines_discarded():
 from tests.evaluation_helpers import digits, trained  # noqa: E402, F401
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests listed in ``tests/marks.py`` as thorough (before ``-m`` selects)."""
+    from tests.marks import is_thorough, thorough
+
+    for item in items:
+        if is_thorough(item.nodeid):
+            item.add_marker(thorough)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     """Every test starts from the same seeds (TF global seed, numpy, Python)."""

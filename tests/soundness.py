@@ -122,7 +122,9 @@ def measure(model, x, y) -> Ratios:
         ratios.cotangent = max(ratios.cotangent, ratio)
 
     variables = model.trainable_variables
-    jacobians = tape.jacobian(contributions, variables)
+    # A row loop, not pfor: in eager mode pfor traces a new function at every call, which
+    # costs several times the few backward passes of a test batch.
+    jacobians = tape.jacobian(contributions, variables, experimental_use_pfor=False)
     for v, jac in zip(variables, jacobians):
         name, bound = bounds[v.ref()]
         per_example = batch * _norms(jac)

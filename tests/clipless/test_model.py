@@ -18,6 +18,7 @@ from lipdp.clipless.model import (
 )
 from lipdp.core.metadata import DatasetMetadata
 from tests.cases import build
+from tests.marks import thorough
 
 SLACK = 1 + ROUNDOFF_SLACK
 
@@ -164,6 +165,7 @@ def test_training_keeps_weights_feasible():
     assert np.linalg.norm(bias.bias.numpy()) <= 0.25 + 1e-6
 
 
+@thorough  # 17 s; tests/core/test_xla.py compiles a DP-SGD step by default
 def test_xla_compiled_steps_match_the_default_ones():
     """model.compile(jit_compile=True): the same training (no noise, same data), weights
     equal up to float32 re-association, and every step runs the projection."""

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tests.cases import ALL_CASES, NORM_BALL_MATRIX
+from tests.marks import representatives
 from tests.soundness import TOLERANCE, adversarial_search, measure
 
 
@@ -57,12 +58,31 @@ SMOKE_CASES = {
 }
 
 
-def _with_smoke_marks(cases):
-    return [pytest.param(c, marks=pytest.mark.smoke) if c in SMOKE_CASES else c for c in cases]
+#: The default run's cases (tests/marks.py): the zoo's convolutional networks (strided,
+#: pooled and residual convolutions, gradient clipping), a softmax and a cosine loss, a norm
+#: ball of each shape (adaptive dense with group normalisation, fixed convolution),
+#: max-pooling (ties) and the scattering front end. The other cases run in the thorough
+#: tier.
+DEFAULT_CASES = {
+    "Zoo:pooled_cnn",
+    "Zoo:resnet(add)",
+    "Zoo:strided_cnn(clip)",
+    "TauCategoricalCrossentropy",
+    "KCosineSimilarity(K=0.3)",
+    "Ball:GroupNormalization(dense,adaptive)",
+    "Ball:SpectralConv2D(orthogonal,fixed)",
+    "MaxPool2D",
+    "ScatteringTransform(reflect,J1)+conv",
+}
 
 
 @pytest.mark.parametrize(
-    "case", _with_smoke_marks(sorted(set(ALL_CASES) - COVERED_BY_ZOO - COVERED_BY_OTHER_BALLS))
+    "case",
+    representatives(
+        sorted(set(ALL_CASES) - COVERED_BY_ZOO - COVERED_BY_OTHER_BALLS),
+        default=DEFAULT_CASES,
+        smoke=SMOKE_CASES & set(ALL_CASES),
+    ),
 )
 def test_bounds_hold_on_random_and_adversarial_inputs(case):
     model, x, y = ALL_CASES[case]()
@@ -83,7 +103,14 @@ def test_bounds_hold_on_random_and_adversarial_inputs(case):
     assert worst.worst_gradient <= 1 + TOLERANCE
 
 
-@pytest.mark.parametrize("case", _with_smoke_marks(sorted(NORM_BALL_MATRIX)))
+@pytest.mark.parametrize(
+    "case",
+    representatives(
+        sorted(NORM_BALL_MATRIX),
+        default=NORM_BALL_MATRIX,
+        smoke=SMOKE_CASES & set(NORM_BALL_MATRIX),
+    ),
+)
 def test_every_constrained_layer_and_ball_norm_on_random_inputs(case):
     """Lip-DP-SGD: every constrained layer x {spectral, Frobenius} ball, radii 2.5 / 0.6
     (dense) or 1.7 / 0.8 / 1.3 (conv), bounds from the current weights."""

@@ -11,6 +11,7 @@ from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.core import noise
 from lipdp.core.metadata import DatasetMetadata
+from tests.marks import thorough
 
 N_TRAIN = 1536  # a multiple of every batch size used below: no partial batch
 
@@ -82,9 +83,10 @@ def test_non_private_reference_is_an_upper_reference(digits):
     "optimizer",
     [
         lambda: tf.keras.optimizers.SGD(0.5, momentum=0.9),
-        lambda: tf.keras.optimizers.RMSprop(0.01),
-        lambda: tf.keras.optimizers.Adagrad(0.1),
-        lambda: tf.keras.optimizers.legacy.Adam(0.02),
+        # The same step and projection under other update rules (5 s each): thorough.
+        pytest.param(lambda: tf.keras.optimizers.RMSprop(0.01), marks=thorough),
+        pytest.param(lambda: tf.keras.optimizers.Adagrad(0.1), marks=thorough),
+        pytest.param(lambda: tf.keras.optimizers.legacy.Adam(0.02), marks=thorough),
     ],
 )
 def test_any_first_order_optimizer(digits, optimizer):

@@ -27,6 +27,7 @@ from lipdp.clipless.model import DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.clipped.per_example import per_example_gradients, row_loop_layers
 from lipdp.core.metadata import DatasetMetadata
+from tests.marks import thorough
 from tests.remove_one import TOLERANCE, remove_one_ratios
 
 L = tf.keras.layers
@@ -596,12 +597,19 @@ def _trained_by(facts, tested) -> str:
     return FALLBACK if any(r.rule == "vectorized" for r in records) else GHOST
 
 
-#: In the default run, with every refusal (a fraction of a second each); the others are
-#: marked slow (1-50 s each: two traced training steps; recurrent loops trace slowly).
+#: In the default run, with every refusal (a fraction of a second each): one case per
+#: outcome and per kind of layer the engine treats apart. The thorough tier adds layers
+#: that take the same paths (LSTM, 14 s, the row loop of grouped convolutions;
+#: MultiHeadAttention, 7 s, and LayerNormalization the fallback of EinsumDense; nested
+#: models run by default in test_per_example.py); the others are marked slow (1-50
+#: s each: two traced training steps; recurrent loops trace slowly).
 DEFAULT_CASES = {
-    "EinsumDense", "Conv1D", "Conv2D (groups=2)", "LayerNormalization", "LSTM",
-    "MultiHeadAttention", "TimeDistributed (Dense)", "Sequential (nested twice)", "Dropout",
-    "RandomFlip", "StringLookup", "Sequential (nested, a layer reading its sibling's kernel)",
+    "EinsumDense", "Conv2D (groups=2)", "Dropout",
+    "Sequential (nested, a layer reading its sibling's kernel)",
+}  # fmt: skip
+THOROUGH_CASES = {
+    "LSTM", "MultiHeadAttention", "TimeDistributed (Dense)", "Conv1D", "RandomFlip",
+    "LayerNormalization", "Sequential (nested twice)", "StringLookup",
 }  # fmt: skip
 
 
@@ -609,7 +617,7 @@ def _params():
     return [
         name
         if case.outcome == REFUSED or name in DEFAULT_CASES
-        else pytest.param(name, marks=pytest.mark.slow)
+        else pytest.param(name, marks=thorough if name in THOROUGH_CASES else pytest.mark.slow)
         for name, case in CASES.items()
     ]
 

@@ -13,6 +13,7 @@ from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.report import privacy_report
 from lipdp.pipeline import poisson_batches
+from tests.marks import thorough
 from tests.reference_helpers import requires_tensorflow_privacy
 
 BATCH, FEATURES, CLASSES = 8, 6, 3
@@ -119,7 +120,7 @@ def _per_example_norms(model, x, y):
 
 
 @requires_tensorflow_privacy
-@pytest.mark.parametrize("method", ["ghost", "jacobian"])
+@pytest.mark.parametrize("method", ["ghost", pytest.param("jacobian", marks=thorough)])
 def test_noiseless_step_equals_tensorflow_privacy(method, rng):
     """Flat clipping, noise off: the update of DPKerasSGDOptimizer (one microbatch per
     example) on the same weights and batch."""
@@ -172,8 +173,10 @@ def test_clipped_sum_equals_a_naive_loop_and_skips_non_finite_rows(clipping, rng
     "clipping",
     [
         Clipping("flat", 0.2),
-        Clipping("per-layer", 0.2, layer_shares=(2.0, 1.0)),
-        Clipping("automatic", 0.2),
+        # The other modes' remove-one checks run by default in test_train_step.py and
+        # test_extreme_records.py; their searches here are thorough.
+        pytest.param(Clipping("per-layer", 0.2, layer_shares=(2.0, 1.0)), marks=thorough),
+        pytest.param(Clipping("automatic", 0.2), marks=thorough),
         Clipping("global", 0.2, threshold=3.0),
         "bam",
     ],

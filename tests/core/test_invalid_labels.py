@@ -22,6 +22,7 @@ from lipdp.clipped.model import DPSGD_Sequential
 from lipdp.core.adversarial import PGD
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.records import labels_in_range, sparse_labels
+from tests.marks import thorough
 from tests.remove_one import released_gradient
 
 D, K, B = 5, 3, 8
@@ -170,9 +171,9 @@ ATTACK = PGD(0.2, steps=2, random_start=False, mix=0.5)
     "method, column, dtype, adversarial",
     [
         ("ghost", False, "int32", None),
-        ("ghost", True, "float32", None),
+        pytest.param("ghost", True, "float32", None, marks=thorough),
         ("jacobian", False, "float32", None),
-        ("ghost", False, "float32", ATTACK),
+        pytest.param("ghost", False, "float32", ATTACK, marks=thorough),  # 11 s
     ],
     ids=["ghost-int", "ghost-float-column", "jacobian-float", "ghost-adversarial"],
 )
@@ -213,7 +214,7 @@ def test_lipdp_losses_refuse_class_indices_when_traced(rng):
 
 
 # ------------------------------------------------------------------------ the logs
-@pytest.mark.parametrize("family", ["clipless", "clipped"])
+@pytest.mark.parametrize("family", ["clipless", pytest.param("clipped", marks=thorough)])
 def test_pipelines_count_invalid_labels_once_per_row(family, rng):
     """Three rows with labels out of range, one with a NaN input and a bad label (counted
     once, as non-finite), per epoch; training keeps finite weights."""

@@ -28,6 +28,7 @@ from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.parameters import DPParameters
 from lipdp.core.private_model import PrivateModel
+from tests.marks import thorough
 from tests.remove_one import TOLERANCE, remove_one_ratios
 
 FEATURES, CLASSES, BATCH, N = 6, 3, 8, 64
@@ -170,8 +171,16 @@ def test_clipped_noise_levels_match_a_hand_computation(strategy):
         assert float(stddevs[ref]) == pytest.approx(value, rel=1e-6)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("family", FAMILIES)
+#: Default run: each family once, each noise strategy once; the crossed pairs are thorough.
+CROSSED = [
+    ("clipless", "per-layer"),
+    ("clipped", "global"),
+    pytest.param("clipless", "global", marks=thorough),
+    pytest.param("clipped", "per-layer", marks=thorough),
+]
+
+
+@pytest.mark.parametrize("family, strategy", CROSSED)
 def test_removing_one_row_moves_the_released_step_by_at_most_the_sensitivity(family, strategy):
     """One real step of each family on a Poisson batch and on the batch without one row,
     identical noise: the released gradients differ by at most the declared sensitivity
@@ -184,8 +193,7 @@ def test_removing_one_row_moves_the_released_step_by_at_most_the_sensitivity(fam
     assert ratios.max() > (0.99 if family == "clipped" else 0.3)  # 1.0 and 0.57, 0.84
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, strategy", CROSSED)
 def test_a_non_private_reference_has_no_noise_and_an_infinite_epsilon(family, strategy):
     model = BUILDERS[family](strategy, sigma=0.0)
     assert all(float(s) == 0.0 for s in model.noise_stddevs().values())

@@ -16,6 +16,7 @@ from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.core.metadata import DatasetMetadata
+from tests.marks import thorough
 from tests.remove_one import TOLERANCE, released_gradient, remove_one_ratios
 
 L = tf.keras.layers
@@ -90,7 +91,11 @@ def _penalty_gradient(model, regularised):
 
 @pytest.mark.parametrize(
     "family",
-    ["dpsgd-ghost", pytest.param("dpsgd-jacobian", marks=pytest.mark.slow), "clipless"],
+    [
+        pytest.param("dpsgd-ghost", marks=thorough),  # 14 s
+        pytest.param("dpsgd-jacobian", marks=pytest.mark.slow),
+        "clipless",
+    ],
 )
 def test_weight_penalty_is_added_to_the_released_gradient_outside_the_sensitivity(family, rng):
     if family == "clipless":
