@@ -41,13 +41,15 @@ demo: install
 	@echo "(lipdp train --method dp-sgd) reached 0.90 to 0.93 on the same data and budget."
 
 # The default suite (tests/marks.py): every capability once, about 5 minutes on 2 cores.
-# 1288 tests, 6 min 02 s on 2 idle cores (2026-11-27; 14 min 16 s for 1373 tests before the tiers).
+# 1288 tests, 5 min 43 s on 2 idle cores with --dist worksteal (6 min 02 s with the default
+# load scheduling; 14 min 16 s for 1373 tests before the tiers), 2026-11-27.
 test: install
-	$(BIN)/pytest -q -n 2
+	$(BIN)/pytest -q -n 2 --dist worksteal
 
-# The other configurations of the default checks (CI runs them before `make test`).
+# The other configurations of the default checks (CI runs them before `make test`; 211
+# tests, 8 min 25 s on 2 idle cores, 2026-11-27).
 test-thorough: install
-	$(BIN)/pytest -q -n 2 -m "thorough and not slow"
+	$(BIN)/pytest -q -n 2 --dist worksteal -m "thorough and not slow"
 
 # The smoke subset on the current TensorFlow (CI, before `make test`; 1-2 min): training of
 # both families, accounting, a few soundness cases, the Keras 3 check. tf.keras must be
