@@ -61,13 +61,12 @@ with _native_start_up_lines_discarded():
 # Session fixtures shared by the evaluation tests (the digits CNN is trained once per
 # test process, not once per test module).
 from tests.evaluation_helpers import digits, trained  # noqa: E402, F401
+from tests.marks import is_thorough, thorough  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Marks the tests listed in ``tests/marks.py`` as thorough (before ``-m`` selects)."""
-    from tests.marks import is_thorough, thorough
-
     for item in items:
         if is_thorough(item.nodeid):
             item.add_marker(thorough)

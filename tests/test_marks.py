@@ -30,6 +30,12 @@ def test_every_thorough_entry_names_a_test_function(nodeid):
     assert function in _test_functions(path), f"{nodeid}: no test {function} in {file}"
 
 
+def test_no_case_is_listed_beside_its_whole_function():
+    functions = {entry for entry in THOROUGH_TESTS if "[" not in entry}
+    twice = [e for e in THOROUGH_TESTS if "[" in e and e.split("[", 1)[0] in functions]
+    assert not twice, f"listed with their whole function: {twice}"
+
+
 def test_listed_cases_match_their_function_and_only_them():
     case = "tests/core/test_xla.py::test_xla_step_gives_the_default_result[clipless]"
     assert is_thorough(case)

@@ -37,7 +37,6 @@ SIGMA = 1.7
 COEFS = {"dense": 2.0, "bias": 0.5, "head": 3.0}
 #: The clipped family's clip norm and per-layer shares.
 CLIP, SHARES = 0.4, (3.0, 1.0)
-FAMILIES = ("clipless", "clipped")
 STRATEGIES = ("global", "per-layer")
 
 
