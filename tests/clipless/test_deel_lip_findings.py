@@ -76,10 +76,15 @@ def test_lambda_requires_stated_constants():
 
 
 class _UpstreamGroupSort(L.DP_GroupSort):
-    """DP_GroupSort computed by deel-lip's own ``call`` (min/max autodiff)."""
+    """DP_GroupSort's bounds, computed by a deel-lip GroupSort (min/max autodiff)."""
+
+    def build(self, input_shape):
+        self.upstream = deel_lip_layers.GroupSort(self.n)
+        self.upstream.build(input_shape)
+        super().build(input_shape)
 
     def call(self, x):
-        return deel_lip_layers.GroupSort.call(self, x)
+        return self.upstream(x)
 
 
 def _tied_pair_model(group_sort):
@@ -161,3 +166,31 @@ def test_group_sort_config_round_trip():
     assert clone.n == 2 and clone.jit_compile is False
     with pytest.raises(ValueError, match="jit_compile"):
         L.DP_GroupSort(2, jit_compile="yes")
+
+
+def test_group_sort_reads_the_configuration_saved_when_it_derived_from_deel_lip():
+    """The configuration a model saved before lipdp wrote its own GroupSort (deel-lip's keys
+    plus ``jit_compile``) builds the same layer; ``n=None`` sorts all channels; a group size
+    that does not divide the channels, another data format or another Lipschitz factor is
+    refused."""
+    saved = {
+        "name": "dp__group_sort",
+        "trainable": True,
+        "dtype": "float32",
+        "n": 4,
+        "k_coef_lip": 1.0,
+        "data_format": "channels_last",
+        "jit_compile": None,
+    }
+    layer = L.DP_GroupSort.from_config(saved)
+    assert (layer.n, layer.jit_compile, layer.name) == (4, None, "dp__group_sort")
+    assert {k: layer.get_config()[k] for k in saved} == saved
+    x = np.random.default_rng(0).normal(size=(3, 8)).astype("float32")
+    np.testing.assert_array_equal(L.DP_GroupSort(None)(x), np.sort(x, axis=-1))
+    np.testing.assert_array_equal(layer(x), np.sort(x.reshape(3, 2, 4), axis=-1).reshape(3, 8))
+    with pytest.raises(ValueError, match="n=3 must divide the 8 channels"):
+        L.DP_GroupSort(3)(x)
+    with pytest.raises(ValueError, match="channels_last"):
+        L.DP_GroupSort(2, data_format="channels_first")
+    with pytest.raises(ValueError, match="k_coef_lip must be 1"):
+        L.DP_GroupSort(2, k_coef_lip=2.0)

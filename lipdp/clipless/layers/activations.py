@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import deel.lip.layers
 import numpy as np
 import tensorflow as tf
 
@@ -58,32 +57,64 @@ sort_pairs_xla = tf.function(sort_pairs, jit_compile=True)
 
 
 @register
-class DP_GroupSort(deel.lip.layers.GroupSort, NonExpansiveLayer):
-    """Sorts the channels (last axis) by groups of ``n`` (deel-lip's GroupSort).
+class DP_GroupSort(tf.keras.layers.Layer, NonExpansiveLayer):
+    """Sorts the channels (last axis) by groups of ``n`` (GroupSort, Anil et al. 2019).
 
     A permutation of the coordinates inside each group: the output norm equals the input
     norm, and the backward pass applies the transposed permutation to the cotangent, so
-    the layer is gradient-norm preserving. lipdp computes it itself rather than through
-    deel-lip's ``call``: for ``n = 2`` with :func:`sort_pairs` (exact permutation
-    gradient at ties, about 2-4x faster; XLA-compiled when ``jit_compile`` allows it),
-    otherwise with ``tf.sort``, whose gradient scatters the cotangent through the sort
-    indices (a permutation, ties included).
+    the layer is gradient-norm preserving. For ``n = 2`` it runs :func:`sort_pairs`
+    (exact permutation gradient at ties, about 2-4x faster than ``min``/``max``;
+    XLA-compiled when ``jit_compile`` allows it), otherwise ``tf.sort``, whose gradient
+    scatters the cotangent through the sort indices (a permutation, ties included).
+
+    The layer is lipdp's own: it no longer derives from deel-lip's ``GroupSort`` (a Keras 2
+    layer), and reads and writes the same configuration keys (``n``, ``data_format``,
+    ``k_coef_lip``), so models saved before load unchanged.
 
     Args:
-        n: group size (``None``: sort all channels).
+        n: group size (``None``, or more than the channels: sort all channels). Must divide
+            the number of channels.
+        data_format: ``"channels_last"`` only.
+        k_coef_lip: must be 1 (the layer is 1-Lipschitz by construction; accepted for the
+            configurations of deel-lip's layer).
         jit_compile: ``None`` (default) compiles ``n = 2`` with XLA when an example has at
             least :data:`XLA_MIN_VALUES_PER_EXAMPLE` values; ``True``/``False`` force it.
             Each new batch size compiles once (a few per run; more with Poisson
             sampling, whose batch sizes vary).
     """
 
-    def __init__(self, n=2, jit_compile=None, **kwargs):
-        if kwargs.pop("k_coef_lip", 1.0) != 1.0:
+    def __init__(
+        self, n=2, data_format="channels_last", k_coef_lip=1.0, jit_compile=None, **kwargs
+    ):
+        if k_coef_lip != 1.0:
             raise ValueError("DP_GroupSort is 1-Lipschitz by construction; k_coef_lip must be 1.")
+        if data_format != "channels_last":
+            raise ValueError(
+                f"DP_GroupSort sorts the last axis: data_format must be 'channels_last', "
+                f"got {data_format!r}."
+            )
         if jit_compile not in (None, True, False):
             raise ValueError(f"jit_compile must be None, True or False, got {jit_compile!r}.")
-        super().__init__(n=n, **kwargs)
+        super().__init__(**kwargs)
+        self.n = n
+        self.data_format = data_format
         self.jit_compile = jit_compile
+
+    def build(self, input_shape):
+        input_shape = tf.TensorShape(input_shape)
+        channels = input_shape[-1]
+        if self.n is None or self.n > channels:
+            self.n = channels
+        if channels % self.n != 0:
+            raise ValueError(
+                f"DP_GroupSort: the group size n={self.n} must divide the {channels} channels."
+            )
+        # The groups as the last axis, for tf.sort (n > 2).
+        self.flat_shape = (-1, *input_shape[1:-1], channels // self.n, self.n)
+        super().build(input_shape)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
 
     def _use_xla(self, input_shape):
         if self.jit_compile is not None:
@@ -97,7 +128,13 @@ class DP_GroupSort(deel.lip.layers.GroupSort, NonExpansiveLayer):
         return tf.reshape(tf.sort(groups, axis=-1), tf.shape(x))
 
     def get_config(self):
-        return {**super().get_config(), "jit_compile": self.jit_compile}
+        return {
+            **super().get_config(),
+            "n": self.n,
+            "data_format": self.data_format,
+            "k_coef_lip": 1.0,
+            "jit_compile": self.jit_compile,
+        }
 
 
 @register
