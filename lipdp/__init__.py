@@ -5,17 +5,10 @@ known in advance, so Gaussian noise can be calibrated without clipping
 per-example gradients (Béthune et al., *DP-SGD Without Clipping: The Lipschitz
 Neural Network Way*, ICLR 2024).
 
-lipdp needs Keras 2 as ``tf.keras``: TensorFlow 2.15, or TensorFlow 2.16 to 2.21 with
-``tf-keras`` and ``TF_USE_LEGACY_KERAS=1`` (set here if TensorFlow is not imported yet;
-:mod:`lipdp.core.compat`).
+lipdp runs on Keras 3 with the TensorFlow backend (TensorFlow >= 2.16 and the ``keras``
+package) and on Keras 2 (TensorFlow 2.15); it sets no environment variable
+(:mod:`lipdp.core.compat`).
 """
-
-from lipdp.core import compat as _compat
-
-# Before any lipdp module imports TensorFlow (this package's modules import it, this file
-# does not): on TensorFlow >= 2.16, route tf.keras to tf-keras unless told otherwise.
-_compat.prefer_legacy_keras()
-_compat.require_keras_2()
 
 
 def _version() -> str:

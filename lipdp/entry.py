@@ -11,12 +11,12 @@ noise multiplier is the smallest that meets the target (as Opacus'
 .. code-block:: python
 
     model = lipdp.make_private(
-        [tf.keras.layers.Dense(64, activation="relu", input_shape=(64,)),
-         tf.keras.layers.Dense(10)],
+        [keras.layers.Dense(64, activation="relu", input_shape=(64,)),
+         keras.layers.Dense(10)],
         epsilon=3.0, delta=1e-5, epochs=10, batch_size=128, dataset_size=len(x),
     )
     model.compile(optimizer="adam",
-                  loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.CategoricalCrossentropy(from_logits=True))
     model.fit(lipdp.private_batches(model, x, y), epochs=10)
 
 How ``sigma`` is found: the model is built with ``sigma = 1``, then
@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import keras
 import tensorflow as tf
 
 from lipdp.accounting import calibrate_noise_multiplier
@@ -41,7 +42,7 @@ from lipdp.clipless.layers.base import DPLayer
 from lipdp.clipless.model import DP_Sequential
 from lipdp.clipped.clipping import CLIPPING_MODES, Clipping
 from lipdp.clipped.model import DPSGD_Sequential
-from lipdp.core import validation
+from lipdp.core import compat, validation
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.private_model import DPParameters
 from lipdp.data.sampling import poisson_batches
@@ -74,7 +75,7 @@ def make_private(
 
     Args:
         model_or_layers: a list of Keras layers (the first with an ``input_shape``, or an
-            ``InputLayer``), a ``tf.keras.Sequential`` (its layers are used, which then
+            ``InputLayer``), a ``keras.Sequential`` (its layers are used, which then
             train in place), or any other Keras model (nested as one layer: the clipped
             family only).
         epsilon, delta: the target; ``epsilon`` of the whole training.
@@ -155,18 +156,16 @@ def private_batches(model, x, y, seed=None) -> tf.data.Dataset:
 
 # ------------------------------------------------------------------------------ helpers
 def _layers_of(model_or_layers) -> list:
-    if isinstance(model_or_layers, tf.keras.Sequential):
+    if isinstance(model_or_layers, keras.Sequential):
         layers = list(model_or_layers.layers)
         if model_or_layers.built and not _is_input_layer(layers[0]):
             # A built Sequential's InputLayer is not in .layers: put its shape back.
-            shape = tuple(model_or_layers.input_shape[1:])
-            layers.insert(0, tf.keras.layers.InputLayer(input_shape=shape))
+            layers.insert(0, compat.input_layer(model_or_layers.input_shape[1:]))
         return layers
-    if isinstance(model_or_layers, tf.keras.Model):
-        shape = tuple(model_or_layers.input_shape[1:])
-        return [tf.keras.layers.InputLayer(input_shape=shape), model_or_layers]
+    if isinstance(model_or_layers, keras.Model):
+        return [compat.input_layer(model_or_layers.input_shape[1:]), model_or_layers]
     if isinstance(model_or_layers, (list, tuple)) and model_or_layers:
-        return list(model_or_layers)
+        return [compat.as_layer(item) for item in model_or_layers]
     raise TypeError(
         "make_private takes a list of Keras layers or a Keras model, got "
         f"{type(model_or_layers).__name__}."
@@ -189,17 +188,17 @@ def _family(method, layers) -> str:
 
 def _input_shape(layers) -> tuple:
     first = layers[0]
-    shape = getattr(first, "_batch_input_shape", None)
+    shape = compat.declared_batch_shape(first)
     if shape is None:
         raise ValueError(
             f"The first layer ({first.name}) has no input shape: give it input_shape=... "
-            "or start with tf.keras.layers.InputLayer(input_shape=...)."
+            "or start with keras.layers.InputLayer(input_shape=...)."
         )
     return tuple(shape[1:])
 
 
 def _is_input_layer(layer) -> bool:
-    return isinstance(layer, tf.keras.layers.InputLayer)
+    return isinstance(layer, keras.layers.InputLayer)
 
 
 def _output_units(layers) -> int:

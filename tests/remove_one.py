@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from lipdp.core import noise
 from lipdp.core.noise import ROUNDOFF_SLACK
+from lipdp.core.variables import variable_key
 
 #: Released differences may exceed the declared sensitivity by float32 round-off only.
 TOLERANCE = ROUNDOFF_SLACK
@@ -98,7 +99,7 @@ def mechanism_groups(model) -> list[tuple[float, list[int]]]:
     """``[(Delta, indices of trainable variables)]``: one group per Gaussian mechanism of
     a step, from the model's own sensitivities and noise strategy."""
     variables = model.trainable_variables
-    index = {v.ref(): i for i, v in enumerate(variables)}
+    index = {variable_key(v): i for i, v in enumerate(variables)}
     entries = model.sensitivities()
     if model.dp_parameters.noisify_strategy == "global":
         delta = float(np.sqrt(sum(float(d) ** 2 for _, d in entries)))
@@ -107,13 +108,13 @@ def mechanism_groups(model) -> list[tuple[float, list[int]]]:
     for entry, delta in entries:
         variable = getattr(entry, "variable", None)
         if variable is not None:  # the clipless family: one entry per variable
-            groups.append((float(delta), [index[variable.ref()]]))
+            groups.append((float(delta), [index[variable_key(variable)]]))
     if groups:
         return groups
     # The clipped family: one entry per weighted layer, in forward order.
     layers = model.weighted_layers()
     return [
-        (float(delta), [index[v.ref()] for v in layer.trainable_variables])
+        (float(delta), [index[variable_key(v)] for v in layer.trainable_variables])
         for layer, (_, delta) in zip(layers, entries)
     ]
 

@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.core.noise import ROUNDOFF_SLACK
+from lipdp.core.variables import variable_key
 
 #: The noise is calibrated for the bound times (1 + ROUNDOFF_SLACK): float32
 #: round-off may exceed the exact bound by that much, not more.
@@ -81,7 +82,7 @@ def measure(model, x, y) -> Ratios:
     x = tf.convert_to_tensor(x)
     y = tf.convert_to_tensor(y)
     declared = model.bounds()
-    bounds = {e.variable.ref(): (e.key, float(e.bound)) for e in declared.variables}
+    bounds = {variable_key(e.variable): (e.key, float(e.bound)) for e in declared.variables}
     ratios = Ratios()
     count = len(model.dp_layers)
 
@@ -126,7 +127,7 @@ def measure(model, x, y) -> Ratios:
     # costs several times the few backward passes of a test batch.
     jacobians = tape.jacobian(contributions, variables, experimental_use_pfor=False)
     for v, jac in zip(variables, jacobians):
-        name, bound = bounds[v.ref()]
+        name, bound = bounds[variable_key(v)]
         per_example = batch * _norms(jac)
         ratios.gradient[name] = float(tf.reduce_max(per_example)) / bound
     return ratios
@@ -137,7 +138,7 @@ def _gradient_ratio_objective(model, x, y):
 
     The bounds are recomputed here, under the caller's tape: with norm-adaptive layers
     they depend on the weights, and the ascent must see that dependence too."""
-    bounds = {e.variable.ref(): e.bound for e in model.bounds().variables}
+    bounds = {variable_key(e.variable): e.bound for e in model.bounds().variables}
     total = 0.0
     b = model.loss_normalizer  # DP_ClipGradient clips at C / b
     for i in range(x.shape[0]):
@@ -145,7 +146,7 @@ def _gradient_ratio_objective(model, x, y):
             li = per_example_losses(model, x[i : i + 1], y[i : i + 1])[0] / b
         grads = inner.gradient(li, model.trainable_variables)
         for v, g in zip(model.trainable_variables, grads):
-            total += tf.reduce_sum(tf.square(b * g)) / bounds[v.ref()] ** 2
+            total += tf.reduce_sum(tf.square(b * g)) / bounds[variable_key(v)] ** 2
     return total
 
 

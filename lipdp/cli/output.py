@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import keras
+
 
 def run_line(verb, prepared, replicas=None) -> str:
     """``lipdp train: digits, 1536 training examples, batch 512, method lipdp (...), noise
@@ -52,9 +54,8 @@ def epoch_lines(epochs):
     """``--quiet`` progress: a Keras callback printing one line per epoch with epsilon,
     and after the second epoch (the first includes the compilation) an estimate of the
     time left."""
-    import tensorflow as tf
 
-    class EpochLines(tf.keras.callbacks.Callback):
+    class EpochLines(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
             self.start = time.perf_counter()
             self.first = None

@@ -83,6 +83,7 @@ from __future__ import annotations
 import logging
 import math
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -349,7 +350,7 @@ def geometric_update(clip_value, fraction, quantile, learning_rate):
 
 
 # --------------------------------------------------------------------------- callbacks
-class _DynamicClipping(tf.keras.callbacks.Callback):
+class _DynamicClipping(keras.callbacks.Callback):
     """Common machinery: validation, scheduling, bounds, per-example norms, logs."""
 
     mode = None
@@ -477,7 +478,7 @@ class _DynamicClipping(tf.keras.callbacks.Callback):
 
     def _batches(self):
         for element in self._dataset:
-            x, y, weight = tf.keras.utils.unpack_x_y_sample_weight(element)
+            x, y, weight = keras.utils.unpack_x_y_sample_weight(element)
             if weight is not None:
                 raise ValueError("ds_train must yield (x, y): sample weights are not supported.")
             yield x, y

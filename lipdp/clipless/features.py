@@ -14,6 +14,7 @@ and returns the public bound on the features' norm, the input bound of the head:
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -43,7 +44,7 @@ def fixed_features(dp_layers, x, batch_size=256) -> tuple[np.ndarray, float]:
     Refuses a layer with variables: trained (or data-dependent) weights would make the
     features depend on other records.
     """
-    model = tf.keras.Sequential(list(dp_layers))
+    model = keras.Sequential(list(dp_layers))
     model.build((None, *np.shape(x)[1:]))
     holding = [layer.name for layer in model.layers if layer.weights]
     if holding:

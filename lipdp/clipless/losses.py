@@ -61,9 +61,10 @@ from __future__ import annotations
 import abc
 import math
 
+import keras
 import tensorflow as tf
 
-from lipdp.core import validation
+from lipdp.core import compat, validation
 from lipdp.core.records import neutralised_losses
 
 __all__ = [
@@ -77,7 +78,7 @@ __all__ = [
     "DP_MeanAbsoluteError",
 ]
 
-Reduction = tf.keras.losses.Reduction
+Reduction = compat.Reduction  # the names of Keras' loss reductions
 
 
 # --------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def _prepare(y_true, y_pred, min_classes: int = 1):
     """
     y_pred = tf.convert_to_tensor(y_pred)
     if not y_pred.dtype.is_floating:
-        y_pred = tf.cast(y_pred, tf.keras.backend.floatx())
+        y_pred = tf.cast(y_pred, keras.backend.floatx())
     y_true = tf.cast(tf.convert_to_tensor(y_true), y_pred.dtype)
     rank = y_pred.shape.rank
     if rank is not None and rank < 2:
@@ -191,8 +192,8 @@ def _kr_constant(nb_classes: int | None) -> float:
 # --------------------------------------------------------------------------------------
 # base class
 # --------------------------------------------------------------------------------------
-@tf.keras.utils.register_keras_serializable(package="lipdp")
-class DP_Loss(tf.keras.losses.Loss, metaclass=abc.ABCMeta):
+@keras.utils.register_keras_serializable(package="lipdp")
+class DP_Loss(keras.losses.Loss, metaclass=abc.ABCMeta):
     """Base class of the losses usable for DP training with analytic sensitivity.
 
     Subclasses implement ``call(y_true, y_pred)`` returning per-example losses of shape
@@ -265,7 +266,7 @@ class DP_Loss(tf.keras.losses.Loss, metaclass=abc.ABCMeta):
 # --------------------------------------------------------------------------------------
 # cross-entropies
 # --------------------------------------------------------------------------------------
-@tf.keras.utils.register_keras_serializable(package="lipdp")
+@keras.utils.register_keras_serializable(package="lipdp")
 class DP_TauCategoricalCrossentropy(DP_Loss):
     r"""Categorical cross-entropy with temperature: ``CE(y, softmax(tau z)) / tau``.
 
@@ -310,7 +311,7 @@ class DP_TauCategoricalCrossentropy(DP_Loss):
         return {**super().get_config(), "tau": self.tau}
 
 
-@tf.keras.utils.register_keras_serializable(package="lipdp")
+@keras.utils.register_keras_serializable(package="lipdp")
 class DP_TauBCE(DP_Loss):
     r"""Binary cross-entropy on logits with temperature, averaged over the outputs.
 
@@ -349,7 +350,7 @@ class DP_TauBCE(DP_Loss):
 # --------------------------------------------------------------------------------------
 # multiclass margin losses
 # --------------------------------------------------------------------------------------
-@tf.keras.utils.register_keras_serializable(package="lipdp")
+@keras.utils.register_keras_serializable(package="lipdp")
 class DP_MulticlassHinge(DP_Loss):
     r"""deel-lip's multiclass hinge loss (already per-example), with its constant.
 
@@ -396,7 +397,7 @@ class DP_MulticlassHinge(DP_Loss):
         }
 
 
-@tf.keras.utils.register_keras_serializable(package="lipdp")
+@keras.utils.register_keras_serializable(package="lipdp")
 class DP_MulticlassKR(DP_Loss):
     r"""Per-example multiclass Kantorovich-Rubinstein loss (to be minimised).
 
@@ -439,7 +440,7 @@ class DP_MulticlassKR(DP_Loss):
         return {**super().get_config(), "nb_classes": self.nb_classes}
 
 
-@tf.keras.utils.register_keras_serializable(package="lipdp")
+@keras.utils.register_keras_serializable(package="lipdp")
 class DP_MulticlassHKR(DP_Loss):
     r"""Per-example multiclass hinge-KR: ``KR + alpha * hinge``.
 
@@ -497,7 +498,7 @@ class DP_MulticlassHKR(DP_Loss):
 # --------------------------------------------------------------------------------------
 # regression-style losses
 # --------------------------------------------------------------------------------------
-@tf.keras.utils.register_keras_serializable(package="lipdp")
+@keras.utils.register_keras_serializable(package="lipdp")
 class DP_KCosineSimilarity(DP_Loss):
     r"""Cosine-like loss with a ball of radius K: ``-< y/||y||, z / max(||z||, K) >``.
 
@@ -561,7 +562,7 @@ class DP_KCosineSimilarity(DP_Loss):
         return {**super().get_config(), "K": self.K, "axis": self.axis}
 
 
-@tf.keras.utils.register_keras_serializable(package="lipdp")
+@keras.utils.register_keras_serializable(package="lipdp")
 class DP_MeanAbsoluteError(DP_Loss):
     r"""Mean absolute error over the outputs of an example: :math:`\frac1K\sum_k|z_k-y_k|`.
 

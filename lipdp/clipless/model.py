@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -43,6 +44,7 @@ from lipdp.core.private_model import (  # noqa: F401  (DPParameters and the guar
     _refuse_non_finite,
     check_reduction,
 )
+from lipdp.core.variables import variable_key
 
 logger = logging.getLogger(__name__)
 
@@ -200,8 +202,8 @@ class DP_Model(PrivateModel):
         """``[(VariableBound, Delta)]`` of the averaged gradient, checked complete
         (:meth:`lipdp.clipless.bounds.Bounds.sensitivities`)."""
         result = self.bounds().sensitivities(self.batch_size)
-        covered = {entry.variable.ref() for entry, _ in result}
-        missing = [v.name for v in self.trainable_variables if v.ref() not in covered]
+        covered = {variable_key(entry.variable) for entry, _ in result}
+        missing = [v.name for v in self.trainable_variables if variable_key(v) not in covered]
         if missing:
             raise ValueError(
                 f"No sensitivity bound for trainable variables {missing}: only DP layers "
@@ -319,8 +321,8 @@ class DP_Sequential(DP_Model):
         )
 
 
-tf.keras.utils.register_keras_serializable(package="lipdp")(DP_Model)
-tf.keras.utils.register_keras_serializable(package="lipdp")(DP_Sequential)
+keras.utils.register_keras_serializable(package="lipdp")(DP_Model)
+keras.utils.register_keras_serializable(package="lipdp")(DP_Sequential)
 
 
 def compute_gradient_bounds(model) -> dict:

@@ -29,7 +29,7 @@ Layers that couple the examples of a batch (batch normalisation) are refused by
 
 from __future__ import annotations
 
-import tensorflow as tf
+import keras
 
 from lipdp.core.layer_walk import nested_layers
 
@@ -48,7 +48,7 @@ def _refusal(path, layer) -> str | None:
             "activations, outside the clipped per-example losses. Remove it (weight "
             "regularisers are supported)."
         )
-    if isinstance(layer, tf.keras.layers.SpectralNormalization):
+    if isinstance(layer, keras.layers.SpectralNormalization):
         return (
             f"Layer {path!r} (SpectralNormalization) rewrites its kernel in every training "
             "call, which per-example gradients would repeat per row. Use a kernel_constraint "

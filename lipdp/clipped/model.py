@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipped.clipping import CLIPPING_MODES, Clipping
@@ -71,6 +72,7 @@ from lipdp.core.batch_independence import refuse_coupling_layers
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.private_model import DPParameters, PrivateModel, StepGradients
 from lipdp.core.records import kept_rows
+from lipdp.core.variables import variable_key
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def check_keras_layers(layers) -> None:
         raise ValueError("A DP-SGD model needs at least one layer.")
     seen = set()
     for layer in layers:
-        if not isinstance(layer, tf.keras.layers.Layer):
+        if not isinstance(layer, keras.layers.Layer):
             raise TypeError(f"{layer!r} is not a Keras layer.")
         refuse_coupling_layers(layer)  # at any depth (rule S2)
         if id(layer) in seen:
@@ -322,7 +324,8 @@ class DPSGD_Model(PrivateModel):
         keep = kept & labelled & tf.math.is_finite(tf.add_n(facts.sq_norms))
         sums = facts.clipped_sums(factors, keep)
         summed = [
-            sums[v.ref()] if v.ref() in sums else tf.zeros_like(v) for v in self.trainable_variables
+            sums[variable_key(v)] if variable_key(v) in sums else tf.zeros_like(v)
+            for v in self.trainable_variables
         ]
         return summed, y_pred
 
@@ -376,8 +379,8 @@ class DPSGD_Sequential(DPSGD_Model):
     _layers_key = "layers"
 
 
-tf.keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Model)
-tf.keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Sequential)
+keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Model)
+keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Sequential)
 
 __all__ = [
     "ASCENT_MODES",

@@ -96,6 +96,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
@@ -103,6 +104,7 @@ from tensorflow.python.eager import context as eager_context
 from tensorflow.python.ops import stateful_random_ops
 
 from lipdp.core.layer_walk import children, nested_layers
+from lipdp.core.variables import variable_key
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +276,7 @@ def _token_range(model) -> int:
     sizes = [
         int(layer.input_dim)
         for _, layer in nested_layers(model.layers_forward_order())
-        if isinstance(layer, tf.keras.layers.Embedding)
+        if isinstance(layer, keras.layers.Embedding)
     ]
     return max(1, min([8, *sizes])) if sizes else 2
 
@@ -621,7 +623,7 @@ class _Replay:
         ]
         self.tensorflow_states = [g.state.numpy() for _, g in self.tensorflow]
         #: Variables a pass advances by an amount that depends on the batch size only.
-        self.generator_states = {g.state.ref() for _, g in self.tensorflow}
+        self.generator_states = {variable_key(g.state) for _, g in self.tensorflow}
         self.global_seed = self.context._seed  # noqa: SLF001 - no public getter of both
         self.op_seeds = getattr(self.context, "_rng", None)
         self.numpy_state = np.random.get_state()
@@ -706,11 +708,11 @@ def _first_moved_stage(first, other, rows, other_rows=None) -> int | None:
 
 
 def _variable_owners(model) -> dict:
-    """``variable.ref() -> (path of the deepest layer holding it, layer)``."""
+    """``variable_key(variable) -> (path of the deepest layer holding it, layer)``."""
     owners = {}
     for path, layer in nested_layers(model.layers_forward_order()):
         for v in layer.variables:
-            owners[v.ref()] = (path, layer)  # later (deeper) layers overwrite
+            owners[variable_key(v)] = (path, layer)  # later (deeper) layers overwrite
     return owners
 
 
@@ -724,7 +726,7 @@ def _moved_variables(replay, before, skip=frozenset()) -> list:
     return [
         v
         for v, a, b in zip(replay.variables, before, after)
-        if v.ref() not in skip and _rows_moved(a, b)
+        if variable_key(v) not in skip and _rows_moved(a, b)
     ]
 
 
@@ -768,7 +770,7 @@ def _check_replayed(model, replay, x, first) -> None:
 
 
 def _describe_variable(model, variable) -> tuple:
-    path, layer = _variable_owners(model).get(variable.ref(), (model.name, model))
+    path, layer = _variable_owners(model).get(variable_key(variable), (model.name, model))
     return path, layer, _short_name(variable)
 
 
@@ -1064,9 +1066,9 @@ class _Fixer:
         if _is_model(layer):
             return self.model(layer, path)
         inner = getattr(layer, "layer", None)
-        wrapped = isinstance(layer, tf.keras.layers.Wrapper) and inner is not None
+        wrapped = isinstance(layer, keras.layers.Wrapper) and inner is not None
         if wrapped and coupling_layers(inner):
-            if isinstance(layer, tf.keras.layers.Bidirectional):
+            if isinstance(layer, keras.layers.Bidirectional):
                 return self.unfixable(layer, path, "a Bidirectional wrapper is rebuilt by hand")
             config = layer.get_config()
             config.pop("layer")
@@ -1098,7 +1100,7 @@ class _Fixer:
         def clone(layer):
             return self.copy(layer, f"{path}/{layer.name}")
 
-        new = tf.keras.models.clone_model(model, clone_function=clone)
+        new = keras.models.clone_model(model, clone_function=clone)
         self.pairs.append((model, new, False))
         return new
 
@@ -1146,7 +1148,7 @@ class _Fixer:
         channels = int(shape[axis])
         groups = group_count(channels, _positions(shape, axis), self.max_groups)
         config = layer.get_config()
-        new = tf.keras.layers.GroupNormalization(
+        new = keras.layers.GroupNormalization(
             groups=groups,
             axis=axis,
             epsilon=config["epsilon"],
@@ -1196,7 +1198,7 @@ def _build_by_calling(layer, shape) -> None:
     """Build ``layer`` for ``shape`` by calling it on a symbolic input: unlike ``build``,
     this also creates the weights of the sub-layers a custom layer calls."""
     if all(d is None or isinstance(d, int) for d in shape):
-        layer(tf.keras.Input(batch_shape=tuple(shape)))
+        layer(keras.Input(batch_shape=tuple(shape)))
     else:
         layer.build(shape)
 
@@ -1208,7 +1210,7 @@ def _built_for_shapes(layers) -> None:
     unbuilt = any(not layer.built for _, layer, _ in coupling_layers(layers))
     if unbuilt and getattr(layers[0], "_batch_input_shape", None) is not None:
         try:
-            tf.keras.Sequential(list(layers))
+            keras.Sequential(list(layers))
         except (TypeError, ValueError) as error:  # layers a Sequential cannot chain
             logger.debug("could not build the layers to read their shapes: %s", error)
 
@@ -1237,7 +1239,7 @@ def fix_batch_coupling(model, max_groups=32):
     is unknown, a multi-axis one): the copy still holds those, and DP models refuse it.
     """
     fixer = _Fixer(max_groups)
-    if isinstance(model, tf.keras.layers.Layer):
+    if isinstance(model, keras.layers.Layer):
         new = fixer.copy(model, model.name)
     else:
         layers = list(model)
@@ -1250,7 +1252,7 @@ def fix_batch_coupling(model, max_groups=32):
 
 
 def _is_model(layer) -> bool:
-    return isinstance(layer, tf.keras.Sequential) or getattr(layer, "_is_graph_network", False)
+    return isinstance(layer, keras.Sequential) or getattr(layer, "_is_graph_network", False)
 
 
 __all__ = [

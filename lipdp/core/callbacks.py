@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import keras
 import tensorflow as tf
 
 from lipdp.accounting.budget import get_eps_delta
@@ -13,7 +14,7 @@ from lipdp.core import validation
 logger = logging.getLogger(__name__)
 
 
-class DP_Accountant(tf.keras.callbacks.Callback):
+class DP_Accountant(keras.callbacks.Callback):
     """Reports ``(epsilon, delta)`` after every epoch and can enforce a budget.
 
     ``epsilon`` and ``delta`` are written into the epoch ``logs``, so the Keras
@@ -134,7 +135,7 @@ def epochs_trained(model) -> int:
     return model.dataset_metadata.epochs_for_steps(noisy_steps_taken(model))
 
 
-class ParameterAveraging(tf.keras.callbacks.Callback):
+class ParameterAveraging(keras.callbacks.Callback):
     r"""Exponential moving average of the weights, swapped in when training ends.
 
     After every training step (once the weights are projected) each trainable variable's

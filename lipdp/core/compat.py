@@ -1,44 +1,38 @@
-"""Which Keras ``tf.keras`` is: the one place where lipdp deals with TensorFlow versions.
+"""Which Keras lipdp runs on: the one place where lipdp deals with Keras versions.
 
-lipdp is written against the Keras 2 API of ``tf.keras`` (``Model.train_step`` with
-``compiled_loss`` and ``optimizer.apply_gradients``, layers that own ``tf.Variable`` s,
-deel-lip's layers, Keras 2's ``.keras`` files). TensorFlow 2.15 ships Keras 2 as its
-``tf.keras``. From TensorFlow 2.16 on, ``tf.keras`` is Keras 3 unless the ``tf-keras``
-package is installed and the environment variable ``TF_USE_LEGACY_KERAS`` is true when
-TensorFlow is imported (TensorFlow reads it once: when it is imported, for the
-``tensorflow.keras`` import path deel-lip uses, and on the first access to ``tf.keras``).
+``tf.keras`` is lipdp's handle on Keras, whatever its major version:
 
-``import lipdp`` therefore (see ``lipdp/__init__.py``):
+* **Keras 3** (TensorFlow >= 2.16 with the ``keras`` package: ``tf.keras`` *is* the
+  ``keras`` package a user imports) with the TensorFlow backend: the stack lipdp is being
+  ported to (issue 28). Importing ``keras`` before or after ``lipdp`` makes no difference,
+  and lipdp sets no environment variable.
+* **Keras 2**: TensorFlow 2.15's own, or ``tf-keras`` when the user sets
+  ``TF_USE_LEGACY_KERAS=1`` before importing TensorFlow >= 2.16. The same code runs on it
+  while the port lasts; the few places where the two APIs differ ask :func:`keras_3`.
 
-* sets ``TF_USE_LEGACY_KERAS=1`` (unless it is set already) when TensorFlow >= 2.16 is
-  installed and not imported yet: importing lipdp before TensorFlow is enough;
-* raises a one-line :class:`ImportError` naming the fix when ``tf.keras`` is, or will be,
-  Keras 3 (TensorFlow imported before the variable was set, the variable set to false, or
-  ``tf-keras`` missing), instead of failing later on a Keras 3 API difference.
+Keras 3 with another backend (JAX, PyTorch) is refused in one line naming the fix: lipdp's
+training steps are TensorFlow programs.
 
-On TensorFlow 2.15 nothing is set: its own Keras 2 stays ``tf.keras`` (TensorFlow 2.15 would
-route ``tf.keras`` to ``tf-keras`` too if the variable were set).
-
-This module does not import TensorFlow (``lipdp --help`` and :mod:`lipdp.accounting` stay
-TensorFlow-free): before TensorFlow is imported, its version is read from the installed
-package's metadata.
+This module does not import TensorFlow at import time (``lipdp --help`` and
+:mod:`lipdp.accounting` stay TensorFlow-free); :func:`require_supported_keras` is called by
+the modules that build models, once TensorFlow is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.metadata
-import importlib.util
-import os
 import sys
+import warnings
 
 #: The first TensorFlow release whose ``tf.keras`` is Keras 3 by default.
 KERAS_3_DEFAULT_SINCE = (2, 16)
-#: The environment variable that routes ``tf.keras`` to ``tf-keras`` (TensorFlow >= 2.15).
+#: The environment variable that routes ``tf.keras`` to ``tf-keras`` (TensorFlow >= 2.15);
+#: lipdp never sets it.
 LEGACY_KERAS_FLAG = "TF_USE_LEGACY_KERAS"
-#: The values TensorFlow's Keras loader accepts as true.
-TRUE_VALUES = ("true", "True", "1")
-#: What to do when ``tf.keras`` is Keras 3.
-FIX = "pip install tf-keras and export TF_USE_LEGACY_KERAS=1 before importing TensorFlow"
+#: The Keras 3 backend lipdp's steps run on.
+SUPPORTED_BACKEND = "tensorflow"
 #: The distributions that install the ``tensorflow`` package.
 _TENSORFLOW_DISTRIBUTIONS = (
     "tensorflow",
@@ -72,42 +66,6 @@ def tensorflow_version() -> tuple[int, int] | None:
     return None
 
 
-def _version_text(version: tuple[int, int] | None) -> str:
-    return "?" if version is None else ".".join(map(str, version))
-
-
-def _flag_text(flag: str | None) -> str:
-    return f"{LEGACY_KERAS_FLAG} is unset" if flag is None else f"{LEGACY_KERAS_FLAG}={flag!r}"
-
-
-def prefer_legacy_keras() -> bool:
-    """Set ``TF_USE_LEGACY_KERAS=1`` if TensorFlow >= 2.16 is installed, not imported yet,
-    and the variable is not set; True if it was set here."""
-    if "tensorflow" in sys.modules or LEGACY_KERAS_FLAG in os.environ:
-        return False
-    version = tensorflow_version()
-    if version is None or version < KERAS_3_DEFAULT_SINCE:
-        return False
-    os.environ[LEGACY_KERAS_FLAG] = "1"
-    return True
-
-
-def predicted_keras_problem(
-    version: tuple[int, int] | None, flag: str | None, has_tf_keras: bool
-) -> str | None:
-    """Why ``tf.keras`` will not be Keras 2 once TensorFlow ``version`` is imported with
-    ``TF_USE_LEGACY_KERAS=flag``, or ``None`` (also when the version is unknown)."""
-    if version is None or version < KERAS_3_DEFAULT_SINCE:
-        return None
-    if flag not in TRUE_VALUES:
-        return (
-            f"TensorFlow {_version_text(version)} makes tf.keras Keras 3 while {_flag_text(flag)}"
-        )
-    if not has_tf_keras:
-        return f"TensorFlow {_version_text(version)} needs tf-keras for Keras 2, which is missing"
-    return None
-
-
 def _keras_package(tf) -> str:
     """``"keras"`` or ``"tf_keras"``: the package behind ``tf.keras`` (resolves it)."""
     return tf.keras.Model.__module__.split(".")[0]
@@ -119,38 +77,93 @@ def loaded_keras_version(tf) -> str:
     return str(getattr(sys.modules[_keras_package(tf)], "__version__", "?"))
 
 
+@functools.cache
+def keras_3() -> bool:
+    """Whether ``tf.keras`` is Keras 3 (imports TensorFlow)."""
+    import tensorflow as tf
+
+    return loaded_keras_version(tf).split(".")[0] == "3"
+
+
 def keras_problem() -> str | None:
-    """Why ``tf.keras`` is (or, TensorFlow not imported yet, will be) not Keras 2, or
-    ``None``."""
-    tf = sys.modules.get("tensorflow")
-    if tf is None:
-        return predicted_keras_problem(
-            tensorflow_version(),
-            os.environ.get(LEGACY_KERAS_FLAG),
-            importlib.util.find_spec("tf_keras") is not None,
-        )
+    """Why lipdp cannot run on this ``tf.keras``, or ``None`` (imports TensorFlow)."""
+    import tensorflow as tf
+
     try:
-        keras_version = loaded_keras_version(tf)
+        version = loaded_keras_version(tf)
     except ImportError as error:  # the flag is set but tf-keras is missing
         return f"tf.keras cannot be imported ({' '.join(str(error).split())})"
-    if keras_version.split(".")[0] == "2":
-        # The flag set after TensorFlow was imported routes tf.keras to tf-keras, but the
-        # ``tensorflow.keras`` import path (deel-lip's) was fixed at import: Keras 3 there.
-        # TensorFlow records the flag it was imported with (a private name: absent, no check).
-        if _keras_package(tf) == "tf_keras" and getattr(tf, "_tf_uses_legacy_keras", None) is False:
-            return (
-                f"TensorFlow {tf.__version__} was imported before {LEGACY_KERAS_FLAG}=1 was "
-                "set, so deel-lip's tensorflow.keras imports give Keras 3"
-            )
+    if version.split(".")[0] != "3":
         return None
-    return (
-        f"tf.keras is Keras {keras_version} (TensorFlow {tf.__version__} was imported while "
-        f"{_flag_text(os.environ.get(LEGACY_KERAS_FLAG))})"
-    )
+    backend = tf.keras.backend.backend()
+    if backend != SUPPORTED_BACKEND:
+        return (
+            f"Keras {version} runs on the {backend} backend while lipdp's training steps are "
+            f"TensorFlow programs. Fix: set KERAS_BACKEND={SUPPORTED_BACKEND} before importing "
+            "keras"
+        )
+    return None
 
 
-def require_keras_2() -> None:
-    """Raise a one-line :class:`ImportError` with the fix if ``tf.keras`` is not Keras 2."""
+def require_supported_keras() -> None:
+    """Raise a one-line :class:`ImportError` naming the fix if lipdp cannot run on this
+    ``tf.keras`` (:func:`keras_problem`)."""
     problem = keras_problem()
     if problem is not None:
-        raise ImportError(f"lipdp needs Keras 2 as tf.keras, but {problem}. Fix: {FIX}.")
+        raise ImportError(f"lipdp cannot run here: {problem}.")
+
+
+# ------------------------------------------------------------- where the APIs differ
+def declared_batch_shape(layer) -> tuple | None:
+    """The batch input shape ``(None, ...)`` a layer was declared with -- an ``InputLayer``'s,
+    or the ``input_shape=`` given to a first layer --, or ``None``."""
+    if keras_3():
+        shape = getattr(layer, "batch_shape", None)  # an InputLayer
+        if shape is None and getattr(layer, "_input_shape_arg", None) is not None:
+            shape = (None, *layer._input_shape_arg)  # noqa: SLF001  (Keras 3 keeps it here)
+    else:
+        shape = getattr(layer, "_batch_input_shape", None)
+    return None if shape is None else tuple(shape)
+
+
+def input_layer(shape):
+    """A Keras ``InputLayer`` for inputs of shape ``shape`` (without the batch)."""
+    import tensorflow as tf
+
+    if keras_3():
+        return tf.keras.layers.InputLayer(shape=tuple(shape))
+    return tf.keras.layers.InputLayer(input_shape=tuple(shape))
+
+
+def as_layer(item):
+    """``item``, or the ``InputLayer`` behind a Keras 3 ``keras.Input(...)`` tensor (Keras 3
+    models take such a tensor in a list of layers)."""
+    history = getattr(item, "_keras_history", None)
+    if keras_3() and history is not None and not hasattr(item, "call"):
+        import tensorflow as tf
+
+        operation = history[0]
+        if isinstance(operation, tf.keras.layers.InputLayer):
+            return operation
+    return item
+
+
+class Reduction:
+    """The names of Keras' loss reductions (Keras 2's ``tf.keras.losses.Reduction``, which
+    Keras 3 replaced by the same strings; Keras 3 has no ``"auto"``)."""
+
+    AUTO = "auto"
+    NONE = "none"
+    SUM = "sum"
+    SUM_OVER_BATCH_SIZE = "sum_over_batch_size"
+
+
+@contextlib.contextmanager
+def input_shape_accepted():
+    """Around ``keras.layers.Layer.__init__(..., input_shape=...)``: silence Keras 3's
+    warning against ``input_shape``. Keras 3 still honours it (a sequential model's first
+    layer declares the input shape with it), and lipdp's first layers take it by design
+    (the original package's API)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Do not pass an `input_shape`")
+        yield

@@ -39,7 +39,10 @@ mechanism the accountant analyses.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
+
+from lipdp.core import compat
 
 
 def replica_context():
@@ -83,7 +86,16 @@ def sum_over_replicas(tensors) -> list:
 def apply_released(optimizer, gradients, variables) -> None:
     """Apply gradients that are already summed over the replicas (no second all-reduce)."""
     pairs = list(zip(gradients, variables))
-    if isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
+    if compat.keras_3():
+        # Keras 3's optimizers always sum the gradients over the replicas: a second sum.
+        if replicas_in_sync() > 1:
+            raise NotImplementedError(
+                "Private training under a tf.distribute strategy is not supported on Keras 3 "
+                "yet (its optimizers sum the released gradients over the replicas a second "
+                "time): train on one device, or on Keras 2 (TensorFlow 2.15)."
+            )
+        optimizer.apply_gradients(pairs)
+    elif isinstance(optimizer, keras.optimizers.legacy.Optimizer):
         optimizer.apply_gradients(pairs, experimental_aggregate_gradients=False)
     else:
         optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)

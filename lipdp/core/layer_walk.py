@@ -11,7 +11,7 @@ nothing else of lipdp.
 
 from __future__ import annotations
 
-import tensorflow as tf
+import keras
 
 
 def children(layer) -> list:
@@ -24,7 +24,7 @@ def children(layer) -> list:
         children = list(flatten(include_self=False, recursive=False))
     for attribute in ("layer", "forward_layer", "backward_layer", "block"):
         child = getattr(layer, attribute, None)
-        if isinstance(child, tf.keras.layers.Layer) and all(child is not c for c in children):
+        if isinstance(child, keras.layers.Layer) and all(child is not c for c in children):
             children.append(child)
     return children
 
@@ -33,7 +33,7 @@ def nested_layers(layers):
     """``(path, layer)`` for every layer reachable from ``layers`` (a layer or a list),
     depth-first, each once; the path joins the layers' names, e.g.
     ``"backbone/block2/batch_normalization_3"``."""
-    layers = [layers] if isinstance(layers, tf.keras.layers.Layer) else list(layers)
+    layers = [layers] if isinstance(layers, keras.layers.Layer) else list(layers)
     seen = set()
 
     def visit(layer, path):

@@ -61,6 +61,7 @@ from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian, dynamic_cli
 from lipdp.accounting.plan import GRADIENT_STEPS as STEPS_LABEL
 from lipdp.accounting.tuning_cost import RandomSearch
 from lipdp.core.layer_walk import nested_layers
+from lipdp.core.variables import state_variable
 
 logger = logging.getLogger(__name__)
 
@@ -204,10 +205,8 @@ class PrivacyLedger:
     def create_variables(name="privacy_ledger"):
         """The two variables of an empty ledger (create them as model attributes, so that
         they are saved with the weights)."""
-        table = tf.Variable(
-            tf.zeros([CAPACITY, WIDTH], tf.float64), trainable=False, name=f"{name}_table"
-        )
-        counts = tf.Variable(tf.zeros([CAPACITY], tf.int64), trainable=False, name=f"{name}_counts")
+        table = state_variable(np.zeros([CAPACITY, WIDTH]), "float64", f"{name}_table")
+        counts = state_variable(np.zeros([CAPACITY], np.int64), "int64", f"{name}_counts")
         return table, counts
 
     # ------------------------------------------------------------------ recording

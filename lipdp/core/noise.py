@@ -18,7 +18,7 @@ computed: the model's training step, the diagnostics and the privacy report read
 **Where the noise comes from (rule S8).** :func:`add_noise` draws from one
 ``tf.random.Generator`` seeded from operating-system entropy
 (``Generator.from_non_deterministic_state``), independent of ``tf.random.set_seed`` and
-``tf.keras.utils.set_random_seed``: someone who knows the seeds a user trains with cannot
+``keras.utils.set_random_seed``: someone who knows the seeds a user trains with cannot
 regenerate the noise and subtract it. Its state is never saved with a model (a saved
 counter-based state would let a reader regenerate past noise). For debugging only,
 :func:`use_reproducible_noise` seeds it explicitly; the privacy report then says the noise

@@ -31,12 +31,13 @@ import logging
 import math
 from typing import NamedTuple
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from lipdp.accounting.mechanisms import effective_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
-from lipdp.core import batch_independence, distribute, ledger, noise
+from lipdp.core import batch_independence, compat, distribute, ledger, noise
 from lipdp.core.adversarial import PGD, softmax_kl
 from lipdp.core.layer_walk import nested_layers
 from lipdp.core.ledger import PrivacyLedger, step_row
@@ -51,7 +52,9 @@ from lipdp.core.records import (
     read_ids,
     zero_rows,
 )
+from lipdp.core.variables import state_variable, variable_key
 
+compat.require_supported_keras()
 logger = logging.getLogger(__name__)
 
 
@@ -66,7 +69,7 @@ class StepGradients(NamedTuple):
     loss_inputs: object
 
 
-class PrivateModel(tf.keras.Model):
+class PrivateModel(keras.Model):
     """A Keras model over a list of layers, trained under (epsilon, delta)-DP (module
     docstring).
 
@@ -125,13 +128,13 @@ class PrivateModel(tf.keras.Model):
         # there, statistics of the private data for its owner, not part of the DP release.
         # Kept out of Keras' metric list (object.__setattr__) so that evaluate() returns
         # what it always did.
-        object.__setattr__(self, "_non_finite", tf.keras.metrics.Sum(name="non_finite_examples"))
-        object.__setattr__(self, "_invalid_inputs", tf.keras.metrics.Sum(name="invalid_inputs"))
-        object.__setattr__(self, "_invalid_labels", tf.keras.metrics.Sum(name="invalid_labels"))
+        object.__setattr__(self, "_non_finite", keras.metrics.Sum(name="non_finite_examples"))
+        object.__setattr__(self, "_invalid_inputs", keras.metrics.Sum(name="invalid_inputs"))
+        object.__setattr__(self, "_invalid_labels", keras.metrics.Sum(name="invalid_labels"))
         #: Noisy steps taken (rule S10): a model variable, so it is saved and restored with
         #: the weights in every format (.keras, save_weights, checkpoints, BackupAndRestore)
         #: and survives a new optimizer; the accountant counts epochs from it.
-        self.noisy_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noisy_steps")
+        self.noisy_steps = state_variable(0, "int64", "noisy_steps")
         #: What the steps released, mechanism by mechanism (rule S10, :mod:`lipdp.core.ledger`):
         #: model variables too, saved wherever the step count is.
         #: Layers another private model trained in this process bring its ledger: the
@@ -148,11 +151,20 @@ class PrivateModel(tf.keras.Model):
                     "Augmentation multiplicity is not supported with Poisson sampling; "
                     "use sampling='shuffle' or multiplicity=0."
                 )
-        input_shape = getattr(self.dp_layers[0], "_batch_input_shape", None)
+        input_shape = compat.declared_batch_shape(self.dp_layers[0])
         if input_shape is not None:
             self.build(input_shape)
 
     # ----------------------------------------------------------------- structure
+    def build(self, input_shape):
+        """Build every layer for inputs of ``input_shape`` (with the batch dimension)."""
+        if not compat.keras_3():
+            return super().build(input_shape)
+        # Keras 3 builds a subclassed model by calling it; a symbolic call (no data) builds
+        # each layer in the forward loop, and raises what a real call would.
+        self.compute_output_spec(keras.KerasTensor(tuple(input_shape)))
+        return None
+
     def call(self, inputs, training=None):
         return self.forward(inputs, training=training)
 
@@ -196,7 +208,9 @@ class PrivateModel(tf.keras.Model):
         normalizer = {"loss_normalizer": normalizer}
         for index, layer in enumerate(self.dp_layers):
             kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
-            if apply is None:
+            if isinstance(layer, keras.layers.InputLayer):
+                pass  # the identity (Keras 3's InputLayer cannot be called)
+            elif apply is None:
                 h = layer(h, training=training, **kwargs)
             else:
                 h = apply(layer, h, kwargs)
@@ -306,7 +320,7 @@ class PrivateModel(tf.keras.Model):
             [entry.nm_coef for entry, _ in entries],
         )
         groups = self._noised_variables(entries)
-        return {v.ref(): std for group, std in zip(groups, stddevs) for v in group}
+        return {variable_key(v): std for group, std in zip(groups, stddevs) for v in group}
 
     # ----------------------------------------------------------------- privacy
     def privacy_plan(self) -> PrivacyPlan:
@@ -360,7 +374,7 @@ class PrivateModel(tf.keras.Model):
     def _step_configuration(self) -> tuple:
         """What a traced training step bakes in: the privacy parameters (noise), the
         metadata (``b``, the sampling rate), the attack and the trainable variables."""
-        trainable = tuple(v.ref() for v in self.trainable_variables)
+        trainable = tuple(variable_key(v) for v in self.trainable_variables)
         return (self.dp_parameters, self.dataset_metadata, self.adversarial, trainable)
 
     # --------------------------------------------------------------- training
@@ -368,8 +382,8 @@ class PrivateModel(tf.keras.Model):
         """The loss of each row (mean over its non-batch axes), shape ``(rows,)``; a row
         whose label is unusable -- a NaN or an infinity, a class index out of range --
         counts 0 whatever the loss (rule S9, :func:`lipdp.core.records.neutralised_losses`)."""
-        loss = tf.keras.losses.get(self.loss)
-        fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
+        loss = keras.losses.get(self.loss)
+        fn = loss.call if isinstance(loss, keras.losses.Loss) else loss
 
         def rows(labels, predictions):
             values = fn(_one_target_per_output(labels, predictions), predictions)
@@ -390,9 +404,9 @@ class PrivateModel(tf.keras.Model):
         and the penalty's gradient comes once per sampled row (clipless family: remove-one
         ratio 2.8, ``tests/test_attacks_issue26.py``). A hook: the clipped family lets its gradient
         method decide (:func:`lipdp.clipped.per_example.refuse_loss_reads`)."""
-        own = {v.ref() for v in self.trainable_variables}
+        own = {variable_key(v) for v in self.trainable_variables}
         for v in read:
-            if v.ref() in own:
+            if variable_key(v) in own:
                 raise ValueError(
                     f"The loss reads variable {v.name!r} of the model directly: its gradient "
                     "is outside the sensitivity bounds, which cover the loss through the "
@@ -408,8 +422,8 @@ class PrivateModel(tf.keras.Model):
     def _ignored_class(self):
         """The ``ignore_class`` of a Keras sparse cross-entropy (its entries have loss 0
         by the loss itself: not out of range), or ``None``."""
-        loss = tf.keras.losses.get(self.loss)
-        config = loss.get_config() if isinstance(loss, tf.keras.losses.Loss) else {}
+        loss = keras.losses.get(self.loss)
+        config = loss.get_config() if isinstance(loss, keras.losses.Loss) else {}
         return config.get("ignore_class")
 
     def input_ids_in_range(self, x):
@@ -482,9 +496,17 @@ class PrivateModel(tf.keras.Model):
         self._after_release(released)
         # A label out of range would make a sparse loss or metric fail: logged as class 0.
         y_logged = zero_rows(labelled, y)
-        self.compute_loss(step.loss_inputs, y_logged, step.predictions)  # the loss tracker
+        self._track_loss(step.loss_inputs, y_logged, step.predictions)
         logs = self.compute_metrics(x, y_logged, step.predictions, None)
         return {**logs, **self._count_neutralised(finite, labelled, ids)}
+
+    def _track_loss(self, x, y, y_pred) -> None:
+        """The loss of the logs (Keras' loss tracker), from the step's predictions: Keras 2's
+        ``compute_loss`` updates the tracker itself, Keras 3's returns the loss."""
+        loss = self.compute_loss(x, y, y_pred)
+        if compat.keras_3():
+            rows = tf.shape(tf.nest.flatten(x)[0])[0]
+            self._loss_tracker.update_state(loss, sample_weight=rows)
 
     def _refuse_unsupported_step(self) -> None:
         """Refuse, when the step is traced and before anything else runs, a step the
@@ -531,10 +553,10 @@ class PrivateModel(tf.keras.Model):
             for entry, delta in entries:
                 logger.info("%s: sensitivity %.6g", entry.key, float(delta))
             for v in variables:
-                logger.info("variable %s: noise std %.6g", v.name, float(stddevs[v.ref()]))
+                logger.info("variable %s: noise std %.6g", v.name, float(stddevs[variable_key(v)]))
         if self._noiseless:  # no draw at all (a draw of standard deviation 0 would add 0)
             return list(gradients)
-        return noise.add_noise(gradients, [stddevs[v.ref()] for v in variables])
+        return noise.add_noise(gradients, [stddevs[variable_key(v)] for v in variables])
 
     def project(self):
         """Bring the weights back into their constraint sets (none by default)."""
@@ -604,7 +626,7 @@ class PrivateModel(tf.keras.Model):
         train_on_batch, custom loops) is checked at no per-step cost."""
         _refuse_mixed_precision(self._all_layers())
         check_reduction(self.loss)  # also a reduction set on the loss after compile
-        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
         self._check_batch_independence(x, y)
@@ -657,14 +679,12 @@ class PrivateModel(tf.keras.Model):
         per-example losses only. Call after a forward pass (trace time)."""
         inner = self._flatten_layers(include_self=False, recursive=False)
         for path, layer in [(self.name, self), *nested_layers(inner)]:
-            # Keras 2 keeps losses computed in a call in _eager_losses (inside
-            # tf.function too), symbolic ones in _losses; callables elsewhere.
-            if layer._eager_losses or layer._losses:  # noqa: SLF001
+            if _losses_from_a_call(layer):
                 raise ValueError(
                     f"Layer {path!r} adds a loss computed in its call (add_loss of a "
                     "tensor or an activity regulariser), outside the per-example losses the "
                     "sensitivity covers: remove it, or penalise the weights only "
-                    "(add_loss(lambda: ...), kernel_regularizer)."
+                    "(kernel_regularizer, or add_loss(lambda: ...) on Keras 2)."
                 )
 
     def penalty_gradients(self, variables):
@@ -678,14 +698,24 @@ class PrivateModel(tf.keras.Model):
         random batch size over ``b``: a dependence on the data.) A callable loss must
         read weights only, as Keras' regularisers do; losses computed from the data are
         refused (:meth:`refuse_data_dependent_losses`)."""
-        penalties = [fn for layer in self._flatten_layers() for fn in layer._callable_losses]  # noqa: SLF001
         with tf.GradientTape() as tape:
-            values = [value for value in (fn() for fn in penalties) if value is not None]
+            values = [value for value in self._weight_penalties() if value is not None]
             if not values:
                 return None
             total = tf.add_n([tf.cast(value, tf.float32) for value in values])
         grads = tape.gradient(total, variables, unconnected_gradients="zero")
         return [tf.convert_to_tensor(grad) for grad in grads]
+
+    def _weight_penalties(self) -> list:
+        """The penalties of the weights alone, computed now (under the caller's tape).
+
+        Keras 2: the zero-argument callables of ``add_loss`` (weight regularisers are
+        such callables). Keras 3 (``add_loss`` takes tensors only): each trainable
+        variable's ``regularizer`` -- at the model's level, since a layer's
+        ``trainable_weights`` holds its sublayers' too."""
+        if compat.keras_3():
+            return self._get_regularization_losses()  # noqa: SLF001
+        return [fn() for layer in self._flatten_layers() for fn in layer._callable_losses]  # noqa: SLF001
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_fit_arguments(x, y, batch_size, kwargs)
@@ -772,7 +802,7 @@ class PrivateModel(tf.keras.Model):
         the last ``compile`` (``RespectCompiledTrainableState``), while the privacy plan and
         the noise multipliers read the current flags: refuse until they agree (S11)."""
         compiled = getattr(self, "_compiled_trainable_state", None)
-        if compiled is None:
+        if compiled is None or compat.keras_3():  # Keras 3 trains the current flags
             return
         # Layers created since compile (a nested Sequential builds its InputLayer on the
         # first call) keep their own flags in Keras too: compare the layers of both.
@@ -798,7 +828,7 @@ class PrivateModel(tf.keras.Model):
                 )
 
     def _check_fit_arguments(self, x, y, batch_size, kwargs):
-        if self.compiled_loss is None:
+        if not self._compiled_with_loss():
             raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
         self._refuse_changed_trainable_state()
         b = self.batch_size
@@ -835,7 +865,7 @@ class PrivateModel(tf.keras.Model):
                 "dataset_metadata.multiplicity > 0: pass the augmented tf.data pipeline of "
                 "lipdp.pipeline.load_and_prepare_images_data, not arrays."
             )
-        if x is None or isinstance(x, (tf.keras.utils.Sequence,)) or callable(x):
+        if x is None or isinstance(x, (keras.utils.Sequence,)) or callable(x):
             return
         _refuse_non_finite(x, y)
         self._refuse_invalid_inputs(x)
@@ -866,6 +896,11 @@ class PrivateModel(tf.keras.Model):
                 "amplification by subsampling does not apply."
             )
 
+    def _compiled_with_loss(self) -> bool:
+        if compat.keras_3():
+            return bool(self.compiled) and self.loss is not None
+        return self.compiled_loss is not None
+
     # ---------------------------------------------------------- serialisation
     def get_compile_config(self):
         return super().get_compile_config()
@@ -873,14 +908,14 @@ class PrivateModel(tf.keras.Model):
     def compile_from_config(self, config):
         # Keras skips compile() on load for models overriding it; our compile only
         # adds checks, so the stored configuration is replayed through it.
-        config = tf.keras.saving.deserialize_keras_object(config)
+        config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
-        if self.built and isinstance(self.optimizer, tf.keras.optimizers.Optimizer):
+        if self.built and isinstance(self.optimizer, keras.optimizers.Optimizer):
             self.optimizer.build(self.trainable_variables)
 
     def get_config(self):
         return {
-            self._layers_key: [tf.keras.layers.serialize(layer) for layer in self.dp_layers],
+            self._layers_key: [keras.layers.serialize(layer) for layer in self.dp_layers],
             "dp_parameters": self.dp_parameters.to_config(),
             "dataset_metadata": (
                 None if self.dataset_metadata is None else self.dataset_metadata.to_config()
@@ -895,7 +930,7 @@ class PrivateModel(tf.keras.Model):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         layers = [
-            tf.keras.layers.deserialize(c, custom_objects=custom_objects)
+            keras.layers.deserialize(c, custom_objects=custom_objects)
             for c in config.pop(cls._layers_key)
         ]
         metadata = config.pop("dataset_metadata")
@@ -905,6 +940,16 @@ class PrivateModel(tf.keras.Model):
             dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
             **config,
         )
+
+
+def _losses_from_a_call(layer) -> bool:
+    """Whether ``layer`` holds losses computed in its last call (``add_loss`` of a tensor,
+    an activity regulariser). Keras 2 keeps those in ``_eager_losses`` (inside tf.function
+    too) and symbolic ones in ``_losses`` (its callables elsewhere); Keras 3 in ``_losses``
+    (weight regularisers are not losses there until ``losses`` is read)."""
+    if compat.keras_3():
+        return bool(layer._losses)  # noqa: SLF001
+    return bool(layer._eager_losses or layer._losses)  # noqa: SLF001
 
 
 def _one_target_per_output(labels, predictions):
@@ -921,8 +966,8 @@ def _one_target_per_output(labels, predictions):
 
 def check_reduction(loss) -> None:
     """The loss must be the mean over the batch (what the sensitivities divide by)."""
-    reduction = getattr(loss, "reduction", tf.keras.losses.Reduction.AUTO)
-    allowed = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
+    reduction = getattr(loss, "reduction", compat.Reduction.SUM_OVER_BATCH_SIZE)
+    allowed = (compat.Reduction.AUTO, compat.Reduction.SUM_OVER_BATCH_SIZE)
     if reduction not in allowed:
         raise ValueError(
             f"Loss reduction {reduction!r} is not supported: sensitivities are computed for "
@@ -990,7 +1035,7 @@ def _check_distributed_data(x, strategy) -> None:
 
 def _refuse_mixed_precision(layers) -> None:
     """Bounds, clipping and noise are computed for float32: refuse other compute dtypes."""
-    policy = tf.keras.mixed_precision.global_policy()
+    policy = keras.mixed_precision.global_policy()
     names = [f"global policy {policy.name!r}"] if policy.compute_dtype != "float32" else []
     names += [
         f"layer {layer.name!r} ({layer.compute_dtype})"
@@ -1001,7 +1046,7 @@ def _refuse_mixed_precision(layers) -> None:
         raise ValueError(
             f"Mixed precision is not supported ({', '.join(names)}): float16 round-off "
             "exceeds the slack of the sensitivity bounds (an input clipped to norm 1 can "
-            "come out above 1). Use tf.keras.mixed_precision.set_global_policy('float32')."
+            "come out above 1). Use keras.mixed_precision.set_global_policy('float32')."
         )
 
 

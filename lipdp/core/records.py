@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import keras
 import tensorflow as tf
 
 
@@ -163,9 +164,9 @@ class IdRange:
 
 def _stated_range(layer) -> int | None:
     """The ids ``layer`` can read: ``[0, size)``, or ``None`` (not an id reader)."""
-    if isinstance(layer, tf.keras.layers.Embedding):
+    if isinstance(layer, keras.layers.Embedding):
         return int(layer.input_dim)
-    if isinstance(layer, tf.keras.layers.CategoryEncoding) and layer.num_tokens is not None:
+    if isinstance(layer, keras.layers.CategoryEncoding) and layer.num_tokens is not None:
         return int(layer.num_tokens)
     return None
 
@@ -173,7 +174,7 @@ def _stated_range(layer) -> int | None:
 def _moves_values(layer) -> bool:
     """Does ``layer`` only move its input's values (the ids reach the next layer as they
     are)? Exact classes: a subclass may change ``call``."""
-    layers = tf.keras.layers
+    layers = keras.layers
     return type(layer) in (layers.InputLayer, layers.Reshape, layers.Flatten, layers.Permute)
 
 
@@ -193,7 +194,7 @@ def _reading_range(layer, position, path) -> IdRange | None:
     inside it (a nested model)."""
     if _is_graph(layer):
         return _tensor_range(layer, layer.inputs[position], path)
-    if isinstance(layer, tf.keras.Sequential):
+    if isinstance(layer, keras.Sequential):
         return _chain_range(layer.layers, path) if position == 0 else None
     size = _stated_range(layer)
     return IdRange(size, path) if size is not None and position == 0 else None

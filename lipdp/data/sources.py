@@ -7,7 +7,7 @@ Image data sets (:func:`load_images`):
 
   1. an explicit ``data_dir`` (a directory, or directly an ``.npz`` file / CIFAR-10
      tarball), then ``$LIPDP_DATA_DIR``;
-  2. the Keras cache, where ``tf.keras.datasets.<name>.load_data()`` stores its
+  2. the Keras cache, where ``keras.datasets.<name>.load_data()`` stores its
      downloads (``$KERAS_HOME/datasets`` when set, ``~/.keras/datasets``, and
      ``/tmp/.keras/datasets`` when ``~/.keras`` is not writable, as Keras does);
   3. TensorFlow Datasets, when the package is installed and the data set is
@@ -345,14 +345,14 @@ _WHAT = {
 }
 
 _HOW = {
-    "mnist": "On a machine with network run tf.keras.datasets.mnist.load_data() and copy "
+    "mnist": "On a machine with network run keras.datasets.mnist.load_data() and copy "
     "~/.keras/datasets/mnist.npz here (into ~/.keras/datasets/ or a directory passed as "
     "data_dir= / $LIPDP_DATA_DIR), or put the 4 IDX files of MNIST in such a directory.",
     "fashion_mnist": "Install the Debian package dataset-fashion-mnist, or pass data_dir= "
     "(or set LIPDP_DATA_DIR) to a directory holding the 4 IDX files (or "
     "fashion_mnist.npz), or copy ~/.keras/datasets/fashion-mnist/ from a machine where "
-    "tf.keras.datasets.fashion_mnist.load_data() ran.",
-    "cifar10": "On a machine with network run tf.keras.datasets.cifar10.load_data() and copy "
+    "keras.datasets.fashion_mnist.load_data() ran.",
+    "cifar10": "On a machine with network run keras.datasets.cifar10.load_data() and copy "
     "~/.keras/datasets/cifar-10-batches-py/ here (into ~/.keras/datasets/ or a directory "
     "passed as data_dir= / $LIPDP_DATA_DIR), or put cifar-10-python.tar.gz from "
     "https://www.cs.toronto.edu/~kriz/cifar.html in such a directory.",
@@ -360,7 +360,7 @@ _HOW = {
 
 
 def keras_cache_dirs() -> list[Path]:
-    """Where ``tf.keras.datasets`` keeps its downloads (``<cache>/datasets``)."""
+    """Where ``keras.datasets`` keeps its downloads (``<cache>/datasets``)."""
     dirs = []
     if os.environ.get("KERAS_HOME"):
         dirs.append(Path(os.environ["KERAS_HOME"]).expanduser() / "datasets")

@@ -36,6 +36,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -46,6 +47,7 @@ from lipdp.clipless.audit import (
     format_records,
 )
 from lipdp.core.noise import ROUNDOFF_SLACK
+from lipdp.core.variables import variable_key
 from lipdp.evaluation.outputs import new_figure
 
 logger = logging.getLogger(__name__)
@@ -130,13 +132,13 @@ def gradient_statistics(model, x, y, function=None) -> list[VariableStatistics]:
     """:class:`VariableStatistics` of every trainable variable on ``(x, y)``
     (module docstring). Reads the data given: private if it is training data.
     ``function``: see :func:`per_example_variable_gradients`."""
-    entries = {entry.variable.ref(): entry for entry, _ in model.sensitivities()}
+    entries = {variable_key(entry.variable): entry for entry, _ in model.sensitivities()}
     stddevs = model.noise_stddevs()
     stats = []
     for v, g in zip(
         model.trainable_variables, per_example_variable_gradients(model, x, y, function)
     ):
-        entry = entries[v.ref()]
+        entry = entries[variable_key(v)]
         n = g.shape[0]
         norms = tf.norm(tf.reshape(g, (n, -1)), axis=1).numpy()
         stats.append(
@@ -145,7 +147,7 @@ def gradient_statistics(model, x, y, function=None) -> list[VariableStatistics]:
                 ratios=norms / float(entry.bound),
                 bound=float(entry.bound),
                 mean_gradient_norm=float(tf.norm(tf.reduce_mean(g, axis=0))),
-                noise_std=float(stddevs[v.ref()]),
+                noise_std=float(stddevs[variable_key(v)]),
                 dim=int(v.shape.num_elements()),
             )
         )
@@ -163,7 +165,7 @@ def _summary_logs(stats) -> dict:
     }
 
 
-class _GradientCallback(tf.keras.callbacks.Callback):
+class _GradientCallback(keras.callbacks.Callback):
     def __init__(self, batch, log_fn=None):
         super().__init__()
         if len(batch) != 2:
@@ -296,7 +298,7 @@ class AuditReport:
         return max((r.measured / r.declared for r in self.operator_norms), default=0.0)
 
 
-class SensitivityAudit(tf.keras.callbacks.Callback):
+class SensitivityAudit(keras.callbacks.Callback):
     """Checks the declared bounds at the end of every epoch (rules S1 and S4).
 
     Two independent measurements on the current weights:
@@ -352,12 +354,12 @@ class SensitivityAudit(tf.keras.callbacks.Callback):
     def run(self, epoch=None) -> AuditReport:
         """Audit ``self.model`` now; returns the report (never raises on violations)."""
         model = self.model
-        entries = {entry.variable.ref(): entry for entry in model.bounds().variables}
+        entries = {variable_key(entry.variable): entry for entry in model.bounds().variables}
         ratios = {}
         gradients = per_example_variable_gradients(model, self.x, self.y, self._function)
         for v, g in zip(model.trainable_variables, gradients):
             norms = tf.norm(tf.reshape(g, (g.shape[0], -1)), axis=1)
-            entry = entries[v.ref()]
+            entry = entries[variable_key(v)]
             ratios[entry.key] = float(tf.reduce_max(norms)) / float(entry.bound)
         records = audit_model(model, tolerance=self.audit_tolerance, **self.audit_kwargs)
         violations = [

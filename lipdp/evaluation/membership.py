@@ -34,8 +34,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import keras
 import numpy as np
-import tensorflow as tf
 
 from lipdp.evaluation.outputs import class_indices, log_softmax, logit_scale, predict_logits
 
@@ -284,7 +284,7 @@ def membership_inference(
     return membership_inference_from_log_probs(log_in, y_train, log_out, y_test, by_class, seed)
 
 
-class PrivacyMetrics(tf.keras.callbacks.Callback):
+class PrivacyMetrics(keras.callbacks.Callback):
     """Runs the membership-inference attacks at the end of training.
 
     An empirical audit that reads the training data (not a proof of privacy, and its

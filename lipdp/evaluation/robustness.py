@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import math
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -373,7 +374,7 @@ def empirical_lipschitz(
 
 
 # ----------------------------------------------------------------------------- metrics
-class ScaledAUC(tf.keras.metrics.AUC):
+class ScaledAUC(keras.metrics.AUC):
     """Keras ``AUC`` of logits multiplied by ``scale``.
 
     The exact AUROC does not change when the scores are multiplied by a positive
@@ -386,7 +387,7 @@ class ScaledAUC(tf.keras.metrics.AUC):
 
     Args:
         scale: positive factor applied to ``y_pred``.
-        name, **kwargs: as ``tf.keras.metrics.AUC`` (``from_logits`` must be True).
+        name, **kwargs: as ``keras.metrics.AUC`` (``from_logits`` must be True).
     """
 
     def __init__(self, scale=1.0, name="auc", **kwargs):

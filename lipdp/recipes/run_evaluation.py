@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import keras
+
 from lipdp.core import validation
 from lipdp.core.config import Config
 from lipdp.recipes import defaults as D
@@ -153,7 +155,6 @@ def _robustness(model, x, y, config) -> dict:
 def load_private_model(path):
     """The lipdp DP model saved at ``path`` (``.keras``, with its privacy ledger). One-line
     ``ValueError`` if the file is not a loadable model, or not a lipdp one."""
-    import tensorflow as tf
 
     import lipdp.clipless.layers  # noqa: F401  (registers the layers for load_model)
     import lipdp.clipless.losses  # noqa: F401
@@ -161,7 +162,7 @@ def load_private_model(path):
     from lipdp.core.private_model import PrivateModel
 
     try:
-        model = tf.keras.models.load_model(path)
+        model = keras.models.load_model(path)
     except Exception as error:  # any reason a file is not a loadable model
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"cannot load a model from {path!r} ({reason[:200]})") from None

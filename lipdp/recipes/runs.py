@@ -276,9 +276,9 @@ class RunConfig(Config):
 # ------------------------------------------------------------------------- the pieces
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy and TensorFlow (the initial weights of a run)."""
-    import tensorflow as tf
+    import keras
 
-    tf.keras.utils.set_random_seed(seed)
+    keras.utils.set_random_seed(seed)
 
 
 def load_data(dataset: str, data_dir=None):
@@ -344,12 +344,12 @@ def dp_parameters(recipe: ModelRecipe):
 def optimizer(recipe: ModelRecipe):
     """Adam, or SGD with ``momentum``, at the recipe's learning rate. The noise is added
     before the optimiser, so either is post-processing."""
-    import tensorflow as tf
+    import keras
 
     recipe = recipe.resolved()
     if recipe.optimizer == "sgd":
-        return tf.keras.optimizers.SGD(recipe.learning_rate, momentum=recipe.momentum)
-    return tf.keras.optimizers.Adam(recipe.learning_rate)
+        return keras.optimizers.SGD(recipe.learning_rate, momentum=recipe.momentum)
+    return keras.optimizers.Adam(recipe.learning_rate)
 
 
 def clipping(recipe: ModelRecipe):
@@ -429,38 +429,41 @@ def keras_layers(recipe: ModelRecipe, input_shape, nb_classes) -> list:
     """The network of ``method="dp-sgd"``: ordinary Keras layers of the same size as the
     Lipschitz networks (tanh, as the tempered-sigmoid CNNs of DP-SGD; no batch norm), or
     with ``scattering`` the weightless scattering front-end and a Dense head."""
-    import tensorflow as tf
+    import keras
+
+    from lipdp.core import compat
 
     if recipe.scattering:
         return _keras_scattering_layers(recipe, input_shape, nb_classes)
+    stack = [compat.input_layer(input_shape)]
     if recipe.dataset == "breast_cancer":
         return [
-            tf.keras.layers.Dense(D.MLP_WIDTH, activation="relu", input_shape=input_shape),
-            tf.keras.layers.Dense(nb_classes),
+            *stack,
+            keras.layers.Dense(D.MLP_WIDTH, activation="relu"),
+            keras.layers.Dense(nb_classes),
         ]
-    stack = []
     for width in D.CNN_WIDTHS[recipe.dataset]:
-        extra = {} if stack else {"input_shape": input_shape}
         stack += [
-            tf.keras.layers.Conv2D(width, 3, padding="same", activation="tanh", **extra),
-            tf.keras.layers.MaxPool2D(2),
+            keras.layers.Conv2D(width, 3, padding="same", activation="tanh"),
+            keras.layers.MaxPool2D(2),
         ]
-    return stack + [tf.keras.layers.Flatten(), tf.keras.layers.Dense(nb_classes)]
+    return stack + [keras.layers.Flatten(), keras.layers.Dense(nb_classes)]
 
 
 def _keras_scattering_layers(recipe, input_shape, nb_classes) -> list:
-    import tensorflow as tf
+    import keras
 
     from lipdp.clipless import layers
+    from lipdp.core import compat
     from lipdp.recipes import zoo
 
     groups = _scattering_groups(recipe.group_norm, input_shape[-1])
     return [
-        tf.keras.layers.InputLayer(input_shape=input_shape),
+        compat.input_layer(input_shape),
         layers.DP_ScatteringTransform(padding="zeros", name="scattering"),
         layers.DP_GroupNormalization(groups, zoo.SCATTERING_ALPHA),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(nb_classes),
+        keras.layers.Flatten(),
+        keras.layers.Dense(nb_classes),
     ]
 
 
@@ -476,14 +479,14 @@ def build_model(recipe: ModelRecipe, metadata):
     examples when ``adversarial_radius`` is set; optimiser :func:`optimizer`; metric
     accuracy.
     """
-    import tensorflow as tf
+    import keras
 
     from lipdp.clipless import losses
 
     recipe = ModelRecipe.coerce(recipe).resolved()
     if recipe.method == "dp-sgd":
         model = _clipped_model(recipe, metadata)
-        loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+        loss = keras.losses.CategoricalCrossentropy(from_logits=True)
     else:
         model = _clipless_model(recipe, metadata)
         loss = losses.DP_TauCategoricalCrossentropy(tau=D.TAU)

@@ -11,6 +11,7 @@ from lipdp.clipless import losses
 from lipdp.clipless.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.variables import variable_key
 from lipdp.evaluation.robustness import lipschitz_constant
 from tests.cases import build
 
@@ -113,7 +114,7 @@ def test_variables_are_complete_and_ordered():
     model = hand_network()
     owned = [v for _, v in parameterized_variables(model.dp_layers)]
     assert [e.variable for e in model.bounds().variables] == owned
-    assert {v.ref() for v in owned} == {v.ref() for v in model.trainable_variables}
+    assert {variable_key(v) for v in owned} == {variable_key(v) for v in model.trainable_variables}
     model.dp_layers[1].trainable = False  # a frozen layer has no bound and gets no noise
     assert len(parameterized_variables(model.dp_layers)) == 2
 

@@ -12,6 +12,7 @@ import tensorflow as tf
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses, projections
 from lipdp.core.noise import ROUNDOFF_SLACK
+from lipdp.core.variables import variable_key
 from tests.cases import IMG, VEC, build
 
 
@@ -191,7 +192,7 @@ def test_noise_follows_the_weights_inside_a_traced_step():
 
     @tf.function
     def stddevs():
-        return [model.noise_stddevs()[v.ref()] for v in model.trainable_variables]
+        return [model.noise_stddevs()[variable_key(v)] for v in model.trainable_variables]
 
     before = [float(s) for s in stddevs()]
     d1 = model.dp_layers[1]
@@ -441,7 +442,7 @@ def test_one_certified_norm_per_kernel_per_training_step():
     @tf.function
     def stddevs():  # one bound pass
         per_variable = model.noise_stddevs()
-        return [per_variable[v.ref()] for v in model.trainable_variables]
+        return [per_variable[variable_key(v)] for v in model.trainable_variables]
 
     graph = stddevs.get_concrete_function().graph
     eigen = [op for op in graph.get_operations() if op.type.startswith("SelfAdjointEig")]

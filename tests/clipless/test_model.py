@@ -17,6 +17,7 @@ from lipdp.clipless.model import (
     global_sensitivity,
 )
 from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.variables import variable_key
 from tests.cases import build
 from tests.marks import thorough
 
@@ -130,9 +131,9 @@ def test_noisify_direct_per_variable_stds():
     variables = model.trainable_variables
     zeros = [tf.zeros_like(v) for v in variables]
     noisy = model.noisify(zeros, variables)
-    bounds = {e.variable.ref(): (d, e.nm_coef) for e, d in model.sensitivities()}
+    bounds = {variable_key(e.variable): (d, e.nm_coef) for e, d in model.sensitivities()}
     for v, n in zip(variables, noisy):
-        delta, coef = bounds[v.ref()]
+        delta, coef = bounds[variable_key(v)]
         assert np.std(n.numpy()) == pytest.approx(2.0 * coef * delta, rel=0.05)
 
 

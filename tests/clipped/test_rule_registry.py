@@ -21,6 +21,7 @@ from lipdp.clipped.per_example import (
     unregister_ghost_rule,
 )
 from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.variables import variable_key
 from tests.clipped.test_per_example import _naive_bam_sum
 
 L = tf.keras.layers
@@ -151,7 +152,7 @@ def _check_clipped_sums(facts, rows, radius):
     flat = [[t for layer in row for t in layer] for row in rows]
     for j, v in enumerate(variables):
         expected = sum(f * row[j] for f, row in zip(factors, flat))
-        error = np.linalg.norm(sums[v.ref()].numpy() - expected)
+        error = np.linalg.norm(sums[variable_key(v)].numpy() - expected)
         assert error <= 1e-5 * np.linalg.norm(expected), v.name
 
 

@@ -13,6 +13,7 @@ from lipdp.clipped.model import Clipping
 from lipdp.core.adversarial import PGD, matching_l2_radius, softmax_kl
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.report import privacy_report
+from lipdp.core.variables import variable_key
 from lipdp.evaluation import robustness
 from tests import cases
 from tests.clipped.test_model import BATCH, _batch, _model
@@ -133,18 +134,18 @@ def _adversarial_ratios(model, x, x_adv, y, jacobians=None):
     """``max_i n ||d row_i / d v|| / B_v`` per variable, through the model's own
     adversarial loss (two passes, weighted, with their cotangent clipping);
     ``jacobians``: :func:`_row_jacobians` of these arguments, if already computed."""
-    bounds = {e.variable.ref(): e.bound for e in model.bounds().variables}
+    bounds = {variable_key(e.variable): e.bound for e in model.bounds().variables}
     n = model.loss_normalizer
     jacobians = _row_jacobians(model, x, x_adv, y) if jacobians is None else jacobians
     ratios = {}
     for v, jac in zip(model.trainable_variables, jacobians):
         norms = tf.norm(tf.reshape(jac, (jac.shape[0], -1)), axis=1)
-        ratios[v.name] = float(tf.reduce_max(norms)) * n / float(bounds[v.ref()])
+        ratios[v.name] = float(tf.reduce_max(norms)) * n / float(bounds[variable_key(v)])
     return ratios
 
 
 def _ratio_objective(model, x, x_adv, y):
-    bounds = {e.variable.ref(): e.bound for e in model.bounds().variables}
+    bounds = {variable_key(e.variable): e.bound for e in model.bounds().variables}
     n = model.loss_normalizer
     total = 0.0
     for i in range(x.shape[0]):
@@ -152,7 +153,7 @@ def _ratio_objective(model, x, x_adv, y):
             row = model.adversarial_loss_rows(x[i : i + 1], x_adv[i : i + 1], y[i : i + 1])[0][0]
         grads = inner.gradient(row, model.trainable_variables)
         for v, g in zip(model.trainable_variables, grads):
-            total += tf.reduce_sum(tf.square(n * g)) / bounds[v.ref()] ** 2
+            total += tf.reduce_sum(tf.square(n * g)) / bounds[variable_key(v)] ** 2
     return total
 
 

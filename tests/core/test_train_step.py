@@ -28,6 +28,7 @@ from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.parameters import DPParameters
 from lipdp.core.private_model import PrivateModel
+from lipdp.core.variables import variable_key
 from tests.marks import thorough
 from tests.remove_one import TOLERANCE, remove_one_ratios
 
@@ -106,7 +107,7 @@ def _owner(model, variable) -> str:
     (name,) = [
         layer.name
         for layer in model.dp_layers
-        if variable.ref() in {v.ref() for v in layer.trainable_variables}
+        if variable_key(variable) in {variable_key(v) for v in layer.trainable_variables}
     ]
     return name
 
@@ -123,18 +124,22 @@ def test_the_families_inherit_the_one_step_and_the_one_noise_rule():
 def test_clipless_noise_levels_match_a_hand_computation(strategy):
     model = _clipless(strategy)
     variables = model.trainable_variables
-    deltas = {entry.variable.ref(): float(delta) for entry, delta in model.sensitivities()}
-    assert set(deltas) == {v.ref() for v in variables}  # one mechanism part per variable
-    coef = {v.ref(): COEFS[_owner(model, v)] for v in variables}
+    deltas = {variable_key(entry.variable): float(delta) for entry, delta in model.sensitivities()}
+    assert set(deltas) == {variable_key(v) for v in variables}  # one mechanism part per variable
+    coef = {variable_key(v): COEFS[_owner(model, v)] for v in variables}
     stddevs = model.noise_stddevs()
     if strategy == "global":
         expected = {
-            v.ref(): SIGMA * math.sqrt(sum(d * d for d in deltas.values())) for v in variables
+            variable_key(v): SIGMA * math.sqrt(sum(d * d for d in deltas.values()))
+            for v in variables
         }
         assert model.noise_multipliers() == [SIGMA]
     else:
-        expected = {v.ref(): SIGMA * coef[v.ref()] * deltas[v.ref()] for v in variables}
-        assert model.noise_multipliers() == [SIGMA * coef[v.ref()] for v in variables]
+        expected = {
+            variable_key(v): SIGMA * coef[variable_key(v)] * deltas[variable_key(v)]
+            for v in variables
+        }
+        assert model.noise_multipliers() == [SIGMA * coef[variable_key(v)] for v in variables]
     assert set(stddevs) == set(expected)
     for ref, value in expected.items():
         assert float(stddevs[ref]) == pytest.approx(value, rel=1e-6)  # float32 arithmetic
@@ -149,11 +154,11 @@ def test_clipped_noise_levels_match_a_hand_computation(strategy):
     slack = (1.0 + ROUNDOFF_SLACK) / BATCH
     if strategy == "global":
         radii = {"all": CLIP}
-        group = {v.ref(): "all" for v in model.trainable_variables}
+        group = {variable_key(v): "all" for v in model.trainable_variables}
     else:
         norm = math.sqrt(sum(s * s for s in SHARES))
         radii = {"dense": CLIP * SHARES[0] / norm, "head": CLIP * SHARES[1] / norm}
-        group = {v.ref(): _owner(model, v) for v in model.trainable_variables}
+        group = {variable_key(v): _owner(model, v) for v in model.trainable_variables}
     assert [float(d) for _, d in entries] == pytest.approx(
         [r * slack for r in radii.values()], rel=1e-12
     )

@@ -16,6 +16,7 @@ from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.variables import variable_key
 from tests.marks import thorough
 from tests.remove_one import TOLERANCE, released_gradient, remove_one_ratios
 
@@ -82,9 +83,9 @@ def _regularised(model, family):
 
 def _penalty_gradient(model, regularised):
     """``2 L2 W`` for the regularised variables, 0 elsewhere."""
-    refs = {v.ref() for v in regularised}
+    refs = {variable_key(v) for v in regularised}
     return [
-        2 * L2 * v.numpy() if v.ref() in refs else np.zeros(v.shape)
+        2 * L2 * v.numpy() if variable_key(v) in refs else np.zeros(v.shape)
         for v in model.trainable_variables
     ]
 

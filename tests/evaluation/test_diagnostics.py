@@ -23,6 +23,7 @@ from lipdp.clipless import losses
 from lipdp.clipless.audit import SensitivityViolation
 from lipdp.clipless.model import DP_Sequential, DPParameters, compute_gradient_bounds
 from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.variables import variable_key
 from lipdp.evaluation import diagnostics
 from lipdp.evaluation.diagnostics import gradient_statistics, per_example_variable_gradients
 from tests.evaluation_helpers import digits_cnn, vector_model
@@ -64,7 +65,7 @@ def cotangents_seen_by_diagnostics(model, x, y):
     """``||c_i||`` of every row, from the per-row gradient of the last dense kernel."""
     kernel = model.dp_layers[3].kernel
     grads = per_example_variable_gradients(model, x, y)
-    index = [v.ref() for v in model.trainable_variables].index(kernel.ref())
+    index = [variable_key(v) for v in model.trainable_variables].index(variable_key(kernel))
     hidden = model.dp_layers[2](model.dp_layers[1](model.dp_layers[0](x)))
     grad_norms = np.linalg.norm(grads[index].numpy().reshape(len(x), -1), axis=1)
     return grad_norms / np.linalg.norm(hidden.numpy(), axis=1)

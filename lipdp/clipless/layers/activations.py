@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -57,7 +58,7 @@ sort_pairs_xla = tf.function(sort_pairs, jit_compile=True)
 
 
 @register
-class DP_GroupSort(tf.keras.layers.Layer, NonExpansiveLayer):
+class DP_GroupSort(keras.layers.Layer, NonExpansiveLayer):
     """Sorts the channels (last axis) by groups of ``n`` (GroupSort, Anil et al. 2019).
 
     A permutation of the coordinates inside each group: the output norm equals the input
@@ -138,7 +139,7 @@ class DP_GroupSort(tf.keras.layers.Layer, NonExpansiveLayer):
 
 
 @register
-class DP_ReLU(tf.keras.layers.ReLU, NonExpansiveLayer):
+class DP_ReLU(keras.layers.ReLU, NonExpansiveLayer):
     """ReLU, optionally leaky (``|negative_slope| <= 1``) or capped (``max_value``).
 
     With threshold 0 and ``|negative_slope| <= 1`` each coordinate satisfies

@@ -38,7 +38,7 @@ weights back onto the feasible set there (rule S3: training by projection).
 
 from __future__ import annotations
 
-import tensorflow as tf
+import keras
 
 from lipdp.core import validation
 
@@ -113,4 +113,4 @@ def refuse_bias(layer_name: str, use_bias: bool) -> None:
 
 def register(cls):
     """Register a layer for Keras (de)serialisation under the ``lipdp`` package."""
-    return tf.keras.utils.register_keras_serializable(package="lipdp")(cls)
+    return keras.utils.register_keras_serializable(package="lipdp")(cls)

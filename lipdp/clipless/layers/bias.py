@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-import tensorflow as tf
+import keras
 
 from lipdp.clipless import projections
 from lipdp.clipless.layers.base import DPLayer, register, validate_nm_coef
@@ -12,7 +12,7 @@ from lipdp.core import validation
 
 
 @register
-class DP_AddBias(tf.keras.layers.Layer, DPLayer):
+class DP_AddBias(keras.layers.Layer, DPLayer):
     """Adds a bias ``b`` (one value per channel) with ``||b|| <= norm_max``.
 
     The bias is broadcast over the ``m`` positions of the example (``m`` is the

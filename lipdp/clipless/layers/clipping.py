@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
 from lipdp.core import validation
+from lipdp.core.variables import state_variable
 
 MODES = ("fixed", "dynamic")
 
@@ -37,7 +39,7 @@ def _clip_cotangent(inputs, clip_value, normalizer=None):
 
 
 @register
-class DP_ClipGradient(tf.keras.layers.Layer, NonExpansiveLayer):
+class DP_ClipGradient(keras.layers.Layer, NonExpansiveLayer):
     """Per-example clipping of the loss gradient flowing backward through this layer.
 
     Forward: identity (``X -> X``). Backward: every example's cotangent has norm at
@@ -56,9 +58,7 @@ class DP_ClipGradient(tf.keras.layers.Layer, NonExpansiveLayer):
         self.mode = validation.choice("mode", mode, MODES)
         clip_value = validation.positive("clip_value", clip_value)
         # A variable so that the in-graph bounds follow dynamic updates.
-        self.clip_value = tf.Variable(
-            float(clip_value), trainable=False, dtype=tf.float32, name="clip_value"
-        )
+        self.clip_value = state_variable(float(clip_value), "float32", "clip_value")
 
     uses_loss_normalizer = True
 

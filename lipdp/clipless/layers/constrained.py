@@ -38,6 +38,7 @@ norm is at the radius.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipless import projections
@@ -100,7 +101,7 @@ class ConstrainedKernelLayer(DPLayer):
         self.power_vector = self.add_weight(
             name="power_vector",
             shape=(1, units),
-            initializer=tf.keras.initializers.RandomNormal(seed=0),
+            initializer=keras.initializers.RandomNormal(seed=0),
             trainable=False,
         )
         # build() may run inside a graph being traced (Model.build); the initial

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipless import projections
@@ -53,7 +54,7 @@ def patch_overlap(kernel_size, strides) -> int:
     return math.ceil(kernel_size[0] / strides[0]) * math.ceil(kernel_size[1] / strides[1])
 
 
-class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
+class _ConstrainedConv2D(keras.layers.Layer, ConstrainedKernelLayer):
     _default_bjorck_iterations = projections.DEFAULT_BJORCK_ITERATIONS
 
     def __init__(
@@ -91,7 +92,7 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
         self.kernel_size = validation.int_pair("kernel_size", kernel_size)
         self.strides = validation.int_pair("strides", strides)
         self.padding = padding
-        self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self._init_constraint(
             constraint,
             nm_coef,
@@ -150,7 +151,7 @@ class _ConstrainedConv2D(tf.keras.layers.Layer, ConstrainedKernelLayer):
             kernel_size=self.kernel_size,
             strides=self.strides,
             padding=self.padding,
-            kernel_initializer=tf.keras.initializers.serialize(self.kernel_initializer),
+            kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
             **self._constraint_config(),
         )
         return config

@@ -15,6 +15,7 @@ rule S3) and ``W`` is projected after every optimizer step.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipless import projections
@@ -23,7 +24,7 @@ from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
 from lipdp.core import validation
 
 
-class _ConstrainedDense(tf.keras.layers.Layer, ConstrainedKernelLayer):
+class _ConstrainedDense(keras.layers.Layer, ConstrainedKernelLayer):
     _default_constraint = "orthogonal"
     _default_bjorck_iterations = projections.DEFAULT_BJORCK_ITERATIONS
 
@@ -44,7 +45,7 @@ class _ConstrainedDense(tf.keras.layers.Layer, ConstrainedKernelLayer):
         refuse_bias(type(self).__name__, use_bias)
         super().__init__(**kwargs)
         self.units = validation.count("units", units, 1)
-        self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self._init_constraint(
             constraint or self._default_constraint,
             nm_coef,
@@ -78,7 +79,7 @@ class _ConstrainedDense(tf.keras.layers.Layer, ConstrainedKernelLayer):
         config = super().get_config()
         config.update(
             units=self.units,
-            kernel_initializer=tf.keras.initializers.serialize(self.kernel_initializer),
+            kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
             **self._constraint_config(),
         )
         return config

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import logging
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
-from lipdp.core import validation
+from lipdp.core import compat, validation
 from lipdp.core.records import finite_rows, zero_rows
 
 logger = logging.getLogger(__name__)
 
 
 @register
-class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
+class DP_BoundedInput(keras.layers.Layer, NonExpansiveLayer):
     """Clips each example to Euclidean norm ``upper_bound`` (the public ``X_0``).
 
     Clipping ``x -> x * min(1, B / ||x||)`` is the projection onto a convex ball,
@@ -43,7 +44,8 @@ class DP_BoundedInput(tf.keras.layers.Layer, NonExpansiveLayer):
         upper_bound = validation.positive("DP_BoundedInput upper_bound", upper_bound)
         if input_shape is not None:
             kwargs["input_shape"] = tuple(input_shape)
-        super().__init__(**kwargs)
+        with compat.input_shape_accepted():
+            super().__init__(**kwargs)
         self.upper_bound = float(upper_bound)
         self.enforce_clipping = bool(enforce_clipping)
         if not self.enforce_clipping:
@@ -91,7 +93,7 @@ def clip_rows(inputs, bound):
 
 
 @register
-class DP_InputLayer(tf.keras.layers.Layer, NonExpansiveLayer):
+class DP_InputLayer(keras.layers.Layer, NonExpansiveLayer):
     """Identity layer that only declares the input shape.
 
     It gives no bound: a :class:`DP_BoundedInput` must follow it.
@@ -100,7 +102,8 @@ class DP_InputLayer(tf.keras.layers.Layer, NonExpansiveLayer):
     def __init__(self, input_shape=None, **kwargs):
         if input_shape is not None:
             kwargs["input_shape"] = tuple(input_shape)
-        super().__init__(**kwargs)
+        with compat.input_shape_accepted():
+            super().__init__(**kwargs)
 
     def call(self, inputs):
         return inputs

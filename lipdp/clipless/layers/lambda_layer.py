@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+import keras
 
 from lipdp.clipless.layers.base import DPLayer, register
 from lipdp.core import validation
 
 
 @register
-class DP_Lambda(tf.keras.layers.Lambda, DPLayer):
+class DP_Lambda(keras.layers.Lambda, DPLayer):
     """Wraps ``function``; the caller states the two facts the bounds need.
 
     Args:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -12,7 +13,7 @@ from lipdp.core import validation
 
 
 @register
-class DP_LayerCentering(tf.keras.layers.Layer, NonExpansiveLayer):
+class DP_LayerCentering(keras.layers.Layer, NonExpansiveLayer):
     """Subtract, for each example, the mean over some axes.
 
     ``x -> x - mean(x)`` is the orthogonal projection onto the vectors with zero
@@ -57,7 +58,7 @@ class DP_LayerCentering(tf.keras.layers.Layer, NonExpansiveLayer):
 
 
 @register
-class DP_GroupNormalization(tf.keras.layers.Layer, DPLayer):
+class DP_GroupNormalization(keras.layers.Layer, DPLayer):
     r"""Lip-DP-SGD's group normalisation: ``(x_q - mu_q) / max(alpha, sigma_q)``.
 
     The channels (last axis) are split into ``groups`` contiguous groups; group ``q`` of

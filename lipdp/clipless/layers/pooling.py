@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
@@ -34,7 +35,7 @@ def _check_disjoint_windows(name, pool_size, strides):
 
 
 @register
-class DP_ScaledL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
+class DP_ScaledL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
     """L2-norm pooling over non-overlapping windows (module docstring).
 
     ``padding="same"`` pads with zeros, which adds nothing to any window norm.
@@ -83,7 +84,7 @@ class DP_ScaledL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
 
 
 @register
-class DP_ScaledGlobalL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
+class DP_ScaledGlobalL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
     """Per channel, the L2 norm over all positions: ``y_c = ||x_{:, :, c}||``.
 
     The output norm equals the input norm (up to the ``eps`` smoothing, which only
@@ -107,7 +108,7 @@ class DP_ScaledGlobalL2NormPooling2D(tf.keras.layers.Layer, NonExpansiveLayer):
 
 
 @register
-class DP_MaxPool2D(tf.keras.layers.MaxPool2D, NonExpansiveLayer):
+class DP_MaxPool2D(keras.layers.MaxPool2D, NonExpansiveLayer):
     """Max pooling over non-overlapping windows.
 
     ``|max(x_w)| <= max_i |x_i| <= ||x_w||`` and the max is 1-Lipschitz for the

@@ -8,7 +8,7 @@ copies are merged.
 
 from __future__ import annotations
 
-import tensorflow as tf
+import keras
 
 from lipdp.clipless.layers.base import DPLayer, register
 
@@ -25,7 +25,7 @@ def _paths(value, what):
 
 
 @register
-class DP_SplitResidual(tf.keras.layers.Layer, DPLayer):
+class DP_SplitResidual(keras.layers.Layer, DPLayer):
     """``x -> (x, x)``. Bounds ``X -> (X, X)``; cotangents add: ``(G1, G2) -> G1 + G2``;
     Lipschitz constants ``l -> (l, l)`` (one per path)."""
 
@@ -46,7 +46,7 @@ class DP_SplitResidual(tf.keras.layers.Layer, DPLayer):
 
 
 @register
-class DP_MergeResidual(tf.keras.layers.Layer, DPLayer):
+class DP_MergeResidual(keras.layers.Layer, DPLayer):
     """Merges the two paths.
 
     ``scale * (x1 + x2)`` with ``scale`` (:data:`MERGE_SCALES`) 1 for ``"add"`` and 1/2
@@ -88,13 +88,13 @@ class DP_MergeResidual(tf.keras.layers.Layer, DPLayer):
 
 
 @register
-class DP_WrappedResidual(tf.keras.layers.Layer, DPLayer):
+class DP_WrappedResidual(keras.layers.Layer, DPLayer):
     """Applies ``block`` (a DP layer) to the second path, leaves the first unchanged."""
 
     def __init__(self, block, **kwargs):
         super().__init__(**kwargs)
         if isinstance(block, dict):
-            block = tf.keras.layers.deserialize(block)
+            block = keras.layers.deserialize(block)
         if not isinstance(block, DPLayer):
             raise TypeError(f"DP_WrappedResidual wraps DP layers only, got {type(block).__name__}.")
         self.block = block
@@ -139,7 +139,7 @@ class DP_WrappedResidual(tf.keras.layers.Layer, DPLayer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(block=tf.keras.layers.serialize(self.block))
+        config.update(block=keras.layers.serialize(self.block))
         return config
 
 

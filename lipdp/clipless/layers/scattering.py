@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipless import wavelets
@@ -58,7 +59,7 @@ def _certified_bank(image_shape, J, L, max_order, padding):
 
 
 @register
-class DP_ScatteringTransform(tf.keras.layers.Layer, DPLayer):
+class DP_ScatteringTransform(keras.layers.Layer, DPLayer):
     r"""Wavelet scattering transform (Kymatio's, ``J`` scales, ``L`` angles) of each
     channel of an image: a fixed, weightless feature extractor (Tramer & Boneh, ICLR
     2021, reach 89.7 % on Fashion-MNIST at epsilon = 3 with a linear model on it).

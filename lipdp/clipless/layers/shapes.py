@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+import keras
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
 
 
 @register
-class DP_Flatten(tf.keras.layers.Flatten, NonExpansiveLayer):
+class DP_Flatten(keras.layers.Flatten, NonExpansiveLayer):
     """Flatten (a permutation-free reshape)."""
 
 
 @register
-class DP_Reshape(tf.keras.layers.Reshape, NonExpansiveLayer):
+class DP_Reshape(keras.layers.Reshape, NonExpansiveLayer):
     """Reshape (same coordinates, other shape)."""
 
 
 @register
-class DP_Permute(tf.keras.layers.Permute, NonExpansiveLayer):
+class DP_Permute(keras.layers.Permute, NonExpansiveLayer):
     """Permutation of the non-batch axes."""

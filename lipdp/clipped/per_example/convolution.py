@@ -1,4 +1,4 @@
-r"""Ghost rule of ``tf.keras.layers.Conv2D`` (exact class, ``groups == 1``,
+r"""Ghost rule of ``keras.layers.Conv2D`` (exact class, ``groups == 1``,
 ``channels_last``): a Dense layer on input patches.
 
 Output position ``t`` of row ``i`` is ``z_t = P_t(A_i) W + b``, where ``P_t(A_i)`` is the
@@ -21,6 +21,7 @@ wrong axes), subclasses and the other convolutions (``Conv1D``, ``Conv3D``,
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipped.per_example.dense import product_rows, product_shift, product_sq_norms
@@ -67,6 +68,6 @@ class Conv2DRule(GhostRule):
         return tf.reshape(shift, tf.shape(g))
 
 
-register_ghost_rule(tf.keras.layers.Conv2D, Conv2DRule())
+register_ghost_rule(keras.layers.Conv2D, Conv2DRule())
 
 __all__ = ["Conv2DRule", "patches"]

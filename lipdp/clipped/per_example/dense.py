@@ -1,4 +1,4 @@
-r"""Ghost rule of ``tf.keras.layers.Dense`` (exact class), and the identities of a kernel
+r"""Ghost rule of ``keras.layers.Dense`` (exact class), and the identities of a kernel
 gradient that is a sum of outer products over positions (shared with
 :mod:`lipdp.clipped.per_example.convolution`).
 
@@ -28,6 +28,7 @@ it: it may compute its kernel otherwise (:mod:`lipdp.clipped.per_example.registr
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipped.per_example.registry import GhostRule, register_ghost_rule, rows
@@ -96,6 +97,6 @@ class DenseRule(GhostRule):
         return tf.reshape(shift, tf.shape(g))
 
 
-register_ghost_rule(tf.keras.layers.Dense, DenseRule())
+register_ghost_rule(keras.layers.Dense, DenseRule())
 
 __all__ = ["DenseRule", "materialise", "product_rows", "product_shift", "product_sq_norms"]

@@ -1,4 +1,4 @@
-r"""Ghost rule of ``tf.keras.layers.Embedding`` (exact class, ``mask_zero=False``).
+r"""Ghost rule of ``keras.layers.Embedding`` (exact class, ``mask_zero=False``).
 
 Position ``t`` of row ``i`` looks up row ``id_t`` of the table ``E``: ``z_t = e_{id_t}^T
 E``, linear in ``E`` (``e_k`` the ``k``-th unit vector; no bias, no activation). For the
@@ -20,6 +20,7 @@ mask then comes from the layer's own call).
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from lipdp.clipped.per_example.registry import GhostRule, register_ghost_rule, rows
@@ -64,6 +65,6 @@ class EmbeddingRule(GhostRule):
         return tf.reshape(shift, tf.shape(g))
 
 
-register_ghost_rule(tf.keras.layers.Embedding, EmbeddingRule())
+register_ghost_rule(keras.layers.Embedding, EmbeddingRule())
 
 __all__ = ["EmbeddingRule", "same_ids"]

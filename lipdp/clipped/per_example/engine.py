@@ -116,12 +116,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from lipdp.clipped.per_example.registry import FALLBACK, GhostRule, find_ghost_rule
 from lipdp.core import validation
 from lipdp.core.records import zero_rows
+from lipdp.core.variables import variable_key
 
 #: How per-example gradients are obtained (module docstring).
 GRADIENT_METHODS = ("ghost", "jacobian")
@@ -137,13 +139,13 @@ def weighted_layers(layers) -> list:
     for layer in layers:
         variables = layer.trainable_variables
         for v in variables:
-            if v.ref() in owner and owner[v.ref()] is not layer:
+            if variable_key(v) in owner and owner[variable_key(v)] is not layer:
                 raise ValueError(
-                    f"Variable {v.name!r} is shared by layers {owner[v.ref()].name!r} and "
+                    f"Variable {v.name!r} is shared by layers {owner[variable_key(v)].name!r} and "
                     f"{layer.name!r}: per-example norms would be computed per part. Use "
                     "separate variables."
                 )
-            owner[v.ref()] = layer
+            owner[variable_key(v)] = layer
         if variables:
             result.append(layer)
     return result
@@ -161,10 +163,10 @@ def refuse_untracked_reads(layer, read, owners) -> None:
     of the model): ghost norms would drop that use's share of the gradient. (Inside a
     nested chain model, the model is then run as one layer instead:
     :func:`_recorded_forward`.)"""
-    own = {v.ref() for v in layer.trainable_variables}
+    own = {variable_key(v) for v in layer.trainable_variables}
     for v in read:
-        owner = owners.get(v.ref())
-        if owner is not None and v.ref() not in own:
+        owner = owners.get(variable_key(v))
+        if owner is not None and variable_key(v) not in own:
             raise _UntrackedRead(
                 f"Layer {layer.name!r} reads variable {v.name!r} of layer {owner.name!r} "
                 "without tracking it: ghost norms would drop that use's gradient. Make one "
@@ -180,7 +182,7 @@ def refuse_loss_reads(read, owners) -> None:
     differentiates the row's whole loss: the penalty's gradient is part of each row's
     clipped gradient.)"""
     for v in read:
-        owner = owners.get(v.ref())
+        owner = owners.get(variable_key(v))
         if owner is not None:
             raise ValueError(
                 f"The loss reads variable {v.name!r} of layer {owner.name!r} directly: ghost "
@@ -194,7 +196,7 @@ def _variable_owners(model) -> dict:
     """``{variable ref: layer}`` for every trainable variable of the model, the layer
     being the innermost one a ghost pass runs (nested chains expanded)."""
     return {
-        v.ref(): leaf
+        variable_key(v): leaf
         for layer in model.layers_forward_order()
         for leaf in _leaves(layer)
         for v in leaf.trainable_variables
@@ -226,13 +228,13 @@ def _functional_chain(model) -> list | None:
 
 def _chain_layers(layer) -> list | None:
     """The layers of ``layer`` in call order if it is a nested model that only runs them
-    one after the other -- an exact ``tf.keras.Sequential``, or Keras' own functional
+    one after the other -- an exact ``keras.Sequential``, or Keras' own functional
     class whose graph is one chain (:func:`_functional_chain`) -- their trainable
     variables are all of its own and no layer is met twice once every nested chain is
     expanded; else ``None``: ``layer`` runs as one layer (branches, merges, several inputs
     or outputs, subclassed models, wrappers). Exact classes: a subclass may change
     ``call``."""
-    if type(layer) is tf.keras.Sequential:
+    if type(layer) is keras.Sequential:
         chain = layer.layers
     elif type(layer).__name__ == "Functional" and getattr(layer, "_is_graph_network", False):
         chain = _functional_chain(layer)
@@ -240,8 +242,8 @@ def _chain_layers(layer) -> list | None:
         return None
     if not chain:
         return None
-    own = {v.ref() for v in layer.trainable_variables}
-    covered = {v.ref() for sub in chain for v in sub.trainable_variables}
+    own = {variable_key(v) for v in layer.trainable_variables}
+    covered = {variable_key(v) for sub in chain for v in sub.trainable_variables}
     leaves = [leaf for sub in chain for leaf in _leaves(sub)]
     if own != covered or len({id(leaf) for leaf in leaves}) != len(leaves):
         return None
@@ -260,7 +262,7 @@ def _needs_row_loop(layer) -> bool:
     converting their gradient) and grouped convolutions (TF 2.15's pfor converter of the
     filter gradient returns wrong per-row values in a Jacobian, and the CPU has no kernel
     for the per-row 3-D op it falls back to)."""
-    layers = tf.keras.layers
+    layers = keras.layers
     convolutions = (layers.Conv1D, layers.Conv2D, layers.Conv3D)  # and their transposes
     for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
         if isinstance(sub, (layers.LSTM, layers.GRU)) and sub._could_use_gpu_kernel:  # noqa: SLF001
@@ -288,11 +290,11 @@ class _Record:
     for the vectorised fallback and the materialised ghost branch, the per-row gradients
     for the unit cotangents."""
 
-    layer: tf.keras.layers.Layer
+    layer: keras.layers.Layer
     inputs: tf.Tensor
     outputs: tf.Tensor
     rule: str
-    group: tf.keras.layers.Layer
+    group: keras.layers.Layer
     ghost: GhostRule | None = None
     cotangents: tf.Tensor | None = None
     scales: tf.Tensor | None = None
@@ -382,8 +384,8 @@ def _refuse_partial_rule(registration, layer) -> None:
     variables: a variable it does not cover would be missing from the row's norm."""
     covered = _rule_variables(registration.rule, layer)
     trained = layer.trainable_variables
-    refs = {v.ref() for v in covered}
-    if len(refs) != len(covered) or refs != {v.ref() for v in trained}:
+    refs = {variable_key(v) for v in covered}
+    if len(refs) != len(covered) or refs != {variable_key(v) for v in trained}:
         raise ValueError(
             f"Ghost rule {registration.name!r} covers {[v.name for v in covered]} of layer "
             f"{layer.name!r}, which trains {[v.name for v in trained]}: fix the rule's "
@@ -463,7 +465,7 @@ class _RowsPart:
         k = factors if self.scales is None else factors * tf.cast(self.scales, tf.float64)
         k = _float32_coefficients(k, keep)
         return {
-            v.ref(): tf.tensordot(k, zero_rows(keep, t), [[0], [0]])
+            variable_key(v): tf.tensordot(k, zero_rows(keep, t), [[0], [0]])
             for v, t in zip(self.variables, self.tensors)
         }
 
@@ -485,7 +487,9 @@ class _GhostKernelPart:
         k = _float32_coefficients(factors * tf.cast(record.scales, tf.float64), keep)
         cotangents = _scaled(k, zero_rows(keep, record.unit))
         kernel = record.ghost.kernel(record.layer)
-        return {kernel.ref(): _local_vjp(record, zero_rows(keep, record.inputs), cotangents)}
+        return {
+            variable_key(kernel): _local_vjp(record, zero_rows(keep, record.inputs), cotangents)
+        }
 
 
 # --------------------------------------------------------------------- ghost norms
@@ -536,15 +540,15 @@ def _variable_slots(layer) -> list:
     for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
         for name, value in vars(sub).items():
             if isinstance(value, tf.Variable):
-                slots.setdefault(value.ref(), (sub, name))
-    missing = [v.name for v in layer.trainable_variables if v.ref() not in slots]
+                slots.setdefault(variable_key(value), (sub, name))
+    missing = [v.name for v in layer.trainable_variables if variable_key(v) not in slots]
     if missing:
         raise ValueError(
             f"Cannot run layer {layer.name!r} on row-wise weights: variables {missing} are "
             "not held as layer attributes. Use per-example ascent only with layers that "
             "store their variables as attributes (all built-in Keras layers do)."
         )
-    return [slots[v.ref()] for v in layer.trainable_variables]
+    return [slots[variable_key(v)] for v in layer.trainable_variables]
 
 
 @contextlib.contextmanager

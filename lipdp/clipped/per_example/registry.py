@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import keras
 import tensorflow as tf
 
 #: What :func:`ghost_rule` reports for a layer without an applicable rule.
@@ -142,10 +143,10 @@ _RULES: dict[type, Registration] = {}
 
 
 def _check_layer_class(layer_class) -> None:
-    if not (isinstance(layer_class, type) and issubclass(layer_class, tf.keras.layers.Layer)):
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
         raise TypeError(
             f"A ghost rule is registered for a Keras layer class (a subclass of "
-            f"tf.keras.layers.Layer), not {layer_class!r}."
+            f"keras.layers.Layer), not {layer_class!r}."
         )
 
 
