@@ -149,8 +149,8 @@ THOROUGH_TESTS = {
     "tests/core/test_batch_independence.py::test_per_example_constructions_pass_and_stay_within_their_sensitivity[nested-models]",
     "tests/core/test_batch_independence.py::test_the_probe_refuses_a_batch_mean_layer_on_every_path[custom-loop]",
     "tests/core/test_batch_independence.py::test_the_probe_runs_once_per_step_under_a_mirrored_strategy",
-    # test_compat.py: by default, importing lipdp first (one process each).
-    "tests/core/test_compat.py::test_tensorflow_2_15_imported_first_is_accepted",
+    # test_compat.py: by default, keras imported first (one process each).
+    "tests/core/test_compat.py::test_importing_keras_before_or_after_lipdp_trains_a_keras_model[lipdp first]",
     # test_distribute.py: by default, the partitioned Poisson pipeline of each family, the noise of
     # two replicas (clipless), the replicas of DP-SGD, dynamic clipping (Laplace) and the refusals;
     # the two-process test also runs in the smoke run.

@@ -16,14 +16,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lipdp"
 ALLOWED = {
     # what both families share, bottom first
     "lipdp.core.compat": (),
+    "lipdp.core.variables": ("lipdp.core.compat",),
     "lipdp.core.config": (),
     "lipdp.core.validation": (),
     "lipdp.core.records": (),
-    "lipdp.core.distribute": (),
+    "lipdp.core.distribute": ("lipdp.core.compat",),
     "lipdp.core.layer_walk": (),
     "lipdp.core.metadata": ("lipdp.core.config",),
     "lipdp.core.noise": ("lipdp.core.validation", "lipdp.core.distribute"),
-    "lipdp.core.batch_independence": ("lipdp.core.layer_walk",),
+    "lipdp.core.batch_independence": (
+        "lipdp.core.layer_walk",
+        "lipdp.core.compat",
+        "lipdp.core.variables",
+    ),
     "lipdp.accounting": (
         "lipdp.accounting",
         "lipdp.core.validation",
@@ -31,7 +36,7 @@ ALLOWED = {
         "lipdp.core.config",
     ),
     "lipdp.data": ("lipdp.data", "lipdp.core.validation", "lipdp.core.metadata"),
-    "lipdp.core.ledger": ("lipdp.accounting", "lipdp.core.layer_walk"),
+    "lipdp.core.ledger": ("lipdp.accounting", "lipdp.core.layer_walk", "lipdp.core.variables"),
     "lipdp.core": ("lipdp.core", "lipdp.accounting"),
     # the two families build on the shared base, never on each other
     "lipdp.clipless": ("lipdp.clipless", "lipdp.core", "lipdp.accounting"),

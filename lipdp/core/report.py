@@ -106,7 +106,7 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
             "(no trainable BatchNormalization or declared coupling layer at any depth) and "
             "on the user's word, not on the numerical check."
         )
-    if any(getattr(layer, "adaptive_norm", False) for layer in model.submodules):
+    if any(getattr(layer, "adaptive_norm", False) for layer in model._flatten_layers()):  # noqa: SLF001
         notes.append(
             "norm-adaptive bounds (Lip-DP-SGD): the sensitivities above are those of the "
             "current weights; every step's noise followed the weights of that step, a "

@@ -1,98 +1,102 @@
-"""lipdp.core.compat: lipdp runs on Keras 2 only, and says how to get it when tf.keras is
-Keras 3."""
+"""lipdp.core.compat: lipdp runs on Keras 3 with the TensorFlow backend and on Keras 2
+(TensorFlow 2.15), sets no environment variable, and refuses another Keras 3 backend in one
+line naming the fix."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 
+import keras
 import pytest
 import tensorflow as tf
 
 from lipdp.core import compat
 
-KERAS_3_DEFAULT = compat.tensorflow_version() >= compat.KERAS_3_DEFAULT_SINCE
+KERAS_3 = keras.__version__.startswith("3.")
 
 
-def _run(code):
-    """``code`` in a fresh interpreter whose environment does not set TF_USE_LEGACY_KERAS."""
-    env = {k: v for k, v in os.environ.items() if k != compat.LEGACY_KERAS_FLAG}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+def _run(code, **env):
+    """``code`` in a fresh interpreter without TF_USE_LEGACY_KERAS, with ``env`` added."""
+    base = {
+        k: v for k, v in os.environ.items() if k not in (compat.LEGACY_KERAS_FLAG, "KERAS_BACKEND")
+    }
     return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code],
+        env={**base, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
-def test_this_suite_runs_on_keras_2():
+def test_this_suite_runs_on_a_supported_keras():
     assert compat.keras_problem() is None
-    assert compat.loaded_keras_version(tf).startswith("2.")
-    assert isinstance(tf.keras.layers.Dense(1), tf.keras.layers.Layer)
-
-
-@pytest.mark.parametrize(
-    "version,flag,has_tf_keras,expected",
-    [
-        ((2, 15), None, False, None),  # TF 2.15: its own Keras 2, whatever the flag
-        ((2, 15), "1", True, None),
-        ((2, 21), "1", True, None),
-        ((2, 16), "true", True, None),
-        ((2, 21), None, True, "TensorFlow 2.21 makes tf.keras Keras 3 while TF_USE_LEGACY_"),
-        ((2, 21), "0", True, "TF_USE_LEGACY_KERAS='0'"),
-        ((2, 21), "1", False, "needs tf-keras for Keras 2, which is missing"),
-        (None, None, False, None),  # unknown TensorFlow: TensorFlow's own import decides
-    ],
-)
-def test_predicted_problem_before_tensorflow_is_imported(version, flag, has_tf_keras, expected):
-    problem = compat.predicted_keras_problem(version, flag, has_tf_keras)
-    if expected is None:
-        assert problem is None
-    else:
-        assert expected in problem
-
-
-def test_importing_lipdp_first_gives_keras_2():
-    """Without TF_USE_LEGACY_KERAS in the environment, ``import lipdp`` before TensorFlow
-    sets it on TensorFlow >= 2.16 and leaves TensorFlow 2.15 with its own Keras 2."""
-    result = _run(
-        "import os, lipdp, tensorflow as tf; "
-        "print(os.environ.get('TF_USE_LEGACY_KERAS'), tf.keras.Model.__module__)"
-    )
-    assert result.returncode == 0, result.stderr
-    flag, module = result.stdout.split()
-    if KERAS_3_DEFAULT:
-        assert (flag, module.split(".")[0]) == ("1", "tf_keras")
-    else:
-        assert (flag, module.split(".")[0]) == ("None", "keras")
+    assert compat.keras_3() is KERAS_3
+    # lipdp's handle (the keras package) is the Keras of tf.keras: the same classes.
+    assert tf.keras.layers.Dense is keras.layers.Dense
+    assert compat.loaded_keras_version(tf) == keras.__version__
 
 
 @pytest.mark.smoke
-@pytest.mark.skipif(not KERAS_3_DEFAULT, reason="TensorFlow 2.15's tf.keras is always Keras 2")
-def test_keras_3_is_refused_in_one_line_naming_the_fix():
-    result = _run("import tensorflow as tf; import lipdp")
+@pytest.mark.parametrize("order", ["keras first", "lipdp first"])
+def test_importing_keras_before_or_after_lipdp_trains_a_keras_model(order):
+    """Either order works, and lipdp sets no environment variable."""
+    imports = "import keras, lipdp" if order == "keras first" else "import lipdp, keras"
+    code = f"""{imports}
+import os, numpy as np
+inputs = keras.Input((4,))
+net = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+model = lipdp.make_private(net, epsilon=2.0, delta=1e-5, epochs=1, batch_size=8,
+                           dataset_size=32, method="clipped")
+model.compile(optimizer="sgd", loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+y = np.eye(3, dtype="float32")[np.arange(32) % 3]
+model.fit(lipdp.private_batches(model, x, y, seed=0), epochs=1, verbose=0)
+print(os.environ.get("TF_USE_LEGACY_KERAS"), int(model.noisy_steps.numpy()), keras.__version__)
+"""
+    result = _run(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    flag, steps, version = result.stdout.split()
+    assert flag == "None"
+    assert int(steps) == 4  # floor(32 / 8) steps of one epoch
+    assert version == keras.__version__
+
+
+@pytest.mark.skipif(
+    not KERAS_3 or importlib.util.find_spec("jax") is None,
+    reason="another Keras backend needs Keras 3 and JAX installed",
+)
+def test_another_keras_3_backend_is_refused_in_one_line_naming_the_fix():
+    result = _run("import keras, lipdp.clipped.model", KERAS_BACKEND="jax")
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: lipdp needs Keras 2 as tf.keras, but tf.keras is Keras 3")
-    assert "TF_USE_LEGACY_KERAS is unset" in last
-    assert last.endswith(
-        "Fix: pip install tf-keras and export TF_USE_LEGACY_KERAS=1 before importing TensorFlow."
+    assert last.startswith("ImportError: lipdp cannot run here: Keras 3")
+    assert "runs on the jax backend" in last
+    assert last.endswith("Fix: set KERAS_BACKEND=tensorflow before importing keras.")
+
+
+def test_declared_input_shapes_are_read_on_either_keras():
+    assert compat.declared_batch_shape(compat.input_layer((5, 2))) == (None, 5, 2)
+    with compat.input_shape_accepted():
+        dense = keras.layers.Dense(3, input_shape=(7,))
+    assert compat.declared_batch_shape(dense) == (None, 7)
+    assert compat.declared_batch_shape(keras.layers.Dense(3)) is None
+
+
+@pytest.mark.skipif(not KERAS_3, reason="keras.Input gives a layer-less tensor on Keras 3 only")
+def test_a_keras_3_input_tensor_stands_for_its_input_layer():
+    layer = compat.as_layer(keras.Input((6,)))
+    assert isinstance(layer, keras.layers.InputLayer)
+    assert compat.declared_batch_shape(layer) == (None, 6)
+    dense = keras.layers.Dense(2)
+    assert compat.as_layer(dense) is dense
+
+
+def test_loss_reduction_names_are_keras_own():
+    loss = keras.losses.MeanSquaredError(reduction=compat.Reduction.SUM)
+    assert loss.reduction == compat.Reduction.SUM
+    assert keras.losses.MeanSquaredError().reduction in (
+        compat.Reduction.AUTO,
+        compat.Reduction.SUM_OVER_BATCH_SIZE,
     )
-
-
-@pytest.mark.skipif(not KERAS_3_DEFAULT, reason="TensorFlow 2.15's tf.keras is always Keras 2")
-def test_the_flag_set_after_tensorflow_was_imported_is_refused():
-    """tf.keras would then be tf-keras, but deel-lip's ``tensorflow.keras`` imports Keras 3."""
-    result = _run(
-        "import os, tensorflow as tf; os.environ['TF_USE_LEGACY_KERAS'] = '1'; import lipdp"
-    )
-    assert result.returncode != 0
-    last = result.stderr.strip().splitlines()[-1]
-    assert "was imported before TF_USE_LEGACY_KERAS=1 was set" in last
-    assert last.endswith("before importing TensorFlow.")
-
-
-@pytest.mark.skipif(KERAS_3_DEFAULT, reason="TensorFlow >= 2.16 without the flag is Keras 3")
-def test_tensorflow_2_15_imported_first_is_accepted():
-    result = _run(
-        "import tensorflow as tf; import lipdp.clipless.model; print(tf.keras.Model.__module__)"
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split()[-1].startswith("keras.")
