@@ -1,36 +1,35 @@
 # Every target works on a fresh machine with Python 3.11 and make.
 PYTHON ?= python3.11
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+# Two virtual environments, one stack each (constraints/ pins it): $(VENV) has the main stack,
+# TensorFlow 2.21 with Keras 3, numpy 2 and the current dp-accounting (every target below but
+# *-keras2); $(VENV_KERAS2) has TensorFlow 2.15.1 with its own Keras 2 (the original lip-dp
+# package's stack), where tensorflow-privacy, the per-example clipping reference, still imports.
 VENV ?= .venv
 BIN := $(VENV)/bin
-export TF_CPP_MIN_LOG_LEVEL ?= 2
-# Two virtual environments, one TensorFlow each (constraints/ pins it): $(VENV) has
-# TensorFlow 2.15.1 with its own Keras 2 (the default: every target below but *-tf-current),
-# $(VENV_TF_CURRENT) the newest supported TensorFlow with tf-keras as its Keras 2.
-TF_CONSTRAINTS ?= constraints/tf-2.15.txt
-VENV_TF_CURRENT ?= .venv-tf-current
-TF_CURRENT_CONSTRAINTS ?= constraints/tf-current.txt
-BIN_TF_CURRENT := $(VENV_TF_CURRENT)/bin
+CONSTRAINTS ?= constraints/keras3.txt
+VENV_KERAS2 ?= .venv-keras2
+KERAS2_CONSTRAINTS ?= constraints/keras2.txt
+BIN_KERAS2 := $(VENV_KERAS2)/bin
 
-.PHONY: install install-tf-current demo test test-thorough test-tf-current test-tf-current-all test-slow \
+.PHONY: install install-keras2 demo test test-thorough test-keras2 test-keras2-all test-slow \
 	test-all lint docs clean bench
 
-$(BIN)/activate: setup.cfg pyproject.toml $(TF_CONSTRAINTS)
+$(BIN)/activate: setup.cfg pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
-	$(BIN)/pip install --quiet -c $(TF_CONSTRAINTS) -e ".[dev,reference]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,hub]"
 	touch $(BIN)/activate
 
 install: $(BIN)/activate
 
-# tensorflow-privacy (the `reference` extra) cannot be imported with TensorFlow >= 2.16: not
-# installed here, and the tests that compare with it are skipped.
-$(BIN_TF_CURRENT)/activate: setup.cfg pyproject.toml $(TF_CURRENT_CONSTRAINTS)
-	$(PYTHON) -m venv $(VENV_TF_CURRENT)
-	$(BIN_TF_CURRENT)/pip install --quiet --upgrade pip setuptools wheel
-	$(BIN_TF_CURRENT)/pip install --quiet -c $(TF_CURRENT_CONSTRAINTS) -e ".[dev]"
-	touch $(BIN_TF_CURRENT)/activate
+$(BIN_KERAS2)/activate: setup.cfg pyproject.toml $(KERAS2_CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV_KERAS2)
+	$(BIN_KERAS2)/pip install --quiet --upgrade pip setuptools wheel
+	$(BIN_KERAS2)/pip install --quiet -c $(KERAS2_CONSTRAINTS) -e ".[dev,reference]"
+	touch $(BIN_KERAS2)/activate
 
-install-tf-current: $(BIN_TF_CURRENT)/activate
+install-keras2: $(BIN_KERAS2)/activate
 
 # Trains a Lipschitz CNN on the bundled digits under (epsilon, delta) = (3, 1e-5), one line
 # per epoch (--quiet: no Keras progress bar). About 20 s after the install.
@@ -52,15 +51,14 @@ test: install
 test-thorough: install
 	$(BIN)/pytest -q -n 2 --dist worksteal -m "thorough and not slow"
 
-# The smoke subset on the current TensorFlow (CI, before `make test`; 1-2 min): training of
-# both families, accounting, a few soundness cases, the Keras 3 check. tf.keras must be
-# tf-keras's Keras 2: TF_USE_LEGACY_KERAS=1 before TensorFlow is imported.
-test-tf-current: install-tf-current
-	TF_USE_LEGACY_KERAS=1 $(BIN_TF_CURRENT)/pytest -q -n 2 -m "smoke and not slow"
+# The default suite on Keras 2 (TensorFlow 2.15.1; CI, before `make test`), with the
+# comparisons against tensorflow-privacy that only this stack can import.
+test-keras2: install-keras2
+	$(BIN_KERAS2)/pytest -q -n 2 --dist worksteal
 
-# The default and thorough tiers on the current TensorFlow.
-test-tf-current-all: install-tf-current
-	TF_USE_LEGACY_KERAS=1 $(BIN_TF_CURRENT)/pytest -q -n 2 -m "not slow"
+# The default and thorough tiers on Keras 2.
+test-keras2-all: install-keras2
+	$(BIN_KERAS2)/pytest -q -n 2 --dist worksteal -m "not slow"
 
 # Slow tests only: training to accuracy, long adversarial searches.
 test-slow: install
@@ -97,11 +95,11 @@ lint: install
 # The documentation site into site/ (mkdocs build --strict: any warning fails the
 # build). The docs extra is installed into the virtual environment on first use.
 $(VENV)/.docs-installed: $(BIN)/activate setup.cfg
-	$(BIN)/pip install --quiet -c $(TF_CONSTRAINTS) -e ".[docs]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[docs]"
 	touch $@
 
 docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(VENV_TF_CURRENT) *.egg-info .pytest_cache .ruff_cache site
+	rm -rf $(VENV) $(VENV_KERAS2) *.egg-info .pytest_cache .ruff_cache site

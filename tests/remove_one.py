@@ -36,7 +36,10 @@ TOLERANCE = ROUNDOFF_SLACK
 
 
 def _snapshot(model):
-    variables = list(model.variables) + list(model.optimizer.variables())
+    optimizer_variables = model.optimizer.variables  # a method on Keras 2, a list on Keras 3
+    if callable(optimizer_variables):
+        optimizer_variables = optimizer_variables()
+    variables = list(model.variables) + list(optimizer_variables)
     return variables, [v.numpy() for v in variables]
 
 

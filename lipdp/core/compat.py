@@ -167,3 +167,13 @@ def input_shape_accepted():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Do not pass an `input_shape`")
         yield
+
+
+def symbolic_call(fn, *args):
+    """Keras 3: ``fn(*args)`` on symbolic inputs (``keras.KerasTensor``), traced without
+    data; the symbolic outputs. Unbuilt layers called by ``fn`` are built. (Keras 3's
+    ``Layer.compute_output_spec`` does this unless the layer defines
+    ``compute_output_shape``, which a model then cannot define with it.)"""
+    from keras.src import backend
+
+    return backend.compute_output_spec(fn, *args)

@@ -162,8 +162,16 @@ class PrivateModel(keras.Model):
             return super().build(input_shape)
         # Keras 3 builds a subclassed model by calling it; a symbolic call (no data) builds
         # each layer in the forward loop, and raises what a real call would.
-        self.compute_output_spec(keras.KerasTensor(tuple(input_shape)))
+        compat.symbolic_call(self.call, _symbolic(input_shape))
         return None
+
+    def compute_output_shape(self, input_shape):
+        """The output shape for inputs of ``input_shape`` (with the batch dimension; a nest
+        for several inputs), from a symbolic call (Keras 3 has no default for models)."""
+        if not compat.keras_3():
+            return super().compute_output_shape(input_shape)
+        outputs = compat.symbolic_call(self.call, _symbolic(input_shape))
+        return tf.nest.map_structure(lambda spec: tuple(spec.shape), outputs)
 
     def call(self, inputs, training=None):
         return self.forward(inputs, training=training)
@@ -940,6 +948,13 @@ class PrivateModel(keras.Model):
             dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
             **config,
         )
+
+
+def _symbolic(input_shape):
+    """Keras 3 symbolic inputs of ``input_shape`` (a shape, or a nest of shapes)."""
+    return keras.tree.map_shape_structure(
+        lambda shape: keras.KerasTensor(tuple(shape)), input_shape
+    )
 
 
 def _losses_from_a_call(layer) -> bool:
