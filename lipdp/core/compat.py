@@ -1,14 +1,16 @@
 """Which Keras lipdp runs on: the one place where lipdp deals with Keras versions.
 
-``tf.keras`` is lipdp's handle on Keras, whatever its major version:
+lipdp's handle on Keras is the ``keras`` package (``import keras``), whatever its major
+version:
 
-* **Keras 3** (TensorFlow >= 2.16 with the ``keras`` package: ``tf.keras`` *is* the
-  ``keras`` package a user imports) with the TensorFlow backend: the stack lipdp is being
-  ported to (issue 28). Importing ``keras`` before or after ``lipdp`` makes no difference,
-  and lipdp sets no environment variable.
-* **Keras 2**: TensorFlow 2.15's own, or ``tf-keras`` when the user sets
-  ``TF_USE_LEGACY_KERAS=1`` before importing TensorFlow >= 2.16. The same code runs on it
-  while the port lasts; the few places where the two APIs differ ask :func:`keras_3`.
+* **Keras 3** (TensorFlow >= 2.16, which requires it; ``tf.keras`` is then the same
+  package) with the TensorFlow backend: the main stack. Importing ``keras`` before or after
+  ``lipdp`` makes no difference, and lipdp sets no environment variable.
+* **Keras 2**: TensorFlow 2.15's own ``keras`` 2.15 (the same classes as its ``tf.keras``).
+  The same code runs on it; the few places where the two APIs differ ask :func:`keras_3`.
+
+With ``TF_USE_LEGACY_KERAS=1`` and TensorFlow >= 2.16, ``tf.keras`` is tf-keras, a Keras 2
+package distinct from ``keras``: its layers are refused by :func:`refuse_foreign_layers`.
 
 Keras 3 with another backend (JAX, PyTorch) is refused in one line naming the fix: lipdp's
 training steps are TensorFlow programs.
@@ -79,30 +81,44 @@ def loaded_keras_version(tf) -> str:
 
 @functools.cache
 def keras_3() -> bool:
-    """Whether ``tf.keras`` is Keras 3 (imports TensorFlow)."""
-    import tensorflow as tf
+    """Whether lipdp's Keras, the ``keras`` package, is Keras 3 (imports it)."""
+    import keras
 
-    return loaded_keras_version(tf).split(".")[0] == "3"
+    return keras.__version__.split(".")[0] == "3"
 
 
 def keras_problem() -> str | None:
-    """Why lipdp cannot run on this ``tf.keras``, or ``None`` (imports TensorFlow)."""
-    import tensorflow as tf
+    """Why lipdp cannot run on this Keras, or ``None`` (imports keras)."""
+    import keras
 
-    try:
-        version = loaded_keras_version(tf)
-    except ImportError as error:  # the flag is set but tf-keras is missing
-        return f"tf.keras cannot be imported ({' '.join(str(error).split())})"
-    if version.split(".")[0] != "3":
+    if not keras_3():
         return None
-    backend = tf.keras.backend.backend()
+    backend = keras.backend.backend()
     if backend != SUPPORTED_BACKEND:
         return (
-            f"Keras {version} runs on the {backend} backend while lipdp's training steps are "
-            f"TensorFlow programs. Fix: set KERAS_BACKEND={SUPPORTED_BACKEND} before importing "
-            "keras"
+            f"Keras {keras.__version__} runs on the {backend} backend while lipdp's training "
+            f"steps are TensorFlow programs. Fix: set KERAS_BACKEND={SUPPORTED_BACKEND} before "
+            "importing keras"
         )
     return None
+
+
+def refuse_foreign_layers(layers) -> None:
+    """Refuse layers that are not the ``keras`` package's (one line naming the fix): with
+    ``TF_USE_LEGACY_KERAS=1`` and TensorFlow >= 2.16, ``tf.keras`` is tf-keras, a Keras 2
+    whose layers Keras 3 cannot train."""
+    import keras
+
+    for layer in layers:
+        if isinstance(layer, keras.layers.Layer):
+            continue
+        package = type(layer).__module__.split(".")[0]
+        if package in ("tf_keras", "keras"):
+            raise TypeError(
+                f"Layer {getattr(layer, 'name', layer)!r} is a {package} {type(layer).__name__} "
+                f"while lipdp runs on the keras package (Keras {keras.__version__}): build the "
+                "model with `import keras` (with TF_USE_LEGACY_KERAS=1, tf.keras is tf-keras)."
+            )
 
 
 def require_supported_keras() -> None:
@@ -128,11 +144,11 @@ def declared_batch_shape(layer) -> tuple | None:
 
 def input_layer(shape):
     """A Keras ``InputLayer`` for inputs of shape ``shape`` (without the batch)."""
-    import tensorflow as tf
+    import keras
 
     if keras_3():
-        return tf.keras.layers.InputLayer(shape=tuple(shape))
-    return tf.keras.layers.InputLayer(input_shape=tuple(shape))
+        return keras.layers.InputLayer(shape=tuple(shape))
+    return keras.layers.InputLayer(input_shape=tuple(shape))
 
 
 def as_layer(item):
@@ -140,10 +156,10 @@ def as_layer(item):
     models take such a tensor in a list of layers)."""
     history = getattr(item, "_keras_history", None)
     if keras_3() and history is not None and not hasattr(item, "call"):
-        import tensorflow as tf
+        import keras
 
         operation = history[0]
-        if isinstance(operation, tf.keras.layers.InputLayer):
+        if isinstance(operation, keras.layers.InputLayer):
             return operation
     return item
 

@@ -109,6 +109,7 @@ class PrivateModel(keras.Model):
         **kwargs,
     ):
         super().__init__(**kwargs)
+        compat.refuse_foreign_layers(dp_layers)
         self._check_layers(dp_layers)
         self.adversarial = adversarial
         if not isinstance(dp_parameters, DPParameters):
@@ -730,6 +731,10 @@ class PrivateModel(keras.Model):
         if getattr(x, "lipdp_partitioned", False) and not args:
             # An endless (distributed) stream of batches: its steps per epoch are stated.
             kwargs.setdefault("steps_per_epoch", x.lipdp_steps_per_epoch)
+        if compat.keras_3() and isinstance(x, tf.data.Dataset) and not args:
+            # Batches drawn by the pipeline (Poisson, or shuffled there): Keras 3 would warn
+            # at every fit that its default shuffle=True does not apply to a dataset.
+            kwargs.setdefault("shuffle", False)
         # Weights set by hand (load_weights, set_weights) are brought back in the
         # feasible set before the first bound is trusted.
         self.project()

@@ -100,3 +100,15 @@ def test_loss_reduction_names_are_keras_own():
         compat.Reduction.AUTO,
         compat.Reduction.SUM_OVER_BATCH_SIZE,
     )
+
+
+def test_layers_of_another_keras_package_are_refused_naming_the_fix():
+    """With TF_USE_LEGACY_KERAS=1 on TensorFlow >= 2.16, tf.keras layers are tf-keras's
+    (Keras 2), not the keras package's: refused in one line by the model."""
+    from lipdp.clipped.model import DPSGD_Sequential
+    from lipdp.core.parameters import DPParameters
+
+    foreign = type("Dense", (), {"__module__": "tf_keras.src.layers.core.dense", "name": "d"})()
+    compat.refuse_foreign_layers([keras.layers.Dense(2)])  # the keras package's: accepted
+    with pytest.raises(TypeError, match="'d' is a tf_keras Dense while lipdp runs on the keras"):
+        DPSGD_Sequential([foreign], dp_parameters=DPParameters("global", 1.0, 1e-5))
