@@ -19,7 +19,7 @@ ALLOWED = {
     "lipdp.core.variables": ("lipdp.core.compat",),
     "lipdp.core.config": (),
     "lipdp.core.validation": (),
-    "lipdp.core.records": (),
+    "lipdp.core.records": ("lipdp.core.compat",),
     "lipdp.core.distribute": ("lipdp.core.compat",),
     "lipdp.core.layer_walk": (),
     "lipdp.core.metadata": ("lipdp.core.config",),

@@ -193,3 +193,42 @@ def symbolic_call(fn, *args):
     from keras.src import backend
 
     return backend.compute_output_spec(fn, *args)
+
+
+# ------------------------------------------------------------ functional graphs
+def is_graph_model(layer) -> bool:
+    """A built functional model (Keras 2: also a ``Sequential`` built on an input shape;
+    Keras 3 keeps a ``Sequential`` apart, walked as a chain of layers)."""
+    if keras_3():
+        from keras.src.models.functional import Functional
+
+        return isinstance(layer, Functional) and bool(layer.inputs)
+    return bool(getattr(layer, "_is_graph_network", False)) and bool(layer.inputs)
+
+
+def graph_nodes(model):
+    """``(layer, input tensors, output tensors)`` for every node of a functional model's
+    graph but its inputs' (Keras 2's nodes name the layer ``layer``, Keras 3's
+    ``operation``)."""
+    for nodes in model._nodes_by_depth.values():  # noqa: SLF001 - both Keras' graph
+        for node in nodes:
+            if node.is_input:
+                continue
+            if keras_3():
+                yield node.operation, list(node.input_tensors), list(node.outputs)
+            else:
+                yield node.layer, list(node.keras_inputs), tf_nest_flatten(node.outputs)
+
+
+def reference_inputs(model, x) -> list:
+    """The tensors of ``x`` in the order of ``model.inputs``, matched as the model's own
+    call matches them (by name for a dict)."""
+    if keras_3():
+        return list(model._standardize_inputs(x))  # noqa: SLF001
+    return list(model._flatten_to_reference_inputs(x))  # noqa: SLF001
+
+
+def tf_nest_flatten(structure) -> list:
+    import tensorflow as tf
+
+    return tf.nest.flatten(structure)

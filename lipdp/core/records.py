@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
+from lipdp.core import compat
+
 
 def finite_rows(values):
     """``(batch,)`` booleans: every entry of the example is finite (not NaN, not inf).
@@ -184,8 +186,8 @@ def _narrowest(ranges) -> IdRange | None:
 
 
 def _is_graph(layer) -> bool:
-    """A built functional model (or a ``Sequential`` built on an input shape)."""
-    return bool(getattr(layer, "_is_graph_network", False)) and bool(layer.inputs)
+    """A built functional model (:func:`lipdp.core.compat.is_graph_model`)."""
+    return compat.is_graph_model(layer)
 
 
 def _reading_range(layer, position, path) -> IdRange | None:
@@ -204,16 +206,12 @@ def _tensor_range(model, tensor, path) -> IdRange | None:
     """The narrowest range of the layers of ``model``'s graph reading ``tensor`` (through
     the layers that only move values)."""
     ranges = []
-    for nodes in model._nodes_by_depth.values():  # noqa: SLF001 - Keras 2's graph
-        for node in nodes:
-            inputs = [] if node.is_input else node.keras_inputs
-            for position in [i for i, t in enumerate(inputs) if t is tensor]:
-                layer, where = node.layer, f"{path}/{node.layer.name}"
-                if _moves_values(layer) and len(inputs) == 1:
-                    outputs = tf.nest.flatten(node.outputs)
-                    ranges += [_tensor_range(model, t, path) for t in outputs]
-                else:
-                    ranges.append(_reading_range(layer, position, where))
+    for layer, inputs, outputs in compat.graph_nodes(model):
+        for position in [i for i, t in enumerate(inputs) if t is tensor]:
+            if _moves_values(layer) and len(inputs) == 1:
+                ranges += [_tensor_range(model, t, path) for t in outputs]
+            else:
+                ranges.append(_reading_range(layer, position, f"{path}/{layer.name}"))
     return _narrowest(ranges)
 
 
@@ -251,7 +249,7 @@ def read_ids(layers, x) -> list:
     name for a dict)."""
     first = _several_inputs(layers)
     if first is not None:
-        inputs = first._flatten_to_reference_inputs(x)  # noqa: SLF001 - Keras 2's matching
+        inputs = compat.reference_inputs(first, x)
     else:
         inputs = tf.nest.flatten(x)
     ranges = input_id_ranges(layers)
