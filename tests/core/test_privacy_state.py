@@ -21,6 +21,7 @@ from lipdp.accounting import get_eps_delta
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
+from lipdp.core import compat
 from lipdp.core.callbacks import DP_Accountant
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
@@ -72,10 +73,16 @@ def test_keras_file_round_trip_keeps_the_step_count(tmp_path):
     assert history.history["epsilon"][-1] == get_eps_delta(model, 3)[0]
 
 
-def test_weights_checkpoint_and_a_fresh_optimizer_keep_the_count(tmp_path):
+#: ``save_weights`` files: the ``.weights.h5`` of Keras 2.13+ and 3, and on Keras 2 its
+#: TensorFlow checkpoints too (Keras 3 writes ``.weights.h5`` only).
+WEIGHT_FILES = ["model.weights.h5"] + ([] if compat.keras_3() else ["checkpoint"])
+
+
+@pytest.mark.parametrize("filename", WEIGHT_FILES)
+def test_weights_checkpoint_and_a_fresh_optimizer_keep_the_count(tmp_path, filename):
     model = make_model()
     fit(model, 2)
-    path = str(tmp_path / "checkpoint")
+    path = str(tmp_path / filename)
     model.save_weights(path)
     fresh = make_model()
     fresh.load_weights(path)

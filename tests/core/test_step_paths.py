@@ -74,7 +74,7 @@ def test_set_weights_and_load_weights_project(tmp_path):
     model.set_weights(weights)
     assert spectral_norm(model.dp_layers[-1].kernel) <= 1 + 1e-3
     # A checkpoint holding an infeasible kernel (written by plain Keras code).
-    path = str(tmp_path / "weights.h5")
+    path = str(tmp_path / "model.weights.h5")  # the weights format of Keras 2.13+ and 3
     tf.keras.Model.set_weights(model, weights)  # bypass the projection to write one
     assert spectral_norm(model.dp_layers[-1].kernel) == pytest.approx(3.0, rel=1e-5)
     model.save_weights(path)
