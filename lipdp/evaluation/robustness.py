@@ -345,7 +345,8 @@ def empirical_lipschitz(
     rng = np.random.default_rng(seed)
     a = tf.Variable(np.asarray(x, dtype=np.float32))
     noise = rng.normal(size=a.shape).astype(np.float32)
-    b = tf.Variable(a.numpy() + 0.1 * noise / np.sqrt(noise[0].size))
+    # float32 under numpy 2 too (a numpy float64 scalar no longer adapts to the array).
+    b = tf.Variable((a.numpy() + 0.1 * noise / np.sqrt(noise[0].size)).astype(np.float32))
     axes = list(range(1, len(a.shape)))
 
     def ratios():
