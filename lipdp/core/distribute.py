@@ -19,9 +19,10 @@ replica on that replica's part of the batch. A private step then does, on each r
    need the replicas' streams to be independent (they are, by construction of
    ``tf.random.Generator`` under a strategy, but one draw needs no such argument);
 4. the optimizer update of that identical sum, without a second aggregation
-   (:func:`apply_released`), then the step counter and the projections once, in
-   cross-replica context (:func:`once_per_step`): every copy of a weight receives the
-   same deterministic projection of the same value.
+   (:func:`release`; Keras 3's optimizers take the local gradients and sum them), then
+   the step counter and the projections once, in cross-replica context
+   (:func:`once_per_step`): every copy of a weight receives the same deterministic
+   projection of the same value.
 
 Data. A record must sit on at most one replica per step, or its contribution counts
 twice. One process (``MirroredStrategy``): Keras splits each global batch of the one
@@ -83,22 +84,31 @@ def sum_over_replicas(tensors) -> list:
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
 
-def apply_released(optimizer, gradients, variables) -> None:
-    """Apply gradients that are already summed over the replicas (no second all-reduce)."""
-    pairs = list(zip(gradients, variables))
+def release(optimizer, noisy, penalty, variables) -> list:
+    """Apply the step's update and return the released gradients, ``sum_r noisy_r +
+    penalty`` (identical on every replica): ``noisy`` the local noisy gradients (the noise
+    on one replica only, :func:`draws_noise`), ``penalty`` the gradients of the weight
+    penalties (public, added once) or ``None``.
+
+    Keras 2's optimizers apply gradients already summed when told not to aggregate them;
+    Keras 3's always sum the replicas' gradients themselves, so they receive the local
+    ones (the penalty on the replica drawing the noise) and sum them into the same release.
+    """
+    noisy = list(noisy)
     if compat.keras_3():
-        # Keras 3's optimizers always sum the gradients over the replicas: a second sum.
-        if replicas_in_sync() > 1:
-            raise NotImplementedError(
-                "Private training under a tf.distribute strategy is not supported on Keras 3 "
-                "yet (its optimizers sum the released gradients over the replicas a second "
-                "time): train on one device, or on Keras 2 (TensorFlow 2.15)."
-            )
-        optimizer.apply_gradients(pairs)
-    elif isinstance(optimizer, keras.optimizers.legacy.Optimizer):
+        if penalty is not None and draws_noise():
+            noisy = [n + p for n, p in zip(noisy, penalty)]
+        optimizer.apply_gradients(list(zip(noisy, variables)))
+        return sum_over_replicas(noisy)
+    released = sum_over_replicas(noisy)
+    if penalty is not None:
+        released = [r + p for r, p in zip(released, penalty)]
+    pairs = list(zip(released, variables))
+    if isinstance(optimizer, keras.optimizers.legacy.Optimizer):
         optimizer.apply_gradients(pairs, experimental_aggregate_gradients=False)
     else:
         optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
+    return released
 
 
 def once_per_step(fn) -> None:
@@ -151,11 +161,11 @@ def check_replica_batches(rows_per_batch) -> None:
 
 
 __all__ = [
-    "apply_released",
     "check_replica_batches",
     "draws_noise",
     "mirrored_strategy",
     "once_per_step",
+    "release",
     "replica_context",
     "replicas_in_sync",
     "sum_over_replicas",

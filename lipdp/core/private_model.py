@@ -578,11 +578,9 @@ class PrivateModel(keras.Model):
         context -- the step count and the projections (:mod:`lipdp.core.distribute`). Returns
         the released gradients (identical on every replica), with the gradients of the
         weight penalties added (:meth:`penalty_gradients`)."""
-        released = distribute.sum_over_replicas(self.noisify(gradients, variables))
+        noisy = self.noisify(gradients, variables)  # the noise on one replica only
         penalty = self.penalty_gradients(variables)
-        if penalty is not None:
-            released = [r + p for r, p in zip(released, penalty)]
-        distribute.apply_released(self.optimizer, released, variables)
+        released = distribute.release(self.optimizer, noisy, penalty, variables)
         distribute.once_per_step(self._count_and_project)
         return released
 
