@@ -19,7 +19,7 @@ replica on that replica's part of the batch. A private step then does, on each r
    need the replicas' streams to be independent (they are, by construction of
    ``tf.random.Generator`` under a strategy, but one draw needs no such argument);
 4. the optimizer update of that identical sum, without a second aggregation
-   (:func:`release`; Keras 3's optimizers take the local gradients and sum them), then
+   (:func:`release`; on Keras 2 -- Keras 3 trains on one device for now), then
    the step counter and the projections once, in cross-replica context
    (:func:`once_per_step`): every copy of a weight receives the same deterministic
    projection of the same value.
@@ -90,16 +90,22 @@ def release(optimizer, noisy, penalty, variables) -> list:
     on one replica only, :func:`draws_noise`), ``penalty`` the gradients of the weight
     penalties (public, added once) or ``None``.
 
-    Keras 2's optimizers apply gradients already summed when told not to aggregate them;
-    Keras 3's always sum the replicas' gradients themselves, so they receive the local
-    ones (the penalty on the replica drawing the noise) and sum them into the same release.
+    Keras 2's optimizers apply gradients already summed when told not to aggregate them.
+    Keras 3's always sum the replicas' gradients themselves; lipdp's steps under a strategy
+    are not validated there yet (the replicas' Poisson batches of unequal sizes fail inside
+    Keras 3's step), so Keras 3 trains on one device and a strategy is refused.
     """
     noisy = list(noisy)
     if compat.keras_3():
-        if penalty is not None and draws_noise():
+        if replicas_in_sync() > 1:
+            raise NotImplementedError(
+                "Private training under a tf.distribute strategy is not supported on Keras 3 "
+                "yet: train on one device, or on Keras 2 (TensorFlow 2.15)."
+            )
+        if penalty is not None:
             noisy = [n + p for n, p in zip(noisy, penalty)]
         optimizer.apply_gradients(list(zip(noisy, variables)))
-        return sum_over_replicas(noisy)
+        return noisy
     released = sum_over_replicas(noisy)
     if penalty is not None:
         released = [r + p for r, p in zip(released, penalty)]

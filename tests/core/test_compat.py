@@ -112,3 +112,16 @@ def test_layers_of_another_keras_package_are_refused_naming_the_fix():
     compat.refuse_foreign_layers([keras.layers.Dense(2)])  # the keras package's: accepted
     with pytest.raises(TypeError, match="'d' is a tf_keras Dense while lipdp runs on the keras"):
         DPSGD_Sequential([foreign], dp_parameters=DPParameters("global", 1.0, 1e-5))
+
+
+@pytest.mark.skipif(not KERAS_3, reason="Keras 2 trains under tf.distribute (test_distribute)")
+def test_keras_3_refuses_training_under_a_strategy_naming_the_fix():
+    from lipdp.core.distribute import mirrored_strategy
+    from tests import distribute_helpers as h
+
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    with mirrored_strategy(devices).scope():
+        model = h.build("dp-sgd", sigma=1.0, batch_size=32)
+    x, y = h.data()
+    with pytest.raises(NotImplementedError, match="not supported on Keras 3 yet: train on one"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
