@@ -32,7 +32,8 @@ it, for both families:
    mode, every forward pass replayed from the same state (the non-trainable variables;
    every random generator of the model -- Keras' ``RandomGenerator`` of ``Dropout``,
    ``GaussianNoise`` and the random preprocessing layers, switched to stateless ops with
-   fixed seeds, ``tf.random.Generator`` objects of the layers, the global generator;
+   fixed seeds (Keras 3: their ``SeedGenerator``, whose state seeds stateless ops, put
+   back), ``tf.random.Generator`` objects of the layers, the global generators;
    TensorFlow's op seeds; numpy's and Python's random states), so that random layers
    draw the same numbers in every pass and, in a batch minus its last row, the same
    numbers for the other rows; the user's state is put back afterwards, the global
@@ -103,6 +104,7 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.ops import stateful_random_ops
 
+from lipdp.core import compat
 from lipdp.core.layer_walk import children, nested_layers
 from lipdp.core.variables import variable_key
 
@@ -153,10 +155,11 @@ def is_batch_normalization(layer) -> bool:
 
 
 def runs_in_inference_mode(layer) -> bool:
-    """A frozen Keras 2 ``BatchNormalization``: with ``trainable = False`` it runs in
+    """A frozen Keras ``BatchNormalization``: with ``trainable = False`` it runs in
     inference mode even when called with ``training=True`` (moving statistics, not
-    updated; documented by Keras). The v1 class keeps batch statistics, so it is not."""
-    return not layer.trainable and bool(getattr(layer, "_USE_V2_BEHAVIOR", False))
+    updated; documented by Keras). Keras 2's v1 class keeps batch statistics, so it is
+    not (:func:`lipdp.core.compat.frozen_batch_norm_in_inference_mode`)."""
+    return compat.frozen_batch_norm_in_inference_mode(layer)
 
 
 def coupling_reason(layer) -> str | None:
@@ -242,8 +245,8 @@ class ProbeResult:
     """What a probe checked: ``stages`` tensors watched by the Jacobian (inputs and
     top-level outputs), ``labels`` whether labels were perturbed, ``random_generators``
     the random generators replayed identically in every pass (Keras ``RandomGenerator``
-    and ``tf.random.Generator`` objects of the layers), ``variables`` the non-trainable
-    variables checked for dependence on the data."""
+    or ``SeedGenerator`` and ``tf.random.Generator`` objects of the layers), ``variables``
+    the non-trainable variables checked for dependence on the data."""
 
     stages: int
     labels: bool
@@ -310,7 +313,7 @@ def _random_values(spec, shape, rng, tokens):
 
 def _probe_inputs(model, spec, rows, rng):
     """Inputs of the spec (unknown axes from the shape the model was built for)."""
-    fallback = getattr(model, "_build_input_shape", None)
+    fallback = compat.build_input_shape(model)
     if isinstance(fallback, tf.TensorShape):
         fallback = fallback.as_list() if fallback.rank is not None else None
     single = len(tf.nest.flatten(spec)) == 1
@@ -551,8 +554,12 @@ _STATELESS_RNG = "stateless"
 
 
 def _is_keras_random_generator(value) -> bool:
-    """Keras 2's ``backend.RandomGenerator`` (what ``Dropout``, ``GaussianNoise`` and the
-    random preprocessing layers draw from; not public API: matched by what it has)."""
+    """What ``Dropout``, ``GaussianNoise`` and the random preprocessing layers draw from:
+    Keras 2's ``backend.RandomGenerator`` (not public API: matched by what it has), Keras
+    3's ``keras.random.SeedGenerator`` (a seed state variable; Keras 3's random ops on
+    TensorFlow are stateless functions of the seed it hands out)."""
+    if compat.keras_3():
+        return isinstance(value, keras.random.SeedGenerator)
     return isinstance(getattr(value, "_rng_type", None), str) and callable(
         getattr(value, "make_legacy_seed", None)
     )
@@ -570,8 +577,8 @@ def _attribute_values(layer):
 
 
 def random_sources(layers) -> tuple[list, list]:
-    """``(keras, tensorflow)``: the Keras ``RandomGenerator`` and the
-    ``tf.random.Generator`` objects held by ``layers`` at any depth
+    """``(keras, tensorflow)``: the Keras ``RandomGenerator`` (Keras 3: ``SeedGenerator``)
+    and the ``tf.random.Generator`` objects held by ``layers`` at any depth
     (:func:`nested_layers`), as ``[(path, generator)]``."""
     keras, tensorflow, seen = [], [], set()
     for path, layer in nested_layers(layers):
@@ -596,9 +603,11 @@ class _Replay:
     :meth:`reset` puts back: the non-trainable variables' values; every Keras
     ``RandomGenerator`` of the model (what Keras' random layers draw from), switched to
     stateless random ops with a fixed seed each (Keras 2 supports its three generator
-    types in every random layer): the same numbers in every pass, and, indexed by element,
+    types in every random layer; Keras 3's ``SeedGenerator`` always seeds stateless ops:
+    its state is put back): the same numbers in every pass, and, indexed by element,
     the same numbers for the other rows of a batch minus its last row; the state of every
-    ``tf.random.Generator`` the layers hold and of the global generator;
+    ``tf.random.Generator`` the layers hold and of the global generator (and of Keras 3's
+    global ``SeedGenerator``, of its random ops called without a seed);
     TensorFlow's eager op-seed sequence under the global seed :data:`PROBE_SEED`
     (for ``tf.random`` ops called directly); numpy's and Python's global random states.
     Stateful random kernels keep their state in TensorFlow's kernel cache: with
@@ -617,10 +626,13 @@ class _Replay:
         self.variables = list(model.non_trainable_variables)
         self.values = [v.numpy() for v in self.variables]
         self.keras, self.tensorflow = random_sources(model.layers_forward_order())
-        self.keras_saved = [
-            (g._rng_type, g._seed, g._built, getattr(g, "_generator", None))  # noqa: SLF001
-            for _, g in self.keras
-        ]
+        if compat.keras_3():  # a SeedGenerator is its state variable
+            self.keras_saved = [g.state.numpy() for _, g in self.keras]
+        else:
+            self.keras_saved = [
+                (g._rng_type, g._seed, g._built, getattr(g, "_generator", None))  # noqa: SLF001
+                for _, g in self.keras
+            ]
         self.tensorflow_states = [g.state.numpy() for _, g in self.tensorflow]
         #: Variables a pass advances by an amount that depends on the batch size only.
         self.generator_states = {variable_key(g.state) for _, g in self.tensorflow}
@@ -632,6 +644,10 @@ class _Replay:
         self.global_generator = stateful_random_ops.global_generator
         if self.global_generator is not None:
             self.global_state = self.global_generator.state.numpy()
+        # Keras 3's, of its random ops called without a seed (created on first use)
+        self.keras_global = compat.keras_global_seed_generator()
+        if self.keras_global is not None:
+            self.keras_global_state = self.keras_global.state.numpy()
 
     def _seed_context(self, seed, op_seeds) -> None:
         """TensorFlow's global seed and op-seed sequence (not public API)."""
@@ -644,24 +660,30 @@ class _Replay:
     def reset(self) -> None:
         """The state every pass starts from."""
         self._seed_context(PROBE_SEED, random.Random(PROBE_SEED))
-        for index, (_, g) in enumerate(self.keras):
-            g._rng_type, g._built, g._seed = _STATELESS_RNG, True, PROBE_SEED + index  # noqa: SLF001
+        if not compat.keras_3():  # Keras 3's generators are put back with the variables
+            for index, (_, g) in enumerate(self.keras):
+                g._rng_type, g._built, g._seed = _STATELESS_RNG, True, PROBE_SEED + index  # noqa: SLF001
         self._put_back_saved_state()
 
     def restore(self) -> None:
         """The state before the probe."""
         self._seed_context(self.global_seed, self.op_seeds)
-        for (_, g), saved in zip(self.keras, self.keras_saved):
-            g._rng_type, g._seed, g._built, g._generator = saved  # noqa: SLF001
+        if not compat.keras_3():
+            for (_, g), saved in zip(self.keras, self.keras_saved):
+                g._rng_type, g._seed, g._built, g._generator = saved  # noqa: SLF001
         self._put_back_saved_state()
 
     def _put_back_saved_state(self) -> None:
         """What every pass and the end of the probe share: the variables, the
-        ``tf.random.Generator`` states, the global generator, numpy's and Python's states."""
+        ``tf.random.Generator`` states (and Keras 3's ``SeedGenerator`` states), the global
+        generators, numpy's and Python's states."""
         for v, value in zip(self.variables, self.values):
             v.assign(value)
         for (_, g), state in zip(self.tensorflow, self.tensorflow_states):
             g.state.assign(state)
+        if compat.keras_3():  # also held outside the tracked variables (a dict, a list)
+            for (_, g), state in zip(self.keras, self.keras_saved):
+                g.state.assign(state)
         self._reset_global_generator()
         np.random.set_state(self.numpy_state)
         random.setstate(self.python_state)
@@ -673,6 +695,11 @@ class _Replay:
         stateful_random_ops.global_generator = self.global_generator
         if self.global_generator is not None:
             self.global_generator.state.assign(self.global_state)
+        # Keras 3's: one a pass creates is dropped too; its seed comes from Python's random
+        # state, reset before every pass, so every pass creates the same one.
+        compat.set_keras_global_seed_generator(self.keras_global)
+        if self.keras_global is not None:
+            self.keras_global.state.assign(self.keras_global_state)
 
     def variable_values(self) -> list:
         return [v.numpy() for v in self.variables]
@@ -1034,9 +1061,9 @@ def _positions(shape, axis):
 
 
 def _build_shape(layer):
-    """The input shape ``layer`` was built for (Keras 2 records it when a layer is called),
+    """The input shape ``layer`` was built for (Keras records it when a layer is built),
     else -- a layer built directly by a wrapper -- what its ``input_spec`` states."""
-    shape = getattr(layer, "_build_input_shape", None)
+    shape = compat.build_input_shape(layer)
     if isinstance(shape, tf.TensorShape):
         shape = shape.as_list() if shape.rank is not None else None
     if shape is not None or not layer.built:
@@ -1100,7 +1127,7 @@ class _Fixer:
         def clone(layer):
             return self.copy(layer, f"{path}/{layer.name}")
 
-        new = keras.models.clone_model(model, clone_function=clone)
+        new = compat.clone_model(model, clone_function=clone)
         self.pairs.append((model, new, False))
         return new
 
@@ -1208,7 +1235,7 @@ def _built_for_shapes(layers) -> None:
     normalisation in it is not built and the first layer states its input shape: the
     replacement needs the channel count."""
     unbuilt = any(not layer.built for _, layer, _ in coupling_layers(layers))
-    if unbuilt and getattr(layers[0], "_batch_input_shape", None) is not None:
+    if unbuilt and compat.declared_batch_shape(layers[0]) is not None:
         try:
             keras.Sequential(list(layers))
         except (TypeError, ValueError) as error:  # layers a Sequential cannot chain
@@ -1252,7 +1279,7 @@ def fix_batch_coupling(model, max_groups=32):
 
 
 def _is_model(layer) -> bool:
-    return isinstance(layer, keras.Sequential) or getattr(layer, "_is_graph_network", False)
+    return isinstance(layer, keras.Sequential) or compat.is_functional(layer)
 
 
 __all__ = [

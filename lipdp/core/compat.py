@@ -197,13 +197,8 @@ def symbolic_call(fn, *args):
 
 # ------------------------------------------------------------ functional graphs
 def is_graph_model(layer) -> bool:
-    """A built functional model (Keras 2: also a ``Sequential`` built on an input shape;
-    Keras 3 keeps a ``Sequential`` apart, walked as a chain of layers)."""
-    if keras_3():
-        from keras.src.models.functional import Functional
-
-        return isinstance(layer, Functional) and bool(layer.inputs)
-    return bool(getattr(layer, "_is_graph_network", False)) and bool(layer.inputs)
+    """A built functional model (:func:`is_functional` with its inputs)."""
+    return is_functional(layer) and bool(layer.inputs)
 
 
 def graph_nodes(model):
@@ -232,3 +227,114 @@ def tf_nest_flatten(structure) -> list:
     import tensorflow as tf
 
     return tf.nest.flatten(structure)
+
+
+def op_name_scope(name):
+    """Keras 3: a TensorFlow name scope ``name`` for the ops of layers a model calls itself
+    (its forward loop in a training step or a symbolic build, not through the model's
+    ``__call__``). Why: Keras 3 opens each layer's TensorFlow name scope, which at the
+    root of a graph may not start with ``_`` -- the default name of a layer whose class is
+    private (``_Penalty`` -> ``__penalty``) -- while inside a model's scope it may (as in a
+    Keras call). Op names only (variable paths are Keras' own); Keras 2: no scope."""
+    if keras_3():
+        import tensorflow as tf
+
+        return tf.name_scope(name)
+    return contextlib.nullcontext()
+
+
+def frozen_batch_norm_in_inference_mode(layer) -> bool:
+    """Whether the batch normalisation ``layer``, frozen (``trainable = False``), runs in
+    inference mode even when called with ``training=True`` (moving statistics, not
+    updated; documented by Keras). Keras 2: its v2 class does (``_USE_V2_BEHAVIOR``), the
+    v1 class keeps batch statistics. Keras 3 has one class (``tf.compat.v1.keras``'s is
+    the same), whose call uses batch statistics only when ``training and trainable``."""
+    if layer.trainable:
+        return False
+    if keras_3():
+        import keras
+
+        return isinstance(layer, keras.layers.BatchNormalization)
+    return bool(getattr(layer, "_USE_V2_BEHAVIOR", False))
+
+
+def conformed_to_model_input(model, h):
+    """``h`` conformed to the ``Input`` of a graph model (a ``Sequential`` built with an
+    input shape, or a functional model) as the model's own call does first: cast to the
+    input's dtype, a trailing axis of size 1 squeezed or added. ``h`` as it is for a
+    ``Sequential`` never built as a graph. Keras 2 does it in
+    ``_conform_to_reference_input``; Keras 3 in its functional graph's
+    ``_standardize_inputs`` (a ``Sequential`` keeps that graph in ``_functional``)."""
+    if keras_3():
+        import keras
+
+        graph = model._functional if isinstance(model, keras.Sequential) else model  # noqa: SLF001
+        if graph is None or not hasattr(graph, "_standardize_inputs"):
+            return h
+        (conformed,) = graph._standardize_inputs(h)  # noqa: SLF001
+        return conformed
+    if not model.inputs:
+        return h
+    return model._conform_to_reference_input(h, ref_input=model.inputs[0])  # noqa: SLF001
+
+
+def keras_global_seed_generator():
+    """Keras 3: the ``keras.random.SeedGenerator`` Keras' random ops draw from when called
+    without a seed (created on first use: ``None`` before); Keras 2: ``None`` (its
+    unseeded random ops use TensorFlow's op seeds). Not public API in Keras 3."""
+    if not keras_3():
+        return None
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+    return global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+
+
+def set_keras_global_seed_generator(generator) -> None:
+    """Keras 3: make ``generator`` (or ``None``: a new one on next use) the generator of
+    :func:`keras_global_seed_generator`; Keras 2: nothing."""
+    if keras_3():
+        from keras.src.backend.common import global_state
+        from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+        global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, generator)
+
+
+def is_functional(layer) -> bool:
+    """Whether ``layer`` is a functional model (a graph of layers, subclasses included):
+    Keras 2 flags it ``_is_graph_network`` (a ``Sequential`` built with an input shape
+    too), Keras 3 makes it a ``Functional`` (a ``Sequential`` only holds one)."""
+    if keras_3():
+        from keras.src.models.functional import Functional
+
+        return isinstance(layer, Functional)
+    return bool(getattr(layer, "_is_graph_network", False))
+
+
+def build_input_shape(layer):
+    """The input shape ``layer`` was built for (with the batch axis; Keras 2 may give a
+    ``tf.TensorShape``), or ``None``: Keras 2 records it in ``_build_input_shape``, Keras
+    3 the arguments of ``build`` in ``_build_shapes_dict``."""
+    if keras_3():
+        shapes = getattr(layer, "_build_shapes_dict", None) or {}
+        return next(iter(shapes.values())) if len(shapes) == 1 else None
+    return getattr(layer, "_build_input_shape", None)
+
+
+def clone_model(model, clone_function):
+    """``keras.models.clone_model(model, clone_function=clone_function)``. Keras 3 replays
+    a functional model's calls with the keyword arguments each node recorded, ``mask=None``
+    included for a layer whose call takes a mask (a batch normalisation): a replacement
+    whose call takes none (a group normalisation) is called without it, as a Keras call
+    would call it."""
+    import keras
+
+    if not keras_3() or not is_functional(model):
+        return keras.models.clone_model(model, clone_function=clone_function)
+
+    def call(layer, *args, **kwargs):
+        if not getattr(layer, "_call_has_mask_arg", True):
+            kwargs.pop("mask", None)
+        return layer(*args, **kwargs)
+
+    return keras.models.clone_model(model, clone_function=clone_function, call_function=call)

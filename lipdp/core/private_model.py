@@ -52,7 +52,7 @@ from lipdp.core.records import (
     read_ids,
     zero_rows,
 )
-from lipdp.core.variables import state_variable, variable_key
+from lipdp.core.variables import as_one_of, state_variable, variable_key
 
 compat.require_supported_keras()
 logger = logging.getLogger(__name__)
@@ -215,16 +215,17 @@ class PrivateModel(keras.Model):
             rows = normalizer if normalizer is not None else tf.shape(tf.nest.flatten(h)[0])[0]
             normalizer = tf.cast(rows, tf.float32) / loss_weight
         normalizer = {"loss_normalizer": normalizer}
-        for index, layer in enumerate(self.dp_layers):
-            kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
-            if isinstance(layer, keras.layers.InputLayer):
-                pass  # the identity (Keras 3's InputLayer cannot be called)
-            elif apply is None:
-                h = layer(h, training=training, **kwargs)
-            else:
-                h = apply(layer, h, kwargs)
-            if observe is not None:
-                h = observe(index, h)
+        with compat.op_name_scope(self.name):
+            for index, layer in enumerate(self.dp_layers):
+                kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
+                if isinstance(layer, keras.layers.InputLayer):
+                    pass  # the identity (Keras 3's InputLayer cannot be called)
+                elif apply is None:
+                    h = layer(h, training=training, **kwargs)
+                else:
+                    h = apply(layer, h, kwargs)
+                if observe is not None:
+                    h = observe(index, h)
         return h
 
     def layers_forward_order(self):
@@ -416,6 +417,7 @@ class PrivateModel(keras.Model):
         own = {variable_key(v) for v in self.trainable_variables}
         for v in read:
             if variable_key(v) in own:
+                v = as_one_of(v, self.trainable_variables)  # its Keras name
                 raise ValueError(
                     f"The loss reads variable {v.name!r} of the model directly: its gradient "
                     "is outside the sensitivity bounds, which cover the loss through the "
@@ -634,6 +636,9 @@ class PrivateModel(keras.Model):
         _refuse_mixed_precision(self._all_layers())
         check_reduction(self.loss)  # also a reduction set on the loss after compile
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        # Keras 3 hands a run_eagerly step (train_on_batch, debug=True) the arrays as given;
+        # the step reads tensors' dtypes and shapes (Keras 2 converts them first).
+        x, y = tf.nest.map_structure(_as_tensor, (x, y))
         if sample_weight is not None:
             raise ValueError("sample weights are not supported: they change the sensitivity.")
         self._check_batch_independence(x, y)
@@ -958,6 +963,11 @@ def _symbolic(input_shape):
     return keras.tree.map_shape_structure(
         lambda shape: keras.KerasTensor(tuple(shape)), input_shape
     )
+
+
+def _as_tensor(value):
+    """``value`` as a tensor, unless it is one already (ragged, sparse) or ``None``."""
+    return value if value is None or tf.is_tensor(value) else tf.convert_to_tensor(value)
 
 
 def _losses_from_a_call(layer) -> bool:

@@ -121,9 +121,9 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.clipped.per_example.registry import FALLBACK, GhostRule, find_ghost_rule
-from lipdp.core import validation
+from lipdp.core import compat, validation
 from lipdp.core.records import zero_rows
-from lipdp.core.variables import variable_key
+from lipdp.core.variables import as_one_of, variable_key
 
 #: How per-example gradients are obtained (module docstring).
 GRADIENT_METHODS = ("ghost", "jacobian")
@@ -167,6 +167,7 @@ def refuse_untracked_reads(layer, read, owners) -> None:
     for v in read:
         owner = owners.get(variable_key(v))
         if owner is not None and variable_key(v) not in own:
+            v = as_one_of(v, owner.trainable_variables)  # its Keras name
             raise _UntrackedRead(
                 f"Layer {layer.name!r} reads variable {v.name!r} of layer {owner.name!r} "
                 "without tracking it: ghost norms would drop that use's gradient. Make one "
@@ -184,6 +185,7 @@ def refuse_loss_reads(read, owners) -> None:
     for v in read:
         owner = owners.get(variable_key(v))
         if owner is not None:
+            v = as_one_of(v, owner.trainable_variables)  # its Keras name
             raise ValueError(
                 f"The loss reads variable {v.name!r} of layer {owner.name!r} directly: ghost "
                 "norms would drop that use's gradient. Penalise the weights with a "
@@ -396,9 +398,7 @@ def _refuse_partial_rule(registration, layer) -> None:
 def _as_model_input(model, h):
     """``h`` conformed to a graph model's ``Input`` (dtype, a trailing axis of size 1) as
     its own call does first; a ``Sequential`` never built as a graph passes ``h`` on."""
-    if not model.inputs:
-        return h
-    return model._conform_to_reference_input(h, ref_input=model.inputs[0])  # noqa: SLF001
+    return compat.conformed_to_model_input(model, h)
 
 
 def _masked_like_keras(layer, inputs, outputs):
