@@ -72,7 +72,7 @@ from lipdp.core.batch_independence import refuse_coupling_layers
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.private_model import DPParameters, PrivateModel, StepGradients
 from lipdp.core.records import kept_rows
-from lipdp.core.variables import variable_key
+from lipdp.core.variables import state_variable, variable_key
 
 
 @dataclass(frozen=True)
@@ -222,23 +222,32 @@ class DPSGD_Model(PrivateModel):
         return [list(layer.trainable_variables) for layer in self.weighted_layers()]
 
     # -------------------------------------------------------------------- compile
+    def build(self, input_shape):
+        result = super().build(input_shape)
+        # DP-SAT's state is shaped like the weights, which exist now. (Keras 3 accepts new
+        # variables only while a layer builds; on Keras 2 compile could create them.)
+        self._create_ascent_state(layers_built=True)
+        return result
+
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
-        self._create_ascent_state()
+        self._create_ascent_state(layers_built=self.built)
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
-    def _create_ascent_state(self):
+    def _create_ascent_state(self, layers_built):
         """DP-SAT keeps the previous released gradient (saved with the model)."""
         if self.ascent is None or self.ascent.mode != "dp-sat":
             return
         if hasattr(self, "previous_noisy_gradient"):
             return
-        if not self.built:
+        if not layers_built:
             raise ValueError(
                 "DP-SAT keeps the previous noisy gradient: build the model before compile "
                 "(give the first layer an input_shape)."
             )
+        # Privacy state: Keras variables on Keras 3, which saves no tf.Variable attribute
+        # (a .keras file would give zeros back).
         self.previous_noisy_gradient = [
-            tf.Variable(tf.zeros_like(v), trainable=False, name="previous_noisy_gradient")
+            state_variable(tf.zeros(v.shape, v.dtype), v.dtype, "previous_noisy_gradient")
             for v in self.trainable_variables
         ]
 

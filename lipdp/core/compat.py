@@ -338,3 +338,33 @@ def clone_model(model, clone_function):
         return layer(*args, **kwargs)
 
     return keras.models.clone_model(model, clone_function=clone_function, call_function=call)
+
+
+def is_variable(value) -> bool:
+    """Whether ``value`` is a model variable: a ``keras.Variable`` on Keras 3 (which wraps a
+    ``tf.Variable`` but is not one), a ``tf.Variable`` on Keras 2."""
+    import tensorflow as tf
+
+    if keras_3():
+        import keras
+
+        return isinstance(value, (keras.Variable, tf.Variable))
+    return isinstance(value, tf.Variable)
+
+
+def tape_variable(variable):
+    """The object a ``tf.GradientTape`` watches when ``variable`` is read (what
+    ``tape.watched_variables()`` returns): a Keras 3 variable's backing ``tf.Variable``
+    (its ``value`` outside an autocast scope), the variable itself on Keras 2."""
+    if keras_3():
+        import keras
+
+        if isinstance(variable, keras.Variable):
+            return variable.value
+    return variable
+
+
+def variable_path(variable) -> str:
+    """How lipdp names a variable in a message: Keras 3's ``path`` (``"dense/kernel"``;
+    its ``name`` is only ``"kernel"``), Keras 2's ``name`` (``"dense/kernel:0"``)."""
+    return str(getattr(variable, "path", None) or variable.name)

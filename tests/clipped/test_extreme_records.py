@@ -26,8 +26,10 @@ EXPONENTS = (-30, -15, 0, 15, 30)
 SCALES = [(p, q) for p in EXPONENTS for q in EXPONENTS]
 
 
-class _DenseSubclass(L.Dense):
-    """A Dense the ghost rules do not recognise (a subclass may change ``call``)."""
+class DenseSubclass(L.Dense):
+    """A Dense the ghost rules do not recognise (a subclass may change ``call``). (No
+    leading underscore: Keras 3 refuses a default name starting with ``_`` as a root name
+    scope.)"""
 
 
 # name -> (layer builder, input shape or "ids", expected ghost rule)
@@ -46,7 +48,7 @@ LAYERS = {
         "conv2d",
     ),
     "embedding": (lambda: L.Embedding(5, 3, input_shape=(4,)), "ids", "embedding"),
-    "fallback-dense-subclass": (lambda: _DenseSubclass(3, input_shape=(4,)), (4,), "vectorized"),
+    "fallback-dense-subclass": (lambda: DenseSubclass(3, input_shape=(4,)), (4,), "vectorized"),
     "fallback-conv1d": (lambda: L.Conv1D(3, 2, input_shape=(4, 2)), (4, 2), "vectorized"),
     "fallback-grouped-conv2d": (
         lambda: L.Conv2D(4, 2, groups=2, input_shape=(3, 3, 2)),

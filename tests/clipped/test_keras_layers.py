@@ -101,8 +101,9 @@ def _tied(s):
     return [dense, _TiedProjection(lambda: dense.kernel, name="tied")]
 
 
-class _Block(L.Layer):
-    """A custom layer with tracked sub-layers (a residual block)."""
+class Block(L.Layer):
+    """A custom layer with tracked sub-layers (a residual block). (No leading underscore:
+    Keras 3 refuses a default name starting with ``_`` as a root name scope.)"""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -355,7 +356,7 @@ CASES = {
         "wrappers", "vector", lambda s: [tf.keras.Sequential(_tied(s), name="backbone")], FALLBACK
     ),
     "custom layer with sub-layers": Case(
-        "wrappers", "vector", lambda s: [_Block(input_shape=s)], FALLBACK
+        "wrappers", "vector", lambda s: [Block(input_shape=s)], FALLBACK
     ),
     # ------------------------------------------------------ regularisation
     "Dropout": _no_weights(

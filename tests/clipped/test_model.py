@@ -265,8 +265,14 @@ def test_per_layer_noise_is_one_mechanism_per_layer(rng):
         noisy.train_on_batch(x, y)
         quiet.train_on_batch(x, y)
         radii = 0.5 * np.array([3.0, 1.0]) / np.sqrt(10.0)
+        # The trainable variables (Keras 3 lists the model's privacy state first in
+        # get_weights, Keras 2 last): kernel and bias of each layer.
+        trained = [
+            (a.numpy(), b.numpy())
+            for a, b in zip(noisy.trainable_variables, quiet.trainable_variables)
+        ]
         for layer, r in enumerate(radii):
-            pairs = list(zip(noisy.get_weights(), quiet.get_weights()))[2 * layer : 2 * layer + 2]
+            pairs = trained[2 * layer : 2 * layer + 2]
             difference = np.concatenate([(a - b).ravel() for a, b in pairs])
             expected = sigma * r * (1 + ROUNDOFF_SLACK) / BATCH
             assert np.std(difference) == pytest.approx(expected, rel=0.2 if layer else 0.1)

@@ -142,6 +142,15 @@ class _TiedProjection(L.Layer):
         return tf.matmul(inputs, self._read_kernel(), transpose_b=True)
 
 
+class _Scaled(L.Layer):
+    """Multiplies by a factor given in the call: an argument a layer-by-layer run of the
+    graph would drop. (Not ``Dropout(...)(h, training=False)``: Keras 3's functional
+    models override such a ``training`` with the outer call's.)"""
+
+    def call(self, inputs, factor=1.0):
+        return inputs * factor
+
+
 def _tied_backbone():
     dense = L.Dense(3, activation="tanh")
     return tf.keras.Sequential([dense, _TiedProjection(dense), L.Dense(4)], name="tied")
@@ -242,7 +251,7 @@ NESTED = {
             L.InputLayer(input_shape=(5,)),
             _functional(
                 (5,),
-                lambda i: L.Dense(4)(L.Dropout(0.5)(L.Dense(5)(i), training=False)),
+                lambda i: L.Dense(4)(_Scaled(name="scaled")(L.Dense(5)(i), factor=3.0)),
                 name="backbone",
             ),
             L.Dense(CLASSES),

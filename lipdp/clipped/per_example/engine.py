@@ -141,9 +141,9 @@ def weighted_layers(layers) -> list:
         for v in variables:
             if variable_key(v) in owner and owner[variable_key(v)] is not layer:
                 raise ValueError(
-                    f"Variable {v.name!r} is shared by layers {owner[variable_key(v)].name!r} and "
-                    f"{layer.name!r}: per-example norms would be computed per part. Use "
-                    "separate variables."
+                    f"Variable {compat.variable_path(v)!r} is shared by layers "
+                    f"{owner[variable_key(v)].name!r} and {layer.name!r}: per-example norms "
+                    "would be computed per part. Use separate variables."
                 )
             owner[variable_key(v)] = layer
         if variables:
@@ -159,15 +159,14 @@ class _UntrackedRead(ValueError):
 
 def refuse_untracked_reads(layer, read, owners) -> None:
     """Refuse ``layer`` if it read (``read``: the trainable variables a tape watched during
-    its call) a variable of another layer (``owners``: ``{variable ref: owning layer}``
-    of the model): ghost norms would drop that use's share of the gradient. (Inside a
-    nested chain model, the model is then run as one layer instead:
-    :func:`_recorded_forward`.)"""
-    own = {variable_key(v) for v in layer.trainable_variables}
+    its call) a variable of another layer (``owners``: ``{key of the watched variable:
+    owning layer}`` of the model, :func:`_variable_owners`): ghost norms would drop that
+    use's share of the gradient. (Inside a nested chain model, the model is then run as
+    one layer instead: :func:`_recorded_forward`.)"""
+    own = {_watched_key(v) for v in layer.trainable_variables}
     for v in read:
-        owner = owners.get(variable_key(v))
-        if owner is not None and variable_key(v) not in own:
-            v = as_one_of(v, owner.trainable_variables)  # its Keras name
+        owner = owners.get(_watched_key(v))
+        if owner is not None and _watched_key(v) not in own:
             raise _UntrackedRead(
                 f"Layer {layer.name!r} reads variable {v.name!r} of layer {owner.name!r} "
                 "without tracking it: ghost norms would drop that use's gradient. Make one "
@@ -183,7 +182,7 @@ def refuse_loss_reads(read, owners) -> None:
     differentiates the row's whole loss: the penalty's gradient is part of each row's
     clipped gradient.)"""
     for v in read:
-        owner = owners.get(variable_key(v))
+        owner = owners.get(_watched_key(v))
         if owner is not None:
             v = as_one_of(v, owner.trainable_variables)  # its Keras name
             raise ValueError(
@@ -194,11 +193,18 @@ def refuse_loss_reads(read, owners) -> None:
             )
 
 
+def _watched_key(variable):
+    """The key of ``variable`` among the variables a tape watched (on Keras 3 a tape
+    watches a Keras variable's backing ``tf.Variable``: :func:`lipdp.core.compat.tape_variable`)."""
+    return variable_key(compat.tape_variable(variable))
+
+
 def _variable_owners(model) -> dict:
-    """``{variable ref: layer}`` for every trainable variable of the model, the layer
-    being the innermost one a ghost pass runs (nested chains expanded)."""
+    """``{key of the watched variable: layer}`` (:func:`_watched_key`) for every trainable
+    variable of the model, the layer being the innermost one a ghost pass runs (nested
+    chains expanded)."""
     return {
-        variable_key(v): leaf
+        _watched_key(v): leaf
         for layer in model.layers_forward_order()
         for leaf in _leaves(layer)
         for v in leaf.trainable_variables
@@ -212,20 +218,48 @@ def _functional_chain(model) -> list | None:
     if len(model.inputs) != 1 or len(model.outputs) != 1:
         return None
     reader = {}  # id of a tensor -> the node that reads it
-    for nodes in model._nodes_by_depth.values():  # noqa: SLF001 - Keras 2's graph
+    for nodes in model._nodes_by_depth.values():  # noqa: SLF001 - the functional graph
         for node in nodes:
             if node.is_input:
                 continue
-            single = node._single_positional_tensor_passed  # noqa: SLF001
-            if not single or id(node.call_args[0]) in reader:
+            single = _single_argument(node)
+            if single is None or id(single) in reader:
                 return None  # other arguments, or a tensor read twice: a branch
-            reader[id(node.call_args[0])] = node
+            reader[id(single)] = node
     chain, tensor = [], model.inputs[0]
     while id(tensor) in reader:
         node = reader.pop(id(tensor))
-        chain.append(node.layer)
-        tensor = node.outputs
+        layer, tensor = _node_layer_and_output(node)
+        chain.append(layer)
     return chain if not reader and tensor is model.outputs[0] else None
+
+
+def _single_argument(node):
+    """The tensor a functional graph's node called its layer on, if it is the call's only
+    argument (no keyword either), else ``None``. (Keras 3's nodes keep the call's
+    arguments, with a ``mask`` Keras may have filled in: ``None`` or the input's own mask,
+    which a call on the input alone passes too; Keras 2's nodes say whether a single
+    positional tensor was passed.)"""
+    if compat.keras_3():
+        args, kwargs = node.arguments.args, dict(node.arguments.kwargs)
+        if len(args) != 1 or not isinstance(args[0], keras.KerasTensor):
+            return None
+        mask = kwargs.pop("mask", None)
+        if kwargs or (mask is not None and mask is not getattr(args[0], "_keras_mask", None)):
+            return None
+        return args[0]
+    if not node._single_positional_tensor_passed:  # noqa: SLF001 - Keras 2's node
+        return None
+    return node.call_args[0]
+
+
+def _node_layer_and_output(node):
+    """``(layer, output)`` of a functional graph's node (Keras 3: output ``None`` if
+    several; Keras 2: its nest, which no node reads as a single tensor)."""
+    if compat.keras_3():
+        outputs = node.outputs  # a flat list
+        return node.operation, outputs[0] if len(outputs) == 1 else None
+    return node.layer, node.outputs
 
 
 def _chain_layers(layer) -> list | None:
@@ -238,7 +272,7 @@ def _chain_layers(layer) -> list | None:
     ``call``."""
     if type(layer) is keras.Sequential:
         chain = layer.layers
-    elif type(layer).__name__ == "Functional" and getattr(layer, "_is_graph_network", False):
+    elif type(layer).__name__ == "Functional" and _is_graph(layer):
         chain = _functional_chain(layer)
     else:
         return None
@@ -250,6 +284,12 @@ def _chain_layers(layer) -> list | None:
     if own != covered or len({id(leaf) for leaf in leaves}) != len(leaves):
         return None
     return chain
+
+
+def _is_graph(model) -> bool:
+    """Is a ``Functional`` model a graph of layers? (Keras 3's always is; Keras 2's is
+    unless built by subclassing.)"""
+    return compat.keras_3() or getattr(model, "_is_graph_network", False)
 
 
 def _leaves(layer) -> list:
@@ -266,12 +306,24 @@ def _needs_row_loop(layer) -> bool:
     for the per-row 3-D op it falls back to)."""
     layers = keras.layers
     convolutions = (layers.Conv1D, layers.Conv2D, layers.Conv3D)  # and their transposes
-    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
-        if isinstance(sub, (layers.LSTM, layers.GRU)) and sub._could_use_gpu_kernel:  # noqa: SLF001
+    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras' walk
+        if isinstance(sub, (layers.LSTM, layers.GRU)) and _may_run_fused_kernel(sub):
             return True
         if isinstance(sub, convolutions) and sub.groups > 1:
             return True
     return False
+
+
+def _may_run_fused_kernel(recurrent) -> bool:
+    """May an LSTM or GRU run Keras' fused kernel? Keras 2: its own flag (set whenever
+    the configuration allows the kernel, on any device). Keras 3 runs cuDNN only on a
+    GPU (``use_cudnn="auto"``), its plain loop elsewhere: the kernel is possible when the
+    layer allows it and a GPU is visible (the exact test is Keras' private one)."""
+    if not compat.keras_3():
+        return bool(recurrent._could_use_gpu_kernel)  # noqa: SLF001
+    return recurrent.use_cudnn is True or (
+        recurrent.use_cudnn == "auto" and bool(tf.config.list_logical_devices("GPU"))
+    )
 
 
 def row_loop_layers(layers) -> list:
@@ -388,9 +440,11 @@ def _refuse_partial_rule(registration, layer) -> None:
     trained = layer.trainable_variables
     refs = {variable_key(v) for v in covered}
     if len(refs) != len(covered) or refs != {variable_key(v) for v in trained}:
+        covered_names = [compat.variable_path(v) for v in covered]
+        trained_names = [compat.variable_path(v) for v in trained]
         raise ValueError(
-            f"Ghost rule {registration.name!r} covers {[v.name for v in covered]} of layer "
-            f"{layer.name!r}, which trains {[v.name for v in trained]}: fix the rule's "
+            f"Ghost rule {registration.name!r} covers {covered_names} of layer "
+            f"{layer.name!r}, which trains {trained_names}: fix the rule's "
             "kernel/bias, or unregister it (the fallback differentiates every variable)."
         )
 
@@ -537,11 +591,13 @@ def _variable_slots(layer) -> list:
     """``(object, attribute)`` holding each trainable variable of ``layer`` (or of a
     sub-layer), to run the layer on other weights."""
     slots = {}
-    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras 2 walk
+    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001 - Keras' walk
         for name, value in vars(sub).items():
-            if isinstance(value, tf.Variable):
+            if compat.is_variable(value):
                 slots.setdefault(variable_key(value), (sub, name))
-    missing = [v.name for v in layer.trainable_variables if variable_key(v) not in slots]
+    missing = [
+        compat.variable_path(v) for v in layer.trainable_variables if variable_key(v) not in slots
+    ]
     if missing:
         raise ValueError(
             f"Cannot run layer {layer.name!r} on row-wise weights: variables {missing} are "
@@ -726,6 +782,11 @@ def per_example_gradients(
 
 
 def _jacobian(model, x, per_example_losses) -> PerExampleGradients:
+    if not model.built and tf.is_tensor(x):
+        # The Jacobian is taken for the variables listed before the pass: create them
+        # (the ghost pass builds each layer as it meets it). A Keras 3 layer's config
+        # keeps no input shape: a model of layers from configs arrives unbuilt.
+        model.build((None, *x.shape[1:]))
     layers = weighted_layers(model.layers_forward_order())
     variables = [v for layer in layers for v in layer.trainable_variables]
     vectorise = not row_loop_layers(layers)
