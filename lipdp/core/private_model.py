@@ -161,9 +161,12 @@ class PrivateModel(keras.Model):
         """Build every layer for inputs of ``input_shape`` (with the batch dimension)."""
         if not compat.keras_3():
             return super().build(input_shape)
-        # Keras 3 builds a subclassed model by calling it; a symbolic call (no data) builds
-        # each layer in the forward loop, and raises what a real call would.
-        compat.symbolic_call(self.call, _symbolic(input_shape))
+        # Keras 3 builds a subclassed model by calling it. Each layer of the forward loop is
+        # called on symbolic tensors, as a Sequential builds its layers: a layer builds for
+        # real (its build's assignments, e.g. an initial projection, happen -- inside a
+        # symbolic_call's stateless scope they would be dropped), and a layer that cannot
+        # run on these inputs raises what a real call would.
+        self.forward(_symbolic(input_shape))
         return None
 
     def compute_output_shape(self, input_shape):
