@@ -4,8 +4,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-# Before TensorFlow: on TensorFlow >= 2.16, ``import lipdp`` sets TF_USE_LEGACY_KERAS=1 (unless
-# set), so that tf.keras is tf-keras's Keras 2 (lipdp.core.compat).
+# lipdp first, as a user may import it (it sets nothing; lipdp.core.compat).
 import lipdp  # noqa: E402, F401, I001
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -44,7 +44,7 @@ COVERED_BY_OTHER_BALLS = {
 }
 
 
-#: The cases of the smoke run on the current TensorFlow (``make test-tf-current``): a dense and a
+#: The cases of the smoke subset (``pytest -m smoke``): a dense and a
 #: strided conv layer, max-pooling (ties), a loss, a norm ball with group normalisation and a
 #: zoo CNN.
 SMOKE_CASES = {
