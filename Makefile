@@ -39,15 +39,13 @@ demo: install
 	@echo "draws fresh noise, so a run can fall a little outside); the clipped family"
 	@echo "(lipdp train --method dp-sgd) reached 0.90 to 0.93 on the same data and budget."
 
-# The default suite (tests/marks.py): every capability once, about 5 minutes on 2 cores.
-# 1290 tests, 5 min 48 s in a fresh-clone .ci/run on 2 cores with --dist worksteal (6 min
-# 02 s locally with the default load scheduling; 14 min 16 s for 1373 tests before the
-# tiers), 2026-11-27.
+# The default suite (tests/marks.py): every capability once, about 5 minutes on 2 idle
+# cores (on Keras 2: 1290 tests in 5 min 48 s in a fresh-clone .ci/run, 2026-11-27).
 test: install
 	$(BIN)/pytest -q -n 2 --dist worksteal
 
-# The other configurations of the default checks (CI runs them before `make test`; 210
-# tests, 7 min 41 s in a fresh-clone .ci/run on 2 cores, 2026-11-27).
+# The other configurations of the default checks (CI runs them before `make test`; on
+# Keras 2: 210 tests, 7 min 41 s in a fresh-clone .ci/run on 2 cores, 2026-11-27).
 test-thorough: install
 	$(BIN)/pytest -q -n 2 --dist worksteal -m "thorough and not slow"
 
