@@ -392,8 +392,10 @@ def test_parameter_averaging_is_the_ema_of_the_projected_iterates():
 
     model, x, y = _three_layer_model(True, "orthogonal", n=8)  # fit on x and -x below
     seen = []
-    recorder = tf.keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda *_: seen.append([v.numpy() for v in model.trainable_variables])
+    recorder = tf.keras.callbacks.LambdaCallback(  # Keras 3 passes logs= by keyword
+        on_train_batch_end=lambda *_, **__: seen.append(
+            [v.numpy() for v in model.trainable_variables]
+        )
     )
     averaging = ParameterAveraging(decay=0.6)
     xs, ys = np.concatenate([x, -x]), np.concatenate([y, y[::-1]])  # two batches of 4
