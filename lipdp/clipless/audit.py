@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
 from lipdp.clipless.layers.residual import DP_WrappedResidual
+from lipdp.core import compat
 
 #: Default largest ``h * w * c_in`` for which a convolution matrix is materialised.
 DEFAULT_MAX_EXACT_SIZE = 4096
@@ -328,7 +329,7 @@ def _model_input_shape(model, input_shape):
     if input_shape is not None:
         return tuple(int(d) for d in input_shape)
     layers = model.layers_forward_order()
-    candidates = [getattr(layer, "_batch_input_shape", None) for layer in layers[:2]]
+    candidates = [compat.declared_batch_shape(layer) for layer in layers[:2]]
     candidates.append(getattr(model, "_build_input_shape", None))
     for shape in candidates:
         if shape is not None:

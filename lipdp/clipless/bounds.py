@@ -44,8 +44,8 @@ class VariableBound:
     Attributes:
         variable: the ``tf.Variable``.
         layer: the DP layer that owns it (the wrapper, for a layer inside a residual block).
-        key: ``"<layer name>/<variable name>"`` (Keras does not keep variable names unique
-            across save/load; layer names are).
+        key: ``"<layer name>/<variable name>"`` (:func:`variable_key`; Keras does not keep
+            variable names unique across save/load; layer names are).
         bound: ``B_v``, bound on the gradient norm of one example's loss.
         nm_coef: the layer's noise-multiplier coefficient (``"per-layer"`` strategy).
     """
@@ -103,7 +103,10 @@ def parameterized_variables(layers) -> list[tuple[object, tf.Variable]]:
 
 
 def variable_key(layer, variable) -> str:
-    return f"{layer.name}/{variable.name.rsplit('/', 1)[-1]}"
+    """``"<layer name>/<variable name>"``, e.g. ``"d1/kernel"`` on either Keras: Keras 2
+    names a variable ``"d1/kernel:0"`` (the ``:0`` is TensorFlow's output index, not part
+    of the name), Keras 3 ``"kernel"``."""
+    return f"{layer.name}/{variable.name.rsplit('/', 1)[-1].split(':')[0]}"
 
 
 def bound_pass(layers, loss_lipschitz=None) -> Bounds:

@@ -368,3 +368,26 @@ def variable_path(variable) -> str:
     """How lipdp names a variable in a message: Keras 3's ``path`` (``"dense/kernel"``;
     its ``name`` is only ``"kernel"``), Keras 2's ``name`` (``"dense/kernel:0"``)."""
     return str(getattr(variable, "path", None) or variable.name)
+
+
+def batch_input_shape_config(layer) -> dict:
+    """``{"batch_input_shape": (None, ...)}`` for a layer declared with ``input_shape=``, else
+    ``{}``: for the ``get_config`` of a first layer. Keras 2's base configuration already
+    holds this entry; Keras 3's drops the declared shape (a saved first layer would come back
+    without it), so lipdp's input layers write it there, the same entry as on Keras 2."""
+    if not keras_3():
+        return {}
+    shape = declared_batch_shape(layer)
+    return {} if shape is None else {"batch_input_shape": shape}
+
+
+def accept_batch_input_shape(kwargs: dict) -> dict:
+    """``kwargs`` of a first layer's ``__init__`` with Keras 2's ``batch_input_shape`` (the
+    configuration entry of :func:`batch_input_shape_config`) turned into ``input_shape`` on
+    Keras 3, whose ``Layer`` refuses the former; unchanged on Keras 2."""
+    if keras_3() and "batch_input_shape" in kwargs:
+        kwargs = dict(kwargs)
+        shape = kwargs.pop("batch_input_shape")
+        if shape is not None and kwargs.get("input_shape") is None:
+            kwargs["input_shape"] = tuple(shape[1:])
+    return kwargs

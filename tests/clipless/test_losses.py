@@ -28,8 +28,24 @@ from lipdp.clipless.losses import (  # noqa: E402
     DP_TauBCE,
     DP_TauCategoricalCrossentropy,
 )
+from lipdp.core import compat  # noqa: E402
 
-Reduction = tf.keras.losses.Reduction
+Reduction = compat.Reduction
+#: The reductions that are the mean over the batch: Keras 3 has no ``"auto"`` (Keras 2's
+#: ``AUTO``, which ``fit`` and a direct call resolve to ``SUM_OVER_BATCH_SIZE``).
+MEAN_REDUCTIONS = (
+    (Reduction.SUM_OVER_BATCH_SIZE,)
+    if compat.keras_3()
+    else (Reduction.AUTO, Reduction.SUM_OVER_BATCH_SIZE)
+)
+
+
+def _deel(loss_class, *args):
+    """A deel-lip loss reducing to the batch mean, as its default ``AUTO`` does on Keras 2
+    (Keras 3 has no ``"auto"``, the default there fails)."""
+    return loss_class(*args, reduction=Reduction.SUM_OVER_BATCH_SIZE)
+
+
 SCALES = (1e-3, 1.0, 100.0)
 REL_TOL = 1e-5
 
@@ -452,7 +468,7 @@ def test_deel_lip_multiclass_kr_couples_examples():
     z = _random_logits(rng, 8, 3, 1.0)
     y2 = y.copy()
     y2[-1] = np.roll(y2[-1], 1)  # change only the last example's label
-    deel = deel_losses.MulticlassKR()
+    deel = _deel(deel_losses.MulticlassKR)
     g, g2 = per_example_grads(deel, y, z), per_example_grads(deel, y2, z)
     assert np.abs(g[:-1] - g2[:-1]).max() > 1e-3
     ours = DP_MulticlassKR()
@@ -504,7 +520,7 @@ def test_reduction_accepted_and_is_the_mean(make):
     rng = np.random.default_rng(8)
     y = onehot_labels(rng, 5, 3)
     z = _random_logits(rng, 5, 3, 1.0)
-    for good in (Reduction.AUTO, Reduction.SUM_OVER_BATCH_SIZE):
+    for good in MEAN_REDUCTIONS:
         loss = make(reduction=good)
         assert loss.reduction == good
         np.testing.assert_allclose(loss(y, z).numpy(), loss.call(y, z).numpy().mean(), 1e-6)
@@ -539,7 +555,7 @@ def test_dp_models_refuse_a_non_mean_reduction_at_compile(family, reduction):
         with pytest.raises(ValueError) as err:
             model.compile(optimizer="sgd", loss=loss)
         assert str(err.value) == message
-    for good in (Reduction.AUTO, Reduction.SUM_OVER_BATCH_SIZE):
+    for good in MEAN_REDUCTIONS:
         model.compile(optimizer="sgd", loss=DP_TauCategoricalCrossentropy(2.0, reduction=good))
     # Changed after compile: refused when the training step is traced.
     model.loss.reduction = reduction
@@ -587,7 +603,7 @@ def test_keras_fit_smoke():
     x = rng.normal(size=(32, 4)).astype(np.float32)
     y = onehot_labels(rng, 32, 3)
     model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3)])
-    model.compile(optimizer="sgd", loss=DP_MulticlassHKR(alpha=2.0, reduction=Reduction.AUTO))
+    model.compile(optimizer="sgd", loss=DP_MulticlassHKR(alpha=2.0, reduction=MEAN_REDUCTIONS[0]))
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
 
@@ -597,7 +613,7 @@ def test_keras_fit_smoke():
 # --------------------------------------------------------------------------------------
 SERIALISED = [
     DP_TauCategoricalCrossentropy(2.5, name="cce"),
-    DP_TauBCE(0.7, reduction=Reduction.AUTO),
+    DP_TauBCE(0.7, reduction=MEAN_REDUCTIONS[0]),
     DP_MulticlassHinge(0.3, nb_classes=3),
     DP_MulticlassKR(),
     DP_MulticlassKR(nb_classes=3),
@@ -635,7 +651,7 @@ def test_tau_cce_matches_deel_lip(tau):
                 y = labels(rng, 16, k)
                 z = _random_logits(rng, 16, k, scale)
                 ours = DP_TauCategoricalCrossentropy(tau)
-                theirs = deel_losses.TauCategoricalCrossentropy(tau)
+                theirs = _deel(deel_losses.TauCategoricalCrossentropy, tau)
                 np.testing.assert_allclose(
                     ours.call(y, z).numpy(), theirs.call(y, z).numpy(), rtol=1e-4, atol=1e-4
                 )
@@ -651,7 +667,7 @@ def test_hinge_matches_deel_lip(min_margin):
         y = onehot_labels(rng, 32, k)
         z = _random_logits(rng, 32, k, min_margin)
         ours = DP_MulticlassHinge(min_margin)
-        theirs = deel_losses.MulticlassHinge(min_margin)
+        theirs = _deel(deel_losses.MulticlassHinge, min_margin)
         np.testing.assert_allclose(ours.call(y, z).numpy(), theirs.call(y, z).numpy(), 1e-5)
         # deel-lip's is per-example already: same per-example gradients
         np.testing.assert_allclose(
@@ -672,12 +688,12 @@ def test_kr_and_hkr_match_deel_lip_on_balanced_batches(k):
     z = _random_logits(rng, y.shape[0], k, 1.0)
     # deel-lip's MulticlassKR is the Wasserstein estimate (to maximise): ours is minus it
     np.testing.assert_allclose(
-        DP_MulticlassKR()(y, z).numpy(), -deel_losses.MulticlassKR()(y, z).numpy(), 1e-5, 1e-6
+        DP_MulticlassKR()(y, z).numpy(), -_deel(deel_losses.MulticlassKR)(y, z).numpy(), 1e-5, 1e-6
     )
     for alpha, m in ((10.0, 1.0), (0.5, 0.2)):
         np.testing.assert_allclose(
             DP_MulticlassHKR(alpha, m)(y, z).numpy(),
-            deel_losses.MulticlassHKR(alpha, m)(y, z).numpy(),
+            _deel(deel_losses.MulticlassHKR, alpha, m)(y, z).numpy(),
             rtol=1e-5,
             atol=1e-5,
         )
@@ -693,7 +709,7 @@ def test_bce_matches_deel_lip_and_formula():
         y = binary_labels(rng, 32, 1)
         z = _random_logits(rng, 32, 1, 2.0)
         ours = DP_TauBCE(tau)
-        theirs = deel_losses.TauBinaryCrossentropy(tau)
+        theirs = _deel(deel_losses.TauBinaryCrossentropy, tau)
         np.testing.assert_allclose(ours.call(y, z).numpy(), theirs.call(y, z).numpy(), 1e-5)
         # {-1, 1} labels are clipped to {0, 1}, as deel-lip maps them
         np.testing.assert_allclose(

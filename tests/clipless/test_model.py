@@ -444,7 +444,8 @@ def test_shared_layers_and_extra_losses_are_refused():
             dp_parameters=DPParameters("global", 1, 1e-5),
         )
     # A penalty of the data (a penalty of the weights is supported).
-    model = _model([_ActivationPenalty(5)], n=8)
+    # Named: Keras 3 refuses the name derived from the class ('__activation...') in a graph.
+    model = _model([_ActivationPenalty(5, name="activation_penalty")], n=8)
     with pytest.raises(ValueError, match="adds a loss computed in its call"):
         model.fit(
             np.zeros((8, 12), "float32"), np.zeros((8, 5), "float32"), batch_size=8, verbose=0

@@ -9,7 +9,7 @@ from sklearn.model_selection import train_test_split
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core import noise
+from lipdp.core import compat, noise
 from lipdp.core.metadata import DatasetMetadata
 from tests.marks import thorough
 
@@ -26,9 +26,10 @@ def digits():
 
 @pytest.fixture(autouse=True)
 def reproducible_noise():
-    """Accuracy thresholds on a few noisy epochs depend on the noise draw (SGD with momentum
-    at sigma = 1: 0.24 to 0.48 after 10 epochs over 6 draws). The training noise is
-    secure by default (rule S8), so these tests ask for reproducible noise explicitly."""
+    """Accuracy thresholds on a few noisy epochs depend on the noise draw (SGD(0.1) with
+    momentum 0.9 at sigma = 1: 0.79 to 0.86 after 10 epochs over 4 draws on either Keras;
+    at learning rate 0.5, 0.17 to 0.42). The training noise is secure by default (rule S8),
+    so these tests ask for reproducible noise explicitly."""
     noise.use_reproducible_noise(0)
     yield
     noise.use_reproducible_noise(None)
@@ -82,11 +83,21 @@ def test_non_private_reference_is_an_upper_reference(digits):
 @pytest.mark.parametrize(
     "optimizer",
     [
-        lambda: tf.keras.optimizers.SGD(0.5, momentum=0.9),
+        lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9),
         # The same step and projection under other update rules (5 s each): thorough.
         pytest.param(lambda: tf.keras.optimizers.RMSprop(0.01), marks=thorough),
         pytest.param(lambda: tf.keras.optimizers.Adagrad(0.1), marks=thorough),
-        pytest.param(lambda: tf.keras.optimizers.legacy.Adam(0.02), marks=thorough),
+        pytest.param(
+            lambda: tf.keras.optimizers.legacy.Adam(0.02),
+            marks=[
+                thorough,
+                pytest.mark.skipif(
+                    compat.keras_3(),
+                    reason="Keras 3 has no keras.optimizers.legacy (Keras 2's previous "
+                    "optimizer classes); the Keras 3 Adam trains in test_private_cnn_learns_digits",
+                ),
+            ],
+        ),
     ],
 )
 def test_any_first_order_optimizer(digits, optimizer):

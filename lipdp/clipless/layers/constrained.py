@@ -52,8 +52,8 @@ CONSTRAINTS = ("orthogonal", "spectral", "frobenius")
 class ConstrainedKernelLayer(DPLayer):
     """Mixin for layers with one kernel whose matrix view is kept in a constraint set.
 
-    Subclasses create ``self.kernel`` in ``build`` and then call
-    :meth:`_build_constraint`; the matrix view is ``reshape(kernel, (-1, units))``.
+    Subclasses create ``self.kernel`` in ``build`` with :meth:`_add_constrained_kernel`;
+    the matrix view is ``reshape(kernel, (-1, units))``.
 
     Args (consumed by :meth:`_init_constraint`):
         constraint: ``"orthogonal"`` (Björck; ``C`` times a gradient-norm preserving
@@ -95,39 +95,62 @@ class ConstrainedKernelLayer(DPLayer):
             "adaptive_norm": self.adaptive_norm,
         }
 
-    def _build_constraint(self):
-        units = self.kernel.shape[-1]
+    def _add_constrained_kernel(self, shape, initializer) -> None:
+        """Create ``self.kernel`` (shape ``shape``, matrix view ``(-1, shape[-1])``) inside
+        the constraint set, and the warm start of the power iteration.
+
+        The kernel's initial value is the projection of ``initializer``'s draw, computed
+        *by the variable's initializer*, not assigned after the variable is created: Keras 3
+        builds the layers of a model during a symbolic call, inside a ``StatelessScope``
+        where a new variable gets its value only when the scope exits and an ``assign`` is
+        recorded in the scope and then dropped. An assigned projection would silently leave
+        the raw draw in the kernel -- outside the set, so the bounds (which assume the set,
+        or read ``min(C, ||M||)``) would be too small, and a frozen kernel is never
+        projected again. An initializer runs whenever and wherever the value is created.
+        """
+        units = shape[-1]
         # Warm-start vector of the power iteration; it is state, not a parameter.
-        self.power_vector = self.add_weight(
-            name="power_vector",
-            shape=(1, units),
-            initializer=keras.initializers.RandomNormal(seed=0),
-            trainable=False,
+        warm_start = keras.initializers.RandomNormal(seed=0)
+
+        def projected_initializer(shape, dtype=None):
+            matrix = tf.reshape(initializer(shape, dtype=dtype), (-1, units))
+            projected, _ = self._project(matrix, warm_start((1, units), dtype=dtype))
+            return tf.reshape(projected, shape)
+
+        self.kernel = self.add_weight(
+            name="kernel", shape=shape, initializer=projected_initializer, trainable=True
         )
-        # build() may run inside a graph being traced (Model.build); the initial
-        # projection must really execute, so it is lifted to the eager context.
-        with tf.init_scope():
-            self._assign_projection()
+        self.power_vector = self.add_weight(
+            name="power_vector", shape=(1, units), initializer=warm_start, trainable=False
+        )
 
     def kernel_matrix(self) -> tf.Tensor:
         return tf.reshape(self.kernel, (-1, self.kernel.shape[-1]))
 
-    def projected_matrix(self) -> tf.Tensor:
-        """The projection of the current kernel matrix (also updates the warm start)."""
-        matrix, radius = self.kernel_matrix(), self.weight_norm_bound
+    def _project(self, matrix, warm_start) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(projection of matrix onto the constraint set, next warm start)``."""
+        radius = self.weight_norm_bound
         if self.constraint == "frobenius":
-            return projections.frobenius_ball_projection(matrix, radius=radius)
+            return projections.frobenius_ball_projection(matrix, radius=radius), warm_start
         if self.constraint == "spectral":
-            return projections.spectral_ball_projection(matrix, margin=self.margin, radius=radius)
-        matrix, u = projections.orthogonal_projection(
+            projected = projections.spectral_ball_projection(
+                matrix, margin=self.margin, radius=radius
+            )
+            return projected, warm_start
+        return projections.orthogonal_projection(
             matrix,
-            self.power_vector,
+            warm_start,
             power_iterations=self.power_iterations,
             bjorck_iterations=self.bjorck_iterations,
             margin=self.margin,
             radius=radius,
         )
-        self.power_vector.assign(u)
+
+    def projected_matrix(self) -> tf.Tensor:
+        """The projection of the current kernel matrix (also updates the warm start)."""
+        matrix, u = self._project(self.kernel_matrix(), self.power_vector)
+        if self.constraint == "orthogonal":
+            self.power_vector.assign(u)
         return matrix
 
     def _assign_projection(self) -> None:

@@ -108,13 +108,9 @@ class _ConstrainedConv2D(keras.layers.Layer, ConstrainedKernelLayer):
     def build(self, input_shape):
         if len(input_shape) != 4:
             raise ValueError(f"{self.name} expects inputs (batch, h, w, c), got {input_shape}.")
-        self.kernel = self.add_weight(
-            name="kernel",
-            shape=(*self.kernel_size, int(input_shape[-1]), self.filters),
-            initializer=self.kernel_initializer,
-            trainable=True,
+        self._add_constrained_kernel(
+            (*self.kernel_size, int(input_shape[-1]), self.filters), self.kernel_initializer
         )
-        self._build_constraint()
         super().build(input_shape)
 
     def effective_kernel(self) -> tf.Tensor:

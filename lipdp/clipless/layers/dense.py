@@ -57,13 +57,7 @@ class _ConstrainedDense(keras.layers.Layer, ConstrainedKernelLayer):
         )
 
     def build(self, input_shape):
-        self.kernel = self.add_weight(
-            name="kernel",
-            shape=(int(input_shape[-1]), self.units),
-            initializer=self.kernel_initializer,
-            trainable=True,
-        )
-        self._build_constraint()
+        self._add_constrained_kernel((int(input_shape[-1]), self.units), self.kernel_initializer)
         super().build(input_shape)
 
     def call(self, inputs):

@@ -42,6 +42,7 @@ class DP_BoundedInput(keras.layers.Layer, NonExpansiveLayer):
                 "the norm of one example."
             )
         upper_bound = validation.positive("DP_BoundedInput upper_bound", upper_bound)
+        kwargs = compat.accept_batch_input_shape(kwargs)
         if input_shape is not None:
             kwargs["input_shape"] = tuple(input_shape)
         with compat.input_shape_accepted():
@@ -72,6 +73,7 @@ class DP_BoundedInput(keras.layers.Layer, NonExpansiveLayer):
     def get_config(self):
         config = super().get_config()
         config.update(upper_bound=self.upper_bound, enforce_clipping=self.enforce_clipping)
+        config.update(compat.batch_input_shape_config(self))
         return config
 
 
@@ -100,6 +102,7 @@ class DP_InputLayer(keras.layers.Layer, NonExpansiveLayer):
     """
 
     def __init__(self, input_shape=None, **kwargs):
+        kwargs = compat.accept_batch_input_shape(kwargs)
         if input_shape is not None:
             kwargs["input_shape"] = tuple(input_shape)
         with compat.input_shape_accepted():
@@ -110,3 +113,6 @@ class DP_InputLayer(keras.layers.Layer, NonExpansiveLayer):
 
     def compute_output_shape(self, input_shape):
         return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), **compat.batch_input_shape_config(self)}

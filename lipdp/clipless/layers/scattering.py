@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from lipdp.clipless import wavelets
@@ -132,15 +133,18 @@ class DP_ScatteringTransform(keras.layers.Layer, DPLayer):
 
     def _make_filter_constants(self):
         def constant(values):
-            return tf.constant(values, dtype=tf.complex64)
+            return tf.constant(np.asarray(values, dtype=np.complex64))
 
         bank = self._bank
-        self._phi = [constant(level) for level in bank.phi]
-        # _psi[j][res]: the L wavelets of scale j at resolution res, stacked.
-        self._psi = [
-            [constant([w.levels[res] for w in bank.psi if w.j == j]) for res in range(j + 1)]
-            for j in range(self.J)
-        ]
+        # Eager constants, reused by every call: Keras 3 builds a model's layers inside a
+        # graph traced for shapes only, whose tensors a later call could not use.
+        with tf.init_scope():
+            self._phi = [constant(level) for level in bank.phi]
+            # _psi[j][res]: the L wavelets of scale j at resolution res, stacked.
+            self._psi = [
+                [constant([w.levels[res] for w in bank.psi if w.j == j]) for res in range(j + 1)]
+                for j in range(self.J)
+            ]
 
     # ----------------------------------------------------------------------- call
     def call(self, inputs):
