@@ -7,6 +7,10 @@
 
 Results and their reading: benchmarks/README.md.
 
+Runs on either stack: Keras 2 (``.venv-keras2``: TF 2.15, tensorflow-privacy) or Keras 3
+(``.venv``: no tensorflow-privacy, so the ``tfp-*`` contenders fail there);
+``keras_stacks_speed.py`` runs the workers of both side by side.
+
 Two architectures, the same for every contender:
 
 * ``cnn`` (28x28x1 inputs, 10 classes; the getting-started Lipschitz CNN):
@@ -395,6 +399,13 @@ def _iterator(arch, batch):
     return iterator
 
 
+def _train_function(model):
+    """What ``fit`` calls every step. Keras 2's ``make_train_function`` returns it; Keras
+    3's only sets ``model.train_function`` (and returns None on the first call)."""
+    model.make_train_function()
+    return model.train_function
+
+
 def _warm_up(train_function, iterator):
     """3 steps; returns (first step seconds, steps per ~TARGET_REPEAT_SECONDS repeat)."""
     t0 = time.perf_counter()
@@ -456,7 +467,15 @@ def isolated_worker(arch, contender, batch, repeats, cap, threads):
     start_all = time.perf_counter()
     import numpy as np
     import tensorflow as tf
-    import tensorflow_privacy  # noqa: F401  (same imports in every worker, baseline included)
+
+    # The same imports in every worker, baseline included (its peak memory is subtracted).
+    # tensorflow-privacy is absent from the Keras 3 stack: there, only its own contenders
+    # need it (and fail without it).
+    try:
+        import tensorflow_privacy  # noqa: F401
+    except ImportError:
+        if contender.startswith("tfp-"):
+            raise
 
     import lipdp.clipless.model  # noqa: F401
 
@@ -464,6 +483,7 @@ def isolated_worker(arch, contender, batch, repeats, cap, threads):
     tf.keras.utils.set_random_seed(0)
     iterator = _iterator(arch, batch)
     result = {"arch": arch, "contender": contender, "batch": batch}
+    result["tensorflow_privacy_imported"] = "tensorflow_privacy" in sys.modules
     if contender == "baseline":
         result["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return result
@@ -471,7 +491,7 @@ def isolated_worker(arch, contender, batch, repeats, cap, threads):
     result["params"] = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     if hasattr(model, "fast_clipping"):
         result["fast_clipping"] = model.fast_clipping
-    train_function = model.make_train_function()
+    train_function = _train_function(model)
     result["first_step_s"], steps = _warm_up(train_function, iterator)
     per_step, cpu = [], []
     load = [os.getloadavg()[0]]
@@ -511,7 +531,7 @@ def paired_worker(arch, batch, variants, repeats, threads):
         variants = [v for v in variants if v != "keras-l2pool"]
     for v in variants:
         models[v] = _build(arch, v, batch)
-        functions[v] = models[v].make_train_function()
+        functions[v] = _train_function(models[v])
         first[v], steps[v] = _warm_up(functions[v], iterator)
         if hasattr(models[v], "timed_project") and v not in ("lipdp-bare", "lipdp-no-project"):
             projects[v] = _project_function(models[v])
