@@ -126,13 +126,14 @@ def declared_batch_shape(layer) -> tuple | None:
     return None if shape is None else tuple(shape)
 
 
-def input_layer(shape):
-    """A Keras ``InputLayer`` for inputs of shape ``shape`` (without the batch)."""
+def input_layer(shape, dtype=None):
+    """A Keras ``InputLayer`` for inputs of shape ``shape`` (without the batch) and
+    ``dtype`` (default: the float type)."""
     import tensorflow as tf
 
     if keras_3():
-        return tf.keras.layers.InputLayer(shape=tuple(shape))
-    return tf.keras.layers.InputLayer(input_shape=tuple(shape))
+        return tf.keras.layers.InputLayer(shape=tuple(shape), dtype=dtype)
+    return tf.keras.layers.InputLayer(input_shape=tuple(shape), dtype=dtype)
 
 
 def as_layer(item):
