@@ -31,13 +31,23 @@ from __future__ import annotations
 
 import keras
 
+from lipdp.core import compat
 from lipdp.core.layer_walk import nested_layers
+
+
+def _stateful(layer) -> bool:
+    """The layer's own stateful flag: Keras 2's ``_stateful`` (its ``stateful`` property
+    looks inside sub-layers: it would name the container), Keras 3's ``stateful``
+    attribute (recurrent layers and their wrappers; Keras 3 layers have no generic one)."""
+    if compat.keras_3():
+        return getattr(layer, "stateful", False) is True
+    return bool(getattr(layer, "_stateful", False))
 
 
 def _refusal(path, layer) -> str | None:
     """Why ``layer`` cannot be trained with per-example clipping, or ``None``."""
     kind = type(layer).__name__
-    if getattr(layer, "_stateful", False):  # its own flag (``stateful`` looks inside)
+    if _stateful(layer):
         return (
             f"Layer {path!r} ({kind}) is stateful: its state carries one batch's rows into "
             "the next step, beyond their clipped gradients. Use stateful=False."

@@ -142,13 +142,14 @@ def declared_batch_shape(layer) -> tuple | None:
     return None if shape is None else tuple(shape)
 
 
-def input_layer(shape):
-    """A Keras ``InputLayer`` for inputs of shape ``shape`` (without the batch)."""
+def input_layer(shape, dtype=None):
+    """A Keras ``InputLayer`` for inputs of shape ``shape`` (without the batch) and
+    ``dtype`` (default: the float type)."""
     import keras
 
     if keras_3():
-        return keras.layers.InputLayer(shape=tuple(shape))
-    return keras.layers.InputLayer(input_shape=tuple(shape))
+        return keras.layers.InputLayer(shape=tuple(shape), dtype=dtype)
+    return keras.layers.InputLayer(input_shape=tuple(shape), dtype=dtype)
 
 
 def as_layer(item):

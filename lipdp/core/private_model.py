@@ -718,7 +718,10 @@ class PrivateModel(keras.Model):
             if not values:
                 return None
             total = tf.add_n([tf.cast(value, tf.float32) for value in values])
-        grads = tape.gradient(total, variables, unconnected_gradients="zero")
+        # The watched tf.Variables: "zero" for a variable no penalty reads needs a
+        # tf.Variable's dtype (a Keras 3 variable's is a string).
+        sources = [compat.tape_variable(v) for v in variables]
+        grads = tape.gradient(total, sources, unconnected_gradients="zero")
         return [tf.convert_to_tensor(grad) for grad in grads]
 
     def _weight_penalties(self) -> list:

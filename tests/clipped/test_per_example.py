@@ -8,6 +8,7 @@ import tensorflow as tf
 from lipdp.clipless.model import DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.clipped.per_example import ghost_rule, per_example_gradients, weighted_layers
+from lipdp.core import compat
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.variables import variable_key
 from tests.marks import representatives, thorough
@@ -340,6 +341,30 @@ def test_ghost_rules_and_norms_equal_the_naive_loop(name, rng):
             assert [r.rule for r in facts.records] == NETS[name][2]
             assert [r.rule for r in facts.records] == [ghost_rule(r.layer) for r in facts.records]
             assert facts.layers == model.weighted_layers()
+
+
+@pytest.mark.skipif(not compat.keras_3(), reason="Keras 2's Dense has no LoRA")
+def test_a_lora_dense_takes_the_fallback_with_the_naive_norms(rng):
+    """Keras 3's LoRA computes a Dense kernel from the frozen one and two trainable
+    factors: the Dense rule (the kernel as the variable it differentiates) does not apply;
+    the fallback gives the naive loop's norms and clipped sum."""
+    model = _model("dense")
+    lora = model.layers_forward_order()[0]
+    lora.enable_lora(2)
+    lora.lora_kernel_b.assign(rng.normal(size=lora.lora_kernel_b.shape))  # else zeros
+    x, y = _data("dense", rng)
+    naive = _naive_gradients(model, x, y)
+    expected = np.array([[sum(np.sum(g**2) for g in layer) for layer in row] for row in naive])
+    facts = per_example_gradients(model, tf.constant(x), _losses(model, y), "ghost")
+    assert [r.rule for r in facts.records] == ["vectorized", "dense"]
+    ours = np.stack([sq.numpy() for sq in facts.sq_norms], axis=1)
+    np.testing.assert_allclose(ours, expected, rtol=2e-4, atol=1e-7)
+    summed, _, _ = model.clipped_gradient_sum(tf.constant(x), tf.constant(y))
+    factors = [min(1.0, 1.0 / np.sqrt(total)) for total in expected.sum(axis=1)]
+    flat = [[g for layer in row for g in layer] for row in naive]
+    for j, ours_j in enumerate(summed):
+        reference = sum(f * row[j] for f, row in zip(factors, flat))
+        np.testing.assert_allclose(ours_j.numpy(), reference, rtol=3e-4, atol=2e-6)
 
 
 def _clipped_sum_cases():

@@ -1,5 +1,6 @@
 r"""Ghost rule of ``keras.layers.Conv2D`` (exact class, ``groups == 1``,
-``channels_last``): a Dense layer on input patches.
+``channels_last``, the kernel a variable: no Keras 3 LoRA or quantization): a Dense layer
+on input patches.
 
 Output position ``t`` of row ``i`` is ``z_t = P_t(A_i) W + b``, where ``P_t(A_i)`` is the
 input patch the kernel covers at ``t`` (``k_h x k_w x c``, with the layer's strides,
@@ -25,7 +26,12 @@ import keras
 import tensorflow as tf
 
 from lipdp.clipped.per_example.dense import product_rows, product_shift, product_sq_norms
-from lipdp.clipped.per_example.registry import GhostRule, register_ghost_rule, rows
+from lipdp.clipped.per_example.registry import (
+    GhostRule,
+    register_ghost_rule,
+    rows,
+    stored_weights,
+)
 
 
 def patches(layer, a):
@@ -47,7 +53,7 @@ class Conv2DRule(GhostRule):
     name = "conv2d"
 
     def applies(self, layer) -> bool:
-        return layer.groups == 1 and layer.data_format == "channels_last"
+        return layer.groups == 1 and layer.data_format == "channels_last" and stored_weights(layer)
 
     def linear(self, layer, a):
         z = layer.convolution_op(a, layer.kernel)

@@ -22,7 +22,9 @@ gradient that is a sum of outer products over positions (shared with
   ``W + grad_W,i`` the input ``A'_i`` gives ``A'_i A_i^T G_i = (A'_i A_i^T) G_i`` more
   (``<a'_i, a_i> g_i`` for ``T = 1``), plus ``sum_t g_t`` for the bias.
 
-A subclass of ``Dense`` goes to the vectorised fallback unless a rule is registered for
+A ``Dense`` whose kernel is computed (Keras 3's LoRA or quantization:
+:func:`~lipdp.clipped.per_example.registry.stored_weights`) goes to the vectorised
+fallback; so does a subclass of ``Dense`` unless a rule is registered for
 it: it may compute its kernel otherwise (:mod:`lipdp.clipped.per_example.registry`).
 """
 
@@ -31,7 +33,12 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from lipdp.clipped.per_example.registry import GhostRule, register_ghost_rule, rows
+from lipdp.clipped.per_example.registry import (
+    GhostRule,
+    register_ghost_rule,
+    rows,
+    stored_weights,
+)
 
 
 def materialise(positions, d, p) -> bool:
@@ -69,6 +76,9 @@ class DenseRule(GhostRule):
     """``Dense`` on ``(b, d)`` or ``(b, ..., d)`` inputs (module docstring)."""
 
     name = "dense"
+
+    def applies(self, layer) -> bool:
+        return stored_weights(layer)
 
     def linear(self, layer, a):
         z = tf.tensordot(a, layer.kernel, [[a.shape.rank - 1], [0]])

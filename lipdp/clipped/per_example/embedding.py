@@ -1,4 +1,5 @@
-r"""Ghost rule of ``keras.layers.Embedding`` (exact class, ``mask_zero=False``).
+r"""Ghost rule of ``keras.layers.Embedding`` (exact class, ``mask_zero=False``, the table a
+variable: no Keras 3 LoRA or quantization).
 
 Position ``t`` of row ``i`` looks up row ``id_t`` of the table ``E``: ``z_t = e_{id_t}^T
 E``, linear in ``E`` (``e_k`` the ``k``-th unit vector; no bias, no activation). For the
@@ -23,7 +24,12 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from lipdp.clipped.per_example.registry import GhostRule, register_ghost_rule, rows
+from lipdp.clipped.per_example.registry import (
+    GhostRule,
+    register_ghost_rule,
+    rows,
+    stored_weights,
+)
 
 
 def same_ids(a):
@@ -38,7 +44,7 @@ class EmbeddingRule(GhostRule):
     name = "embedding"
 
     def applies(self, layer) -> bool:
-        return not layer.mask_zero
+        return not layer.mask_zero and stored_weights(layer)
 
     def kernel(self, layer):
         return layer.embeddings

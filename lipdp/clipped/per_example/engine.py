@@ -457,7 +457,10 @@ def _as_model_input(model, h):
 
 def _masked_like_keras(layer, inputs, outputs):
     """``outputs`` with the Keras mask ``layer.__call__`` would attach (masking layers
-    downstream, e.g. pooling after ``Embedding(mask_zero=True)``, read it)."""
+    downstream, e.g. pooling after ``Embedding(mask_zero=True)``, read it). Keras 3
+    attaches none for a layer that does not support masking."""
+    if compat.keras_3() and not layer.supports_masking:
+        return outputs
     mask = layer.compute_mask(inputs, getattr(inputs, "_keras_mask", None))
     if mask is not None:
         outputs._keras_mask = mask  # noqa: SLF001 - Keras 2's mask convention
@@ -681,7 +684,9 @@ def _vectorized_gradients(record, first=None, scales=None):
         with tf.GradientTape() as tape:
             if first is None:
                 out = _one_row_call(layer, row)
-                sources = variables
+                # What the tape watched: "zero" for a variable the row does not reach
+                # needs a tf.Variable's dtype (a Keras 3 variable's is a string).
+                sources = [compat.tape_variable(v) for v in variables]
             else:
                 sources = _shifted_weights(layer, row["shifts"], row["scale"])
                 tape.watch(sources)
@@ -695,7 +700,7 @@ def _vectorized_gradients(record, first=None, scales=None):
     if first is not None:
         rows["scale"] = _ascent_row_scales(scales, first)
         rows["shifts"] = [tf.stop_gradient(t) for t in first.per_row]
-    return _map_rows(layer, one_row, rows, [v.dtype for v in variables])
+    return _map_rows(layer, one_row, rows, [tf.as_dtype(v.dtype) for v in variables])
 
 
 def _local_vjp(record, inputs, cotangents):
@@ -703,7 +708,7 @@ def _local_vjp(record, inputs, cotangents):
     part re-run on ``inputs`` (the forward op is pruned in graph mode) and differentiated.
     A row-wise shift is constant in the weights, so this is also the gradient at the
     shifted weights."""
-    kernel = record.ghost.kernel(record.layer)
+    kernel = compat.tape_variable(record.ghost.kernel(record.layer))
     with tf.GradientTape() as tape:
         z = record.ghost.linear(record.layer, inputs)
     grad = tape.gradient(z, kernel, output_gradients=cotangents, unconnected_gradients="zero")

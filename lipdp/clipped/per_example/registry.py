@@ -73,6 +73,16 @@ FALLBACK = "vectorized"
 REQUIRED_PIECES = ("linear", "kernel_sq_norms", "shift")
 
 
+def stored_weights(layer) -> bool:
+    """Are the layer's weights its own variables, as the built-in rules read them? Keras 3's
+    ``Dense``, ``Conv`` and ``Embedding`` compute them otherwise under LoRA
+    (``enable_lora``: a frozen kernel plus the product of two trainable factors) or
+    quantization (integers and scales): such layers go to the fallback. (Keras 2's layers
+    have neither.)"""
+    lora = getattr(layer, "lora_enabled", False)
+    return not lora and getattr(layer, "quantization_mode", None) is None
+
+
 def rows(t, width):
     """``t`` as ``(rows, positions, width)``: the positions of each row (every axis but
     the first and the last) on one axis."""
@@ -251,5 +261,6 @@ __all__ = [
     "registered_ghost_rule",
     "registered_rules",
     "rows",
+    "stored_weights",
     "unregister_ghost_rule",
 ]
