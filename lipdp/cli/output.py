@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import time
 
-import keras
-
 
 def run_line(verb, prepared, replicas=None) -> str:
     """``lipdp train: digits, 1536 training examples, batch 512, method lipdp (...), noise
@@ -54,6 +52,8 @@ def epoch_lines(epochs):
     """``--quiet`` progress: a Keras callback printing one line per epoch with epsilon,
     and after the second epoch (the first includes the compilation) an estimate of the
     time left."""
+    import keras  # here, not at the top: the command silences TensorFlow's start-up lines
+    # (lipdp.cli.commands) before the first import of TensorFlow
 
     class EpochLines(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import keras
-
 from lipdp.core import validation
 from lipdp.core.config import Config
 from lipdp.recipes import defaults as D
@@ -155,6 +153,8 @@ def _robustness(model, x, y, config) -> dict:
 def load_private_model(path):
     """The lipdp DP model saved at ``path`` (``.keras``, with its privacy ledger). One-line
     ``ValueError`` if the file is not a loadable model, or not a lipdp one."""
+
+    import keras  # (imported on use: the CLI imports this module before TensorFlow)
 
     import lipdp.clipless.layers  # noqa: F401  (registers the layers for load_model)
     import lipdp.clipless.losses  # noqa: F401

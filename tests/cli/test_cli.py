@@ -287,6 +287,17 @@ def test_cli_train_runs_and_reports(capsys):
     assert "exactly as trained" in out  # Poisson sampling by default
 
 
+def test_importing_the_command_imports_neither_tensorflow_nor_keras():
+    """The command silences TensorFlow's native start-up lines before TensorFlow is first
+    imported: importing ``lipdp.cli`` (``python -m lipdp.cli``) must not import it."""
+    code = "import sys, lipdp.cli; print(sorted({'tensorflow', 'keras'} & set(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_no_native_start_up_lines_in_a_real_process():
     """A real process: TensorFlow's C++/absl lines (fd 2) are silenced, --quiet prints one
     line per epoch, stderr stays empty."""
