@@ -166,6 +166,30 @@ def test_training_keeps_weights_feasible():
     assert np.linalg.norm(bias.bias.numpy()) <= 0.25 + 1e-6
 
 
+@pytest.mark.parametrize("constraint", ["orthogonal", "spectral", "frobenius"])
+@pytest.mark.parametrize("cls", [L.DP_SpectralDense, L.DP_QuickFrobeniusDense, L.DP_SpectralConv2D])
+def test_kernels_start_inside_their_set_when_the_model_is_built(cls, constraint):
+    """The model's constructor builds the layers (Keras 3: by a symbolic call, inside a
+    ``StatelessScope`` where an ``assign`` made in ``build`` is dropped): every kernel is in
+    its set of radius 0.6 before any step -- the raw orthogonal draw, of norm 1, is not --,
+    a frozen one too (it is never projected again)."""
+    conv = cls is L.DP_SpectralConv2D
+    shape = (6, 6, 2) if conv else (12,)
+
+    def layer():
+        options = dict(constraint=constraint, weight_norm_bound=0.6)
+        return cls(4, 3, **options) if conv else cls(8, **options)
+
+    frozen = layer()
+    frozen.trainable = False
+    model = _model([layer(), frozen], shape=shape)
+    norm = "fro" if constraint == "frobenius" else 2
+    for built in model.dp_layers[1:]:
+        matrix = built.kernel_matrix().numpy().astype("float64")
+        assert np.linalg.norm(matrix, norm) <= 0.6 * (1 + 1e-6)
+        assert np.linalg.norm(matrix, norm) >= 0.5  # projected, not shrunk to nothing
+
+
 @thorough  # 17 s; tests/core/test_xla.py compiles a DP-SGD step by default
 def test_xla_compiled_steps_match_the_default_ones():
     """model.compile(jit_compile=True): the same training (no noise, same data), weights
