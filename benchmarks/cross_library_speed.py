@@ -77,6 +77,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 
@@ -292,7 +294,14 @@ def _keras_setup(backend):
 
         tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(1)
-    keras.utils.set_random_seed(0)
+        keras.utils.set_random_seed(0)
+    else:  # keras.utils.set_random_seed would import TensorFlow (and its memory) too
+        import random
+
+        import numpy as np
+
+        random.seed(0)
+        np.random.seed(0)
     return {"keras": keras.__version__}
 
 
@@ -316,6 +325,7 @@ def _keras_worker(contender, batch, steps):
 
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[Timer()])
     info["params"] = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+    info["tensorflow_imported"] = "tensorflow" in sys.modules
     if "lipdp" in sys.modules:
         info["lipdp_file"] = sys.modules["lipdp"].__file__
     return marks.steps(), info
