@@ -75,7 +75,7 @@ test-all: install
 # the Keras 2 stack, with tensorflow-privacy, so they rerun there; keras_stacks_speed.py
 # compares the two stacks side by side; cross_library_speed.py compares lipdp with
 # jax-privacy (installed here into $(VENV)) and with Opacus (`make install-torch` first, else
-# its rows are skipped); about 2.5 h on 2 shared cores: step_speed 40 min,
+# its rows are skipped; 20 min); about 2.5 h on 2 shared cores: step_speed 40 min,
 # fmnist_utility 45 min, fmnist_capacity 6 min, shuttle 2 x 6 min). Results and how to read them:
 # benchmarks/README.md. Tables, raw JSON and the plot go to BENCH_OUT.
 BENCH_OUT ?= benchmarks/results
