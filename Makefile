@@ -11,9 +11,12 @@ CONSTRAINTS ?= constraints/keras3.txt
 VENV_KERAS2 ?= .venv-keras2
 KERAS2_CONSTRAINTS ?= constraints/keras2.txt
 BIN_KERAS2 := $(VENV_KERAS2)/bin
+# A third, for benchmarks/cross_library_speed.py only: PyTorch (CPU) and Opacus.
+VENV_TORCH ?= .venv-torch
+BIN_TORCH := $(VENV_TORCH)/bin
 
-.PHONY: install install-keras2 demo test test-thorough test-keras2 test-keras2-all test-slow \
-	test-all lint docs clean bench
+.PHONY: install install-keras2 install-torch demo test test-thorough test-keras2 \
+	test-keras2-all test-slow test-all lint docs clean bench
 
 $(BIN)/activate: setup.cfg pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +33,9 @@ $(BIN_KERAS2)/activate: setup.cfg pyproject.toml $(KERAS2_CONSTRAINTS)
 	touch $(BIN_KERAS2)/activate
 
 install-keras2: $(BIN_KERAS2)/activate
+
+install-torch:
+	$(PYTHON) -m venv $(VENV_TORCH) && $(BIN_TORCH)/pip install --quiet torch==2.13.0 opacus==1.6.0 numpy
 
 # Trains a Lipschitz CNN on the bundled digits under (epsilon, delta) = (3, 1e-5), one line
 # per epoch (--quiet: no Keras progress bar). About 20 s after the install.
@@ -67,7 +73,9 @@ test-all: install
 
 # Benchmarks (NOT part of `make test`; the tables of benchmarks/README.md were measured on
 # the Keras 2 stack, with tensorflow-privacy, so they rerun there; keras_stacks_speed.py
-# compares the two stacks side by side; about 2.5 h on 2 shared cores: step_speed 40 min,
+# compares the two stacks side by side; cross_library_speed.py compares lipdp with
+# jax-privacy (installed here into $(VENV)) and with Opacus (`make install-torch` first, else
+# its rows are skipped; 20 min); about 2.5 h on 2 shared cores: step_speed 40 min,
 # fmnist_utility 45 min, fmnist_capacity 6 min, shuttle 2 x 6 min). Results and how to read them:
 # benchmarks/README.md. Tables, raw JSON and the plot go to BENCH_OUT.
 BENCH_OUT ?= benchmarks/results
@@ -89,6 +97,10 @@ bench: install install-keras2
 	$(BIN)/python benchmarks/keras_stacks_speed.py --keras3-python $(BIN)/python \
 		--keras2-python $(BIN_KERAS2)/python --json $(BENCH_OUT)/keras_stacks_speed.json \
 		> $(BENCH_OUT)/keras_stacks_speed.md
+	$(BIN)/pip install --quiet jax-privacy==2.0.0
+	$(BIN)/python benchmarks/cross_library_speed.py --keras3-python $(BIN)/python \
+		--torch-python $(BIN_TORCH)/python --json $(BENCH_OUT)/cross_library_speed.json \
+		> $(BENCH_OUT)/cross_library_speed.md
 	cat $(BENCH_OUT)/*.md
 
 lint: install
@@ -105,4 +117,4 @@ docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(VENV_KERAS2) *.egg-info .pytest_cache .ruff_cache site
+	rm -rf $(VENV) $(VENV_KERAS2) $(VENV_TORCH) *.egg-info .pytest_cache .ruff_cache site
