@@ -119,6 +119,16 @@ class Clipping(Config):
         return tf.where(norms <= z, r / z, tf.zeros_like(norms))
 
 
+@dataclass(frozen=True)
+class ClippedGradientBound:
+    """The sensitivity entry of a clipped model: one bound for the whole gradient (or one
+    layer's, under per-layer clipping)."""
+
+    key: str
+    bound: float
+    nm_coef: float = 1.0
+
+
 def _capped(norms, radius):
     """``min(1, r / ||g||)``, 1 for a zero gradient."""
     import tensorflow as tf
@@ -127,4 +137,4 @@ def _capped(norms, radius):
     return r / tf.maximum(norms, r)
 
 
-__all__ = ["CLIPPING_MODES", "Clipping"]
+__all__ = ["CLIPPING_MODES", "ClippedGradientBound", "Clipping"]
