@@ -249,7 +249,10 @@ class PrivacyLedger:
         """Add ``count`` runs of the mechanism ``row`` (:func:`step_row`,
         :func:`release_row`): to its own row if it has one, else to the first empty
         regular row, else merged into its kind's overflow row. Graph-safe (the training
-        step calls it once per step) and eager (the dynamic-clipping callbacks)."""
+        step calls it once per step) and eager (the dynamic-clipping callbacks).
+        :func:`placement` is the same rule on numpy arrays."""
+        import tensorflow as tf
+
         row = np.asarray(row, np.float64)
         kind = int(row[KIND])
         overflow = CAPACITY - len(KINDS) + KINDS.index(kind)
