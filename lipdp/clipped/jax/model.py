@@ -247,6 +247,17 @@ class DPSGD_JaxModel(keras.Model):
         _refuse_mixed_precision(self.network)
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
+    def get_compile_config(self):
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        # Keras skips compile() on load for models overriding it; ours only adds checks,
+        # so the stored configuration is replayed through it.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built and isinstance(self.optimizer, keras.optimizers.Optimizer):
+            self.optimizer.build(self.trainable_variables)
+
     # ------------------------------------------------------------ training
     def make_train_function(self, force=False):
         """Before every ``fit``/``train_on_batch``: the noise key (rule S8), where the
@@ -474,10 +485,10 @@ class DPSGD_JaxModel(keras.Model):
     def save_own_variables(self, store):
         """Every variable but the noise key, written as zeros (rule S8: a file never holds
         a key; a reloaded model draws a fresh one before it trains)."""
-        super().save_own_variables(store)
         own = self._trainable_variables + self._non_trainable_variables
-        at = next(i for i, v in enumerate(own) if v is self.noise_key)
-        store[f"{at}"] = np.zeros(keys.KEY_WORDS, np.uint32)
+        for i, variable in enumerate(own):  # the layout of Keras' own save_own_variables
+            key = variable is self.noise_key
+            store[f"{i}"] = np.zeros(keys.KEY_WORDS, np.uint32) if key else variable
 
     def set_weights(self, weights):
         """Set the weights; the privacy state is never rewound (rule S10)."""
