@@ -62,6 +62,7 @@ def pytest_ignore_collect(collection_path, config):
     inside = path == _JAX_TESTS or path.startswith(_JAX_TESTS + os.sep)
     return None if inside or _JAX_TESTS.startswith(path + os.sep) else True
 
+
 if not JAX_RUN:
     with _native_start_up_lines_discarded():
         import tensorflow as tf
@@ -90,22 +91,22 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _seed_everything():
-    """Every test starts from the same seeds (TF global seed or Keras' JAX seed, numpy,
-    Python)."""
-    keras = _keras()
-    keras.utils.set_random_seed(1234)
-    yield
-    keras.backend.clear_session()
-
-
-def _keras():
-    """``tf.keras`` (Keras 2 or 3, whichever TensorFlow uses), or the ``keras`` package on a
-    JAX run."""
+    """Every test starts from the same seeds (TF global seed, numpy, Python)."""
     if JAX_RUN:
+        # Not keras.utils.set_random_seed: it imports TensorFlow when installed, which the
+        # JAX path does not need (tests/jax seeds its weights explicitly).
+        import random
+
         import keras
 
-        return keras
-    return tf.keras
+        random.seed(1234)
+        np.random.seed(1234)
+        yield
+        keras.backend.clear_session()
+        return
+    tf.keras.utils.set_random_seed(1234)
+    yield
+    tf.keras.backend.clear_session()
 
 
 @pytest.fixture

@@ -187,9 +187,19 @@ def test_no_import_circle():
 
 #: The modules the JAX backend imports: no TensorFlow at module level (a function of
 #: theirs that the TensorFlow models call may import it).
-JAX_PATH = ["lipdp.clipped.jax", "lipdp.clipped.clipping", "lipdp.core.noise", "lipdp.core.ledger",
-            "lipdp.core.callbacks", "lipdp.core.parameters", "lipdp.core.report", "lipdp.entry",
-            "lipdp.accounting", "lipdp.core.metadata", "lipdp.core.compat"]
+JAX_PATH = [
+    "lipdp.clipped.jax",
+    "lipdp.clipped.clipping",
+    "lipdp.core.noise",
+    "lipdp.core.ledger",
+    "lipdp.core.callbacks",
+    "lipdp.core.parameters",
+    "lipdp.core.report",
+    "lipdp.entry",
+    "lipdp.accounting",
+    "lipdp.core.metadata",
+    "lipdp.core.compat",
+]
 
 
 def _module_level_imports(path: Path):

@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -61,6 +62,9 @@ from lipdp.accounting.plan import GRADIENT_STEPS as STEPS_LABEL
 from lipdp.accounting.tuning_cost import RandomSearch
 from lipdp.core.layer_walk import nested_layers
 from lipdp.core.variables import state_variable
+
+if TYPE_CHECKING:  # annotations only: TensorFlow is imported on use
+    import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 

@@ -39,10 +39,14 @@ generator is tied to the strategy it was created under).
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lipdp.core import validation
+
+if TYPE_CHECKING:  # annotations only: TensorFlow is imported on use
+    import tensorflow as tf
 
 NOISIFY_STRATEGIES = ("global", "per-layer")
 

@@ -7,6 +7,16 @@ import pytest
 
 if keras.backend.backend() != "jax":
     collect_ignore_glob = ["test_*.py"]
+else:
+    import tempfile
+
+    import jax
+
+    # Many tests build the same small model: its step compiles to the same XLA program,
+    # which the persistent compilation cache then serves (compiling dominates these tests).
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="lipdp-jax-"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture

@@ -11,24 +11,27 @@ from lipdp.core.parameters import DPParameters
 FEATURES, CLASSES = 6, 3
 
 
+def _init(seed, index):
+    """A seeded initialiser (not keras.utils.set_random_seed, which imports TensorFlow)."""
+    return keras.initializers.GlorotUniform(seed=1000 * seed + index)
+
+
 def mlp(seed=0):
-    keras.utils.set_random_seed(seed)
     return keras.Sequential(
         [
             keras.Input((FEATURES,)),
-            keras.layers.Dense(8, activation="tanh"),
-            keras.layers.Dense(CLASSES),
+            keras.layers.Dense(8, activation="tanh", kernel_initializer=_init(seed, 0)),
+            keras.layers.Dense(CLASSES, kernel_initializer=_init(seed, 1)),
         ]
     )
 
 
 def cnn(seed=0):
-    keras.utils.set_random_seed(seed)
     inputs = keras.Input((8, 8, 1))
-    h = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
+    h = keras.layers.Conv2D(4, 3, activation="relu", kernel_initializer=_init(seed, 0))(inputs)
     h = keras.layers.GroupNormalization(groups=2)(h)
     h = keras.layers.Flatten()(h)
-    return keras.Model(inputs, keras.layers.Dense(CLASSES)(h))
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, kernel_initializer=_init(seed, 1))(h))
 
 
 def private(network, *, sigma=1.0, clip_norm=1.0, batch_size=8, n=32, sampling="poisson",

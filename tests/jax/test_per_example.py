@@ -35,8 +35,12 @@ def _vmapped(model, x, y):
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
     row_loss = model._row_loss_function(non_trainable)
-    grads, _ = per_example.per_example_gradients(row_loss, trainable, jnp.asarray(x), jnp.asarray(y))
-    return grads
+
+    @jax.jit
+    def grads(params, x, y):
+        return per_example.per_example_gradients(row_loss, params, x, y)[0]
+
+    return grads(trainable, jnp.asarray(x), jnp.asarray(y))
 
 
 @pytest.mark.parametrize("network", [h.mlp, h.cnn], ids=["mlp", "cnn"])
@@ -81,7 +85,9 @@ def test_norms_neither_overflow_nor_underflow_in_float32():
     assert np.isinf(squares[0].sum()) and squares[1].sum() == 0.0
 
 
-@pytest.mark.parametrize("mode,options", [("flat", {}), ("automatic", {}), ("global", {"threshold": 3.0})])
+@pytest.mark.parametrize(
+    "mode,options", [("flat", {}), ("automatic", {}), ("global", {"threshold": 3.0})]
+)
 def test_every_clipped_term_is_within_the_radius(mode, options):
     rng = np.random.default_rng(1)
     g = jnp.asarray(rng.normal(size=(64, 30)) * np.exp(rng.normal(size=(64, 1)) * 3), jnp.float32)

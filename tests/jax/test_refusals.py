@@ -81,7 +81,9 @@ def test_fixed_size_batches_must_have_the_declared_size():
 def test_poisson_models_take_poisson_batches_only():
     model = h.private(h.mlp(), batch_size=8, n=32)
     x, y = h.data(32)
-    with pytest.raises(ValueError, match="needs Poisson-sampled batches: pass lipdp.private_batches"):
+    with pytest.raises(
+        ValueError, match="needs Poisson-sampled batches: pass lipdp.private_batches"
+    ):
         model.fit(x, y, epochs=1, verbose=0)
     with pytest.raises(ValueError, match="sample_weight is not supported"):
         model.fit(lipdp.private_batches(model, x, y), sample_weight=np.ones(32), verbose=0)

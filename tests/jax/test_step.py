@@ -67,7 +67,7 @@ def test_noise_ignores_keras_seeds_and_is_reproducible_only_when_asked(reproduci
     model = h.private(h.mlp(seed=0))
 
     def draw(model):
-        keras.utils.set_random_seed(5)
+        keras.utils.set_random_seed(5)  # Keras', numpy's, Python's (and TensorFlow's) seeds
         return h.step_update(model, x, y, zeros)
 
     assert not np.allclose(draw(model), draw(model))  # same Keras seed, other noise
@@ -87,7 +87,9 @@ def test_the_key_moves_at_every_step_inside_fit(reproducible_noise):
     model.fit(lipdp.private_batches(model, x, y, seed=0), epochs=1, verbose=0)
     key = keys.seeded_key(21)
     for _ in range(4):
-        key = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(key, impl=keys.IMPL))[0])
+        key = jax.random.key_data(
+            jax.random.split(jax.random.wrap_key_data(key, impl=keys.IMPL))[0]
+        )
     np.testing.assert_array_equal(model.noise_key.numpy(), np.asarray(key))
     assert int(model.noisy_steps.numpy()) == 4
 
@@ -104,7 +106,9 @@ def test_hostile_records_are_neutralised_and_counted(reproducible_noise):
     clean_mask = np.ones(12, np.float32)
     clean_mask[[2, 7, 9]] = 0.0
     a, b = _same(2)
-    logs = a.train_on_batch(hostile, labels, sample_weight=np.ones(12, np.float32), return_dict=True)
+    logs = a.train_on_batch(
+        hostile, labels, sample_weight=np.ones(12, np.float32), return_dict=True
+    )
     b.train_on_batch(x, y, sample_weight=clean_mask)
     np.testing.assert_allclose(h.weights(a), h.weights(b), rtol=1e-6, atol=1e-7)
     assert np.all(np.isfinite(h.weights(a)))
@@ -115,7 +119,9 @@ def test_arrays_with_non_finite_rows_are_refused_before_training():
     model = h.private(h.mlp(), sampling="shuffle", batch_size=8, n=16)
     x, y = h.data(16)
     x[5, 1] = np.nan
-    with pytest.raises(ValueError, match=r"x has 1 example\(s\) with NaN or infinite values \(rows 5\)"):
+    with pytest.raises(
+        ValueError, match=r"x has 1 example\(s\) with NaN or infinite values \(rows 5\)"
+    ):
         model.fit(x, y, epochs=1, verbose=0)
 
 
@@ -134,7 +140,10 @@ def test_epsilon_logged_is_the_plan_s_and_the_target():
     assert 3.0 - 0.05 < logged[-1] <= 3.0 and logged[0] < logged[1]
     assert int(model.noisy_steps.numpy()) == 16
     (entry,) = model.privacy_ledger.entries()
-    assert entry.count == 16 and entry.mechanism.noise_multiplier == model.dp_parameters.noise_multiplier
+    assert (
+        entry.count == 16
+        and entry.mechanism.noise_multiplier == model.dp_parameters.noise_multiplier
+    )
     assert "16 x noisy gradient steps" in str(privacy_report(model))
 
 

@@ -60,14 +60,16 @@ def next_key_and_draw(key_words):
 
 
 def gaussian_like(draw, arrays, stddev) -> list:
-    """Independent ``N(0, stddev^2)`` noise shaped like each array of ``arrays`` (float32),
-    one sub-key per array."""
+    """Independent ``N(0, stddev^2)`` noise shaped like each array of ``arrays`` (float32):
+    one draw of their total size, cut into their shapes (one random-number program to
+    compile, whatever the number of variables)."""
     import jax
+    import jax.numpy as jnp
 
-    subkeys = jax.random.split(draw, len(arrays))
-    return [
-        stddev * jax.random.normal(k, a.shape, dtype="float32") for k, a in zip(subkeys, arrays)
-    ]
+    sizes = [int(np.prod(a.shape)) for a in arrays]
+    flat = stddev * jax.random.normal(draw, (sum(sizes),), dtype="float32")
+    pieces = jnp.split(flat, np.cumsum(sizes)[:-1].tolist()) if len(sizes) > 1 else [flat]
+    return [jnp.reshape(p, a.shape) for p, a in zip(pieces, arrays)]
 
 
 __all__ = ["IMPL", "KEY_WORDS", "entropy_key", "gaussian_like", "next_key_and_draw", "seeded_key"]

@@ -299,7 +299,6 @@ class DPSGD_JaxModel(keras.Model):
 
     def train_step(self, state, data):
         """One private step (module docstring), stateless: ``(logs, state)``."""
-        import jax
         import jax.numpy as jnp
 
         trainable, non_trainable, optimizer_variables, metrics_variables = state
@@ -328,7 +327,9 @@ class DPSGD_JaxModel(keras.Model):
         next_key, draw = keys.next_key_and_draw(self._own(non_trainable, self.noise_key))
         averaged = [s / plan.normalizer for s in summed]
         if plan.stddev > 0:
-            averaged = [a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, plan.stddev))]
+            averaged = [
+                a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, plan.stddev))
+            ]
         trainable, optimizer_variables = self.optimizer.stateless_apply(
             optimizer_variables, averaged, trainable
         )
@@ -468,9 +469,7 @@ class DPSGD_JaxModel(keras.Model):
             raise ValueError("class_weight is not supported: it changes the sensitivity.")
         if sample_weight is not None and self._metadata_for("training").sampling != "poisson":
             raise ValueError("sample_weight is not supported: it changes the sensitivity.")
-        return super().train_on_batch(
-            x, y, sample_weight=sample_weight, return_dict=return_dict
-        )
+        return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
     # ------------------------------------------------------- privacy state
     def save(self, filepath, *args, **kwargs):
