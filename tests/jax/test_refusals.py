@@ -76,6 +76,7 @@ def test_fixed_size_batches_must_have_the_declared_size():
         model.train_on_batch(x[:7], y[:7])
     history = model.fit(x, y, epochs=1, verbose=0)  # 4 full batches of 8
     assert int(model.noisy_steps.numpy()) == 4 and history.history["loss"]
+    assert set(model.evaluate(x, y, verbose=0, return_dict=True)) >= {"loss", "accuracy"}
 
 
 def test_poisson_models_take_poisson_batches_only():
