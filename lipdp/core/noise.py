@@ -30,6 +30,10 @@ is reproducible. The seed is hashed (SHA-256) into the generator's Philox key an
 libraries the Gaussian samples are floating-point numbers, whose low-order bits can leak
 information in theory (Mironov, CCS 2012); no snapping or discrete Gaussian is applied.
 
+TensorFlow is imported when a standard deviation or a draw is computed, not with this
+module: the JAX backend (:mod:`lipdp.clipped.jax.keys`) reads the same switch
+(:func:`use_reproducible_noise`, :func:`seed_words`) without it.
+
 **Under tf.distribute** (:mod:`lipdp.core.distribute`) the noise of a step is drawn once, by
 the replica of id 0, before the replicas' gradients are summed: the released sum carries
 exactly ``N(0, s^2 I)``. Each strategy has its own generator, created in its scope (a
