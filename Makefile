@@ -15,13 +15,13 @@ BIN_KERAS2 := $(VENV_KERAS2)/bin
 VENV_TORCH ?= .venv-torch
 BIN_TORCH := $(VENV_TORCH)/bin
 
-.PHONY: install install-keras2 install-torch demo test test-thorough test-keras2 \
+.PHONY: install install-keras2 install-torch demo test test-thorough test-jax test-keras2 \
 	test-keras2-all test-slow test-all lint docs clean bench
 
 $(BIN)/activate: setup.cfg pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,hub]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,hub,jax]"
 	touch $(BIN)/activate
 
 install: $(BIN)/activate
@@ -54,6 +54,12 @@ test: install
 # Keras 2: 210 tests, 7 min 41 s in a fresh-clone .ci/run on 2 cores, 2026-11-27).
 test-thorough: install
 	$(BIN)/pytest -q -n 2 --dist worksteal -m "thorough and not slow"
+
+# The clipped family on Keras 3's JAX backend (lipdp.clipped.jax): tests/jax, in one process
+# (the rest of the suite is TensorFlow programs; under KERAS_BACKEND=jax tests/conftest.py
+# collects tests/jax only, and the default suite skips tests/jax).
+test-jax: install
+	KERAS_BACKEND=jax $(BIN)/pytest -q -n 0 tests/jax
 
 # The default suite on Keras 2 (TensorFlow 2.15.1; CI, before `make test`), with the
 # comparisons against tensorflow-privacy that only this stack can import.

@@ -26,6 +26,13 @@ and ``epochs * floor(N / b)`` steps) to the smallest ``sigma`` whose ``epsilon``
 ``epochs`` epochs is at most the target. The plan is the one ``fit`` records in the
 model's privacy ledger, so the ``epsilon`` reported after ``epochs`` epochs is the
 target (up to the bisection's tolerance, from below).
+
+**Backends.** Under Keras 3's JAX backend (``KERAS_BACKEND=jax``) the clipped family is
+:class:`~lipdp.clipped.jax.model.DPSGD_JaxModel` (the same accounting; flat, automatic or
+global clipping, ``"global"`` noise) and :func:`private_batches` gives padded numpy
+Poisson batches (:class:`~lipdp.clipped.jax.batches.PoissonBatches`); the clipless family
+needs ``KERAS_BACKEND=tensorflow``. The TensorFlow modules are imported only on that
+backend.
 """
 
 from __future__ import annotations
@@ -34,18 +41,12 @@ import dataclasses
 import logging
 
 import keras
-import tensorflow as tf
 
 from lipdp.accounting import calibrate_noise_multiplier
-from lipdp.clipless.layers import DP_BoundedInput
-from lipdp.clipless.layers.base import DPLayer
-from lipdp.clipless.model import DP_Sequential
 from lipdp.clipped.clipping import CLIPPING_MODES, Clipping
-from lipdp.clipped.model import DPSGD_Sequential
 from lipdp.core import compat, validation
 from lipdp.core.metadata import DatasetMetadata
-from lipdp.core.private_model import DPParameters
-from lipdp.data.sampling import poisson_batches
+from lipdp.core.parameters import DPParameters
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +97,23 @@ def make_private(
         **model_options: passed to the model class (``gradient_method``, ``ascent``, ...).
 
     Returns:
-        A ``DP_Sequential`` or ``DPSGD_Sequential``, not compiled (``compile`` it as any
-        Keras model; the clipless family needs a loss of :mod:`lipdp.clipless.losses`).
+        A ``DP_Sequential`` or ``DPSGD_Sequential`` (a ``DPSGD_JaxModel`` wrapping the
+        model on the JAX backend), not compiled (``compile`` it as any Keras model; the
+        clipless family needs a loss of :mod:`lipdp.clipless.losses`).
     """
-    layers = _layers_of(model_or_layers)
-    method = _family(validation.choice("method", method, METHODS), layers)
+    method = validation.choice("method", method, METHODS)
     epochs = validation.count("epochs", epochs, minimum=1)
+    if compat.keras_backend() == compat.JAX_BACKEND:
+        model = _jax_model(
+            model_or_layers, method, delta, batch_size, dataset_size, clip_norm, clipping,
+            noise, input_bound, sampling, model_options,
+        )  # fmt: skip
+        return _calibrated(model, epsilon, delta, epochs, accountant, "clipped")
+    from lipdp.clipless.model import DP_Sequential
+    from lipdp.clipped.model import DPSGD_Sequential
+
+    layers = _layers_of(model_or_layers)
+    method = _family(method, layers)
     metadata = DatasetMetadata(
         input_shape=_input_shape(layers),
         nb_classes=_output_units(layers),
@@ -129,8 +141,14 @@ def make_private(
             dataset_metadata=metadata,
             **model_options,
         )
+    return _calibrated(model, epsilon, delta, epochs, accountant, method)
+
+
+def _calibrated(model, epsilon, delta, epochs, accountant, method):
+    """``model`` with the smallest ``sigma`` meeting ``(epsilon, delta)`` (module doc)."""
     sigma = calibrate_noise_multiplier(epsilon, epochs, model=model, accountant=accountant)
     model.dp_parameters = dataclasses.replace(model.dp_parameters, noise_multiplier=sigma)
+    metadata = model.dataset_metadata
     logger.info(
         "make_private: %s family, sigma = %.4g for (epsilon, delta) = (%g, %g) after %d "
         "epochs of %d steps (q = %.4g).",
@@ -140,9 +158,11 @@ def make_private(
     return model
 
 
-def private_batches(model, x, y, seed=None) -> tf.data.Dataset:
+def private_batches(model, x, y, seed=None):
     """One epoch of Poisson batches of ``(x, y)`` at the model's rate ``q = b / N`` and
-    steps per epoch (:func:`lipdp.pipeline.poisson_batches`); pass it to ``fit`` with
+    steps per epoch (:func:`lipdp.pipeline.poisson_batches`, a ``tf.data.Dataset``; on the
+    JAX backend padded numpy batches with a row mask,
+    :class:`~lipdp.clipped.jax.batches.PoissonBatches`); pass it to ``fit`` with
     ``epochs=E`` (fresh draws every epoch). ``seed=None``: drawn from the operating
     system, as amplification by subsampling assumes (rule S8)."""
     metadata = model.dataset_metadata
@@ -151,7 +171,80 @@ def private_batches(model, x, y, seed=None) -> tf.data.Dataset:
             f"x has {len(x)} records but the model was made private for dataset_size="
             f"{metadata.nb_samples_train}: the sampling rate, and epsilon, come from it."
         )
-    return poisson_batches(x, y, metadata.sampling_rate, metadata.nb_steps_per_epochs, seed)
+    rate, steps = metadata.sampling_rate, metadata.nb_steps_per_epochs
+    if compat.keras_backend() == compat.JAX_BACKEND:
+        from lipdp.clipped.jax.batches import PoissonBatches
+
+        multiple = 8 * _data_parallel_devices()
+        return PoissonBatches(x, y, rate, steps, metadata.batch_size, multiple, seed)
+    from lipdp.data.sampling import poisson_batches
+
+    return poisson_batches(x, y, rate, steps, seed)
+
+
+def _data_parallel_devices() -> int:
+    """Devices a Keras 3 distribution shards the batch over (1 without one)."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    return int(distribution.device_mesh.devices.size)
+
+
+def _jax_model(
+    model_or_layers, method, delta, batch_size, dataset_size, clip_norm, clipping, noise,
+    input_bound, sampling, model_options,
+):  # fmt: skip
+    """The clipped family's JAX model (module docstring), not calibrated yet."""
+    if method == "clipless":
+        raise ValueError(
+            "The clipless family runs on TensorFlow: set KERAS_BACKEND=tensorflow before "
+            "importing keras, or pass method='clipped'."
+        )
+    if input_bound is not None:
+        raise ValueError("input_bound is for method='clipless'; clipping bounds the rest.")
+    from lipdp.clipped.jax.model import DPSGD_JaxModel
+
+    network = _network(model_or_layers)
+    metadata = DatasetMetadata(
+        input_shape=tuple(network.input_shape[1:]),
+        nb_classes=_classes(network.output_shape),
+        nb_samples_train=validation.count("dataset_size", dataset_size, minimum=1),
+        batch_size=validation.count("batch_size", batch_size, minimum=1),
+        sampling=sampling,
+    )
+    return DPSGD_JaxModel(
+        network,
+        dp_parameters=DPParameters(noise, 1.0, validation.probability("delta", delta)),
+        clipping=Clipping(validation.choice("clipping", clipping, CLIPPING_MODES), clip_norm),
+        dataset_metadata=metadata,
+        **model_options,
+    )
+
+
+def _network(model_or_layers):
+    """A built Keras model: the model given, or a ``Sequential`` of the layers given."""
+    if isinstance(model_or_layers, keras.Model):
+        network = model_or_layers
+    elif isinstance(model_or_layers, (list, tuple)) and model_or_layers:
+        network = keras.Sequential(list(model_or_layers))
+    else:
+        raise TypeError(
+            "make_private takes a list of Keras layers or a Keras model, got "
+            f"{type(model_or_layers).__name__}."
+        )
+    if not network.built:
+        raise ValueError(
+            "The model has no input shape: start it with keras.Input(shape=...) (or give "
+            "the first layer an InputLayer)."
+        )
+    return network
+
+
+def _classes(output_shape) -> int:
+    units = tuple(output_shape)[-1]
+    if units is None:
+        raise ValueError("The model's output has no static last dimension (its classes).")
+    return int(units)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -175,6 +268,8 @@ def _layers_of(model_or_layers) -> list:
 def _family(method, layers) -> str:
     if method != "auto":
         return method
+    from lipdp.clipless.layers.base import DPLayer
+
     dp = [isinstance(layer, DPLayer) for layer in layers if not _is_input_layer(layer)]
     if all(dp):
         return "clipless"
@@ -203,6 +298,8 @@ def _is_input_layer(layer) -> bool:
 
 def _output_units(layers) -> int:
     """The last dimension of the output (the classes), layer by layer."""
+    import tensorflow as tf
+
     shape = tf.TensorShape((None, *_input_shape(layers)))
     for layer in layers:
         if not _is_input_layer(layer):
@@ -214,6 +311,8 @@ def _output_units(layers) -> int:
 
 
 def _bounded(layers, input_bound, input_shape) -> list:
+    from lipdp.clipless.layers import DP_BoundedInput
+
     if isinstance(layers[0], DP_BoundedInput):
         return layers
     if input_bound is None:

@@ -47,19 +47,37 @@ def _native_start_up_lines_discarded():
             sys.stderr = python_stderr
 
 
-with _native_start_up_lines_discarded():
-    import tensorflow as tf
+#: ``KERAS_BACKEND=jax`` (``make test-jax``): only tests/jax runs (tests/jax/conftest.py),
+#: without TensorFlow; every other directory is ignored (their modules import TensorFlow
+#: programs that refuse the JAX backend).
+JAX_RUN = os.environ.get("KERAS_BACKEND") == "jax"
+_JAX_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax")
 
-    # tests/core/test_distribute.py trains under MirroredStrategy over two logical CPU devices.
-    # Devices can be split only before TensorFlow initialises them: here, once per process
-    # (single-device code keeps running on the first one).
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
-    )
 
-# Session fixtures shared by the evaluation tests (the digits CNN is trained once per
-# test process, not once per test module).
-from tests.evaluation_helpers import digits, trained  # noqa: E402, F401
+def pytest_ignore_collect(collection_path, config):
+    """On a JAX run, everything outside tests/jax is ignored (``None``: pytest decides)."""
+    if not JAX_RUN:
+        return None
+    path = str(collection_path)
+    inside = path == _JAX_TESTS or path.startswith(_JAX_TESTS + os.sep)
+    return None if inside or _JAX_TESTS.startswith(path + os.sep) else True
+
+
+if not JAX_RUN:
+    with _native_start_up_lines_discarded():
+        import tensorflow as tf
+
+        # tests/core/test_distribute.py trains under MirroredStrategy over two logical CPU
+        # devices. Devices can be split only before TensorFlow initialises them: here, once
+        # per process (single-device code keeps running on the first one).
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * 2,
+        )
+
+    # Session fixtures shared by the evaluation tests (the digits CNN is trained once per
+    # test process, not once per test module).
+    from tests.evaluation_helpers import digits, trained  # noqa: F401
 from tests.marks import is_thorough, thorough  # noqa: E402
 
 
@@ -74,6 +92,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed_everything():
     """Every test starts from the same seeds (TF global seed, numpy, Python)."""
+    if JAX_RUN:
+        # Not keras.utils.set_random_seed: it imports TensorFlow when installed, which the
+        # JAX path does not need (tests/jax seeds its weights explicitly).
+        import random
+
+        import keras
+
+        random.seed(1234)
+        np.random.seed(1234)
+        yield
+        keras.backend.clear_session()
+        return
     tf.keras.utils.set_random_seed(1234)
     yield
     tf.keras.backend.clear_session()

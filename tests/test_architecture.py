@@ -40,6 +40,14 @@ ALLOWED = {
     "lipdp.core": ("lipdp.core", "lipdp.accounting"),
     # the two families build on the shared base, never on each other
     "lipdp.clipless": ("lipdp.clipless", "lipdp.core", "lipdp.accounting"),
+    # the clipped family's JAX step: the shared base and the clipping configuration only,
+    # never the TensorFlow step (lipdp.clipped.model, lipdp.clipped.per_example)
+    "lipdp.clipped.jax": (
+        "lipdp.clipped.jax",
+        "lipdp.clipped.clipping",
+        "lipdp.core",
+        "lipdp.accounting",
+    ),
     "lipdp.clipped": ("lipdp.clipped", "lipdp.core", "lipdp.accounting"),
     # above both families
     "lipdp.evaluation": (
@@ -175,3 +183,39 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module)
+
+
+#: The modules the JAX backend imports: no TensorFlow at module level (a function of
+#: theirs that the TensorFlow models call may import it).
+JAX_PATH = [
+    "lipdp.clipped.jax",
+    "lipdp.clipped.clipping",
+    "lipdp.core.noise",
+    "lipdp.core.ledger",
+    "lipdp.core.callbacks",
+    "lipdp.core.parameters",
+    "lipdp.core.report",
+    "lipdp.entry",
+    "lipdp.accounting",
+    "lipdp.core.metadata",
+    "lipdp.core.compat",
+]
+
+
+def _module_level_imports(path: Path):
+    """The modules ``path`` imports outside functions."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_the_jax_backend_s_modules_import_no_tensorflow():
+    checked = [p for p in PACKAGE.rglob("*.py") if _rule(_module_name(p)) is not None]
+    on_path = [p for p in checked if any(_module_name(p).startswith(m) for m in JAX_PATH)]
+    assert len(on_path) > 10
+    for path in on_path:
+        tf = [n for n in _module_level_imports(path) if n.split(".")[0] == "tensorflow"]
+        assert not tf, f"{_module_name(path)} imports {tf} at module level"

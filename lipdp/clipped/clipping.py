@@ -1,14 +1,13 @@
 """How a row's gradient is clipped: the four modes of :class:`Clipping` (flat, per-layer,
 automatic, global) and their factors ``C_i``; every mode bounds the norm of a row's scaled
 gradient ``C_i g_i`` by ``R``, the sensitivity the noise of :mod:`lipdp.clipped.model`
-is calibrated on."""
+is calibrated on. (TensorFlow is imported when a factor is computed: the JAX backend,
+:mod:`lipdp.clipped.jax`, reads the same configuration.)"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import tensorflow as tf
 
 from lipdp.core import validation
 from lipdp.core.config import Config
@@ -97,6 +96,8 @@ class Clipping(Config):
         """``C_il`` for every weighted layer ``l`` from the rows' squared gradient norms
         per layer (float64, :mod:`lipdp.clipped.per_example`: the sum over layers cannot
         overflow): one factor from the total norm, or one per layer (``"per-layer"``)."""
+        import tensorflow as tf
+
         if self.mode == "per-layer":
             radii = self.layer_radii(len(sq_norms))
             return [_capped(tf.sqrt(sq), r) for sq, r in zip(sq_norms, radii)]
@@ -107,6 +108,8 @@ class Clipping(Config):
         ``"per-layer"``, see :meth:`layer_factors`)."""
         if self.mode == "per-layer":
             raise ValueError("per-layer clipping has one factor per layer: layer_factors().")
+        import tensorflow as tf
+
         r = tf.cast(self.clip_norm, norms.dtype)
         if self.mode == "flat":
             return _capped(norms, self.clip_norm)
@@ -116,10 +119,22 @@ class Clipping(Config):
         return tf.where(norms <= z, r / z, tf.zeros_like(norms))
 
 
+@dataclass(frozen=True)
+class ClippedGradientBound:
+    """The sensitivity entry of a clipped model: one bound for the whole gradient (or one
+    layer's, under per-layer clipping)."""
+
+    key: str
+    bound: float
+    nm_coef: float = 1.0
+
+
 def _capped(norms, radius):
     """``min(1, r / ||g||)``, 1 for a zero gradient."""
+    import tensorflow as tf
+
     r = tf.cast(radius, norms.dtype)
     return r / tf.maximum(norms, r)
 
 
-__all__ = ["CLIPPING_MODES", "Clipping"]
+__all__ = ["CLIPPING_MODES", "ClippedGradientBound", "Clipping"]

@@ -52,12 +52,10 @@ exactly as for the clipless family.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import keras
 import tensorflow as tf
 
-from lipdp.clipped.clipping import CLIPPING_MODES, Clipping
+from lipdp.clipped.clipping import CLIPPING_MODES, ClippedGradientBound, Clipping
 from lipdp.clipped.layer_support import check_layer_support
 from lipdp.clipped.per_example import (
     GRADIENT_METHODS,
@@ -73,15 +71,6 @@ from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.private_model import DPParameters, PrivateModel, StepGradients
 from lipdp.core.records import kept_rows
 from lipdp.core.variables import state_variable, variable_key
-
-
-@dataclass(frozen=True)
-class ClippedGradientBound:
-    """The sensitivity entry of a clipped model: one bound for the whole gradient."""
-
-    key: str
-    bound: float
-    nm_coef: float = 1.0
 
 
 def _refuse_replicas(what) -> None:

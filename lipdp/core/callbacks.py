@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import keras
-import tensorflow as tf
 
 from lipdp.accounting.budget import get_eps_delta
 from lipdp.accounting.registry import get_accountant, is_approximate
@@ -173,6 +172,8 @@ class ParameterAveraging(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         if self.averages is None:
+            import tensorflow as tf
+
             self.averages = [
                 tf.Variable(v, trainable=False, name="average")
                 for v in self.model.trainable_variables

@@ -12,8 +12,11 @@ version:
 With ``TF_USE_LEGACY_KERAS=1`` and TensorFlow >= 2.16, ``tf.keras`` is tf-keras, a Keras 2
 package distinct from ``keras``: its layers are refused by :func:`refuse_foreign_layers`.
 
-Keras 3 with another backend (JAX, PyTorch) is refused in one line naming the fix: lipdp's
-training steps are TensorFlow programs.
+Keras 3 with the **JAX backend** runs the clipped family only (:mod:`lipdp.clipped.jax`,
+what :func:`lipdp.make_private` returns there; accounting, ledger and callbacks are shared);
+every TensorFlow program of lipdp (the clipless family, the TensorFlow clipped models, the
+``tf.data`` pipelines) refuses it in one line naming ``KERAS_BACKEND=tensorflow``
+(:func:`require_supported_keras`). Another backend (PyTorch) is refused the same way.
 
 This module does not import TensorFlow at import time (``lipdp --help`` and
 :mod:`lipdp.accounting` stay TensorFlow-free); :func:`require_supported_keras` is called by
@@ -33,8 +36,10 @@ KERAS_3_DEFAULT_SINCE = (2, 16)
 #: The environment variable that routes ``tf.keras`` to ``tf-keras`` (TensorFlow >= 2.15);
 #: lipdp never sets it.
 LEGACY_KERAS_FLAG = "TF_USE_LEGACY_KERAS"
-#: The Keras 3 backend lipdp's steps run on.
+#: The Keras 3 backend lipdp's TensorFlow programs run on (every family, every feature).
 SUPPORTED_BACKEND = "tensorflow"
+#: The Keras 3 backend of :mod:`lipdp.clipped.jax` (the clipped family's JAX step).
+JAX_BACKEND = "jax"
 #: The distributions that install the ``tensorflow`` package.
 _TENSORFLOW_DISTRIBUTIONS = (
     "tensorflow",
@@ -87,20 +92,33 @@ def keras_3() -> bool:
     return keras.__version__.split(".")[0] == "3"
 
 
-def keras_problem() -> str | None:
-    """Why lipdp cannot run on this Keras, or ``None`` (imports keras)."""
+def keras_backend() -> str:
+    """The backend Keras runs on: ``keras.backend.backend()`` on Keras 3, ``"tensorflow"``
+    on Keras 2 (imports keras)."""
     import keras
 
-    if not keras_3():
+    return keras.backend.backend() if keras_3() else SUPPORTED_BACKEND
+
+
+def keras_problem(backend: str = SUPPORTED_BACKEND) -> str | None:
+    """Why lipdp's programs for ``backend`` (TensorFlow by default; :data:`JAX_BACKEND` for
+    :mod:`lipdp.clipped.jax`) cannot run on this Keras, or ``None`` (imports keras)."""
+    import keras
+
+    current = keras_backend()
+    if current == backend:
         return None
-    backend = keras.backend.backend()
-    if backend != SUPPORTED_BACKEND:
+    if backend == SUPPORTED_BACKEND:
         return (
-            f"Keras {keras.__version__} runs on the {backend} backend while lipdp's training "
+            f"Keras {keras.__version__} runs on the {current} backend while lipdp's training "
             f"steps are TensorFlow programs. Fix: set KERAS_BACKEND={SUPPORTED_BACKEND} before "
             "importing keras"
         )
-    return None
+    return (
+        f"Keras {keras.__version__} runs on the {current} backend while lipdp.clipped.jax's "
+        f"steps are JAX programs. Fix: set KERAS_BACKEND={backend} before importing keras "
+        "(on TensorFlow, lipdp.clipped.model trains the same models)"
+    )
 
 
 def refuse_foreign_layers(layers) -> None:
@@ -121,10 +139,10 @@ def refuse_foreign_layers(layers) -> None:
             )
 
 
-def require_supported_keras() -> None:
-    """Raise a one-line :class:`ImportError` naming the fix if lipdp cannot run on this
-    ``tf.keras`` (:func:`keras_problem`)."""
-    problem = keras_problem()
+def require_supported_keras(backend: str = SUPPORTED_BACKEND) -> None:
+    """Raise a one-line :class:`ImportError` naming the fix if lipdp's programs for
+    ``backend`` cannot run on this Keras (:func:`keras_problem`)."""
+    problem = keras_problem(backend)
     if problem is not None:
         raise ImportError(f"lipdp cannot run here: {problem}.")
 

@@ -53,15 +53,18 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
 
 from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian, dynamic_clipping_label
 from lipdp.accounting.plan import GRADIENT_STEPS as STEPS_LABEL
 from lipdp.accounting.tuning_cost import RandomSearch
 from lipdp.core.layer_walk import nested_layers
 from lipdp.core.variables import state_variable
+
+if TYPE_CHECKING:  # annotations only: TensorFlow is imported on use
+    import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +173,8 @@ def release_row(mechanism) -> np.ndarray:
 
 def _dominating(old, new, kind):
     """A row that dominates ``old`` (an overflow row, maybe empty) and ``new``."""
+    import tensorflow as tf
+
     # A Gaussian's sigma: smaller is worse; Laplace's epsilon, a search's mean: larger.
     smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
     # (A search's shape, in RATE: a larger eta costs more for the same mean.)
@@ -194,6 +199,40 @@ def _dominating(old, new, kind):
     return tf.where(tf.equal(old[KIND], 0.0), new, merged)
 
 
+def placement(table, row) -> tuple[int, np.ndarray]:
+    """``(index, written)``: the row of ``table`` (a ``(CAPACITY, WIDTH)`` float64 array)
+    that :meth:`PrivacyLedger.record` adds a run of the mechanism ``row`` to, and what it
+    writes there -- ``row`` itself in its own row or the first empty regular row, else,
+    the regular rows being full, a row that dominates ``row`` and the overflow row of its
+    kind. The same rule as ``record`` in numpy, for a step that writes a row it knows
+    when it is compiled (the JAX backend, :mod:`lipdp.clipped.jax.ledger`)."""
+    table, row = np.asarray(table, np.float64), np.asarray(row, np.float64)
+    kind = int(row[KIND])
+    regular = table[: CAPACITY - len(KINDS)]
+    same = np.flatnonzero(np.all(regular == row[None], axis=1))
+    if same.size:
+        return int(same[0]), row
+    empty = np.flatnonzero(regular[:, KIND] == 0.0)
+    if empty.size:
+        return int(empty[0]), row
+    overflow = CAPACITY - len(KINDS) + KINDS.index(kind)
+    return overflow, _dominating_numpy(table[overflow], row, kind)
+
+
+def _dominating_numpy(old, new, kind) -> np.ndarray:
+    """:func:`_dominating` in numpy."""
+    if old[KIND] == 0.0:
+        return new
+    smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
+    low, high = np.minimum(old, new), np.maximum(old, new)
+    merged = high.copy()
+    merged[KIND] = new[KIND]
+    merged[SCALE] = low[SCALE] if smaller_is_worse else high[SCALE]
+    merged[[SAMPLES, POISSON]] = low[[SAMPLES, POISSON]]
+    merged[MERGED] = 1.0
+    return merged
+
+
 class PrivacyLedger:
     """A view of a model's ledger variables (module docstring)."""
 
@@ -214,7 +253,10 @@ class PrivacyLedger:
         """Add ``count`` runs of the mechanism ``row`` (:func:`step_row`,
         :func:`release_row`): to its own row if it has one, else to the first empty
         regular row, else merged into its kind's overflow row. Graph-safe (the training
-        step calls it once per step) and eager (the dynamic-clipping callbacks)."""
+        step calls it once per step) and eager (the dynamic-clipping callbacks).
+        :func:`placement` is the same rule on numpy arrays."""
+        import tensorflow as tf
+
         row = np.asarray(row, np.float64)
         kind = int(row[KIND])
         overflow = CAPACITY - len(KINDS) + KINDS.index(kind)
@@ -371,6 +413,7 @@ __all__ = [
     "inherited_ledger",
     "is_non_private",
     "ledgers_of",
+    "placement",
     "tag_trained_layers",
     "release_row",
     "search_row",

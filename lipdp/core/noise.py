@@ -30,6 +30,10 @@ is reproducible. The seed is hashed (SHA-256) into the generator's Philox key an
 libraries the Gaussian samples are floating-point numbers, whose low-order bits can leak
 information in theory (Mironov, CCS 2012); no snapping or discrete Gaussian is applied.
 
+TensorFlow is imported when a standard deviation or a draw is computed, not with this
+module: the JAX backend (:mod:`lipdp.clipped.jax.keys`) reads the same switch
+(:func:`use_reproducible_noise`, :func:`seed_words`) without it.
+
 **Under tf.distribute** (:mod:`lipdp.core.distribute`) the noise of a step is drawn once, by
 the replica of id 0, before the replicas' gradients are summed: the released sum carries
 exactly ``N(0, s^2 I)``. Each strategy has its own generator, created in its scope (a
@@ -39,11 +43,14 @@ generator is tied to the strategy it was created under).
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
 
-from lipdp.core import distribute, validation
+from lipdp.core import validation
+
+if TYPE_CHECKING:  # annotations only: TensorFlow is imported on use
+    import tensorflow as tf
 
 NOISIFY_STRATEGIES = ("global", "per-layer")
 
@@ -68,6 +75,8 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs) -> list:
     Works on Python floats and on tensors (in-graph: ``sensitivities`` may depend on
     variables such as clip values).
     """
+    import tensorflow as tf
+
     validation.choice("noisify_strategy", strategy, NOISIFY_STRATEGIES)
     deltas = [tf.cast(d, tf.float32) for d in sensitivities]
     if not deltas:
@@ -98,13 +107,22 @@ def seeded_generator(seed: int) -> tf.random.Generator:
     192 bits taken from the digest is as unlikely as a SHA-256 collision), whereas
     ``Generator.from_seed`` uses the seed as the counter with key 0.
     """
-    # The domain string is fixed (it was this module's path before lipdp.core existed):
-    # changing it would change every reproducible stream.
-    digest = hashlib.sha256(f"lipdp.noise:{seed}".encode()).digest()
-    key, counter_low, counter_high = np.frombuffer(digest[:24], dtype="<i8").tolist()
+    import tensorflow as tf
+
+    key, counter_low, counter_high = seed_words(seed)
     return tf.random.Generator.from_key_counter(
         key=key, counter=[counter_low, counter_high], alg="philox"
     )
+
+
+def seed_words(seed: int) -> list[int]:
+    """Three signed 64-bit words of the SHA-256 digest of ``seed``: the Philox key and
+    counter of :func:`seeded_generator`, and the material of the JAX backend's key
+    (:mod:`lipdp.clipped.jax.keys`)."""
+    # The domain string is fixed (it was this module's path before lipdp.core existed):
+    # changing it would change every reproducible stream.
+    digest = hashlib.sha256(f"lipdp.noise:{seed}".encode()).digest()
+    return np.frombuffer(digest[:24], dtype="<i8").tolist()
 
 
 def reproducible_noise_seed():
@@ -115,6 +133,8 @@ def reproducible_noise_seed():
 def noise_generator() -> tf.random.Generator:
     """The generator :func:`add_noise` draws from under the current distribution strategy
     (created on first use, in that strategy's scope)."""
+    import tensorflow as tf
+
     strategy = tf.distribute.get_strategy()
     # Keyed by identity; the strategy is kept with its generator so its id is not reused.
     strategy_and_generator = _SOURCE["generators"].get(id(strategy))
@@ -134,6 +154,10 @@ def add_noise(gradients, stddevs):
     """``g + N(0, s^2 I)`` for every gradient ``g`` and its standard deviation ``s``; under
     a strategy, on the replica that draws the step's noise only (the others return their
     gradients unchanged, so the sum over replicas carries one draw)."""
+    import tensorflow as tf
+
+    from lipdp.core import distribute
+
     generator = noise_generator()  # on every replica: created alike on every worker
     if not distribute.draws_noise():
         return list(gradients)
@@ -150,6 +174,7 @@ __all__ = [
     "noise_multipliers",
     "noise_stddevs",
     "reproducible_noise_seed",
+    "seed_words",
     "seeded_generator",
     "use_reproducible_noise",
 ]

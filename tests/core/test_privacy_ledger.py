@@ -23,7 +23,7 @@ from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.core.callbacks import DP_Accountant
-from lipdp.core.ledger import CAPACITY, KINDS, PrivacyLedger, release_row, step_row
+from lipdp.core.ledger import CAPACITY, KINDS, PrivacyLedger, placement, release_row, step_row
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
 from lipdp.pipeline import poisson_batches
@@ -231,6 +231,23 @@ def test_a_full_ledger_merges_into_a_dominating_row():
     assert overflow.merged and overflow.count == 7
     assert overflow.mechanism == SubsampledGaussian(0.5, 16 / 64)
     assert entries[-1].mechanism == Laplace(0.2) and not entries[-1].merged
+
+
+def test_placement_is_the_rule_record_applies():
+    """``placement`` (numpy, the JAX step's ledger) puts every row where ``record`` (in
+    TensorFlow) puts it and writes the same values: own rows, empty rows, overflow merges."""
+    ledger = PrivacyLedger(*PrivacyLedger.create_variables())
+    rows = [step_row(1.0 + k, 8, 64, True, 1) for k in range(CAPACITY - len(KINDS))]
+    rows += [step_row(0.5, 8, 128, True, 1), step_row(3.0, 16, 64, False, 2, True)]
+    rows += [step_row(2.0, 8, 64, True, 1), release_row(Laplace(0.2)), release_row(Laplace(0.9))]
+    for row in rows:
+        table = ledger.table.numpy()
+        index, written = placement(table, row)
+        counts = ledger.counts.numpy()
+        ledger.record(row)
+        changed = np.flatnonzero(ledger.counts.numpy() != counts)
+        assert changed.tolist() == [index]
+        np.testing.assert_array_equal(ledger.table.numpy()[index], written)
 
 
 def test_dynamic_clipping_releases_are_recorded_as_they_happen():

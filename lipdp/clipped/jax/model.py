@@ -1,0 +1,646 @@
+r"""Clipped DP-SGD on Keras 3's JAX backend: :class:`DPSGD_JaxModel`.
+
+A Keras model (the *network*: a ``Sequential``, a functional or a subclassed model of
+ordinary Keras layers) wrapped in a model whose ``train_step`` is Keras 3's stateless JAX
+step (``train_step(state, data) -> (logs, state)``, compiled by ``jax.jit``):
+
+1. rows with a NaN or an infinity (input or floating label) are zeroed and get weight 0;
+   every row's weight is its sample weight clipped to ``[0, 1]`` -- the 0/1 row mask of
+   padded Poisson batches (:mod:`lipdp.clipped.jax.batches`), 1 without one (rule S9);
+2. per-example gradients of the per-example losses, ``jax.vmap(jax.grad(...))`` over the
+   network's ``stateless_call`` on one row at a time (rule S2), flat-clipped to ``R``
+   and summed (:mod:`lipdp.clipped.jax.per_example`, where the sensitivity is derived);
+3. the sum divided by the loss normaliser ``b`` plus Gaussian noise of standard
+   deviation ``sigma R (1 + ROUNDOFF_SLACK) / b`` on every coordinate, drawn from a key
+   seeded by the operating system that moves at every step (rule S8,
+   :mod:`lipdp.clipped.jax.keys`);
+4. the optimizer's update; the step count ``noisy_steps`` and the privacy ledger
+   (:mod:`lipdp.clipped.jax.ledger`) are updated inside the step, model variables saved
+   in ``.keras`` files (rule S10).
+
+The privacy plan, ``DP_Accountant``, ``privacy_report`` and
+``calibrate_noise_multiplier`` are the TensorFlow models' (one subsampled Gaussian of
+multiplier ``sigma`` per step, rate ``q = b / N``): the epsilon planned is the epsilon
+logged (rule S11).
+
+**Refused** (one line naming the fix): a trainable ``BatchNormalization`` at any depth, and
+at the first step any layer that updates non-trainable state in a training call
+(``Dropout``'s and other random layers' seed state, a stateful RNN): under ``vmap`` that
+state would be shared or coupled between the rows; weight and activity regularisers and
+``add_loss`` (terms outside the clipped per-example losses); mixed precision; per-layer
+clipping and noise, dynamic clipping, declared hyper-parameter searches, sharpness-aware
+and adversarial training (the TensorFlow backend has them). Fixed-size batches must have
+exactly ``b`` rows (rule S5).
+
+**Data parallelism.** Under ``keras.distribution.DataParallel`` Keras shards each batch
+over the devices and ``jit`` compiles the same program for the global batch: the clipped
+sum is over the global batch (XLA adds the devices' partial sums) and the noise, drawn
+from the replicated key, is added once to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import keras
+import numpy as np
+
+from lipdp.accounting.plan import PrivacyPlan
+from lipdp.clipped.clipping import ClippedGradientBound, Clipping
+from lipdp.clipped.jax import keys, ledger, per_example
+from lipdp.clipped.jax.batches import PoissonBatches
+from lipdp.core import compat, noise
+from lipdp.core.layer_walk import nested_layers
+from lipdp.core.ledger import step_row
+from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.parameters import DPParameters
+
+compat.require_supported_keras(compat.JAX_BACKEND)
+logger = logging.getLogger(__name__)
+
+#: Clipping modes of the JAX step (per-layer clipping: TensorFlow backend).
+JAX_CLIPPING_MODES = ("flat", "automatic", "global")
+
+
+def check_network(network) -> None:
+    """Refuse, before any step, what the JAX step cannot bound (module docstring)."""
+    if not isinstance(network, keras.Model):
+        raise TypeError(f"DPSGD_JaxModel wraps a keras.Model, got {type(network).__name__}.")
+    compat.refuse_foreign_layers([network])
+    for path, layer in nested_layers([network]):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            raise ValueError(
+                f"Layer {path!r} is a trainable BatchNormalization: its batch statistics "
+                "couple the examples of a batch. Use GroupNormalization or "
+                "LayerNormalization, or freeze it (layer.trainable = False)."
+            )
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"Layer {path!r} has an activity_regularizer: a loss term outside the "
+                "clipped per-example losses. Remove it."
+            )
+    for variable in network.trainable_variables:
+        if getattr(variable, "regularizer", None) is not None:
+            raise ValueError(
+                f"Variable {compat.variable_path(variable)!r} has a regularizer, which the "
+                "JAX step does not add yet. Remove it (or train on KERAS_BACKEND=tensorflow, "
+                "where the penalty's gradient is added after the noise)."
+            )
+
+
+def _check_parameters(dp_parameters, clipping) -> None:
+    if not isinstance(dp_parameters, DPParameters):
+        raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
+    if dp_parameters.noisify_strategy != "global":
+        raise ValueError(
+            "The JAX backend adds one Gaussian to the whole clipped gradient: use "
+            "noisify_strategy='global' (per-layer noise runs on KERAS_BACKEND=tensorflow)."
+        )
+    if dp_parameters.dynamic_clipping is not None:
+        raise ValueError("dynamic_clipping applies to the clipless family (TensorFlow).")
+    if dp_parameters.hyperparameter_search is not None:
+        raise ValueError(
+            "A declared hyper-parameter search is recorded by the TensorFlow models only: "
+            "train on KERAS_BACKEND=tensorflow, or price the search with "
+            "lipdp.accounting.calibrate_noise_multiplier(search=...)."
+        )
+    if clipping.mode not in JAX_CLIPPING_MODES:
+        raise ValueError(
+            f"{clipping.mode!r} clipping is not available on the JAX backend: use one of "
+            f"{JAX_CLIPPING_MODES} (per-layer clipping runs on KERAS_BACKEND=tensorflow)."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepPlan:
+    """What a compiled step bakes in (decided on the host before training)."""
+
+    stddev: float  # of the noise on the averaged gradient
+    normalizer: float  # b
+    rows: int | None  # the rows of a fixed-size batch (None: Poisson, padded)
+    ledger_index: int
+    ledger_words: tuple
+
+
+class DPSGD_JaxModel(keras.Model):
+    """A Keras model trained with clipped DP-SGD on the JAX backend (module docstring).
+
+    Args:
+        network: the ``keras.Model`` to train (built: give it an input shape).
+        dp_parameters: :class:`~lipdp.core.parameters.DPParameters` (``"global"`` noise).
+        clipping: a :class:`~lipdp.clipped.clipping.Clipping` (``"flat"``, ``"automatic"`` or
+            ``"global"``), or its config dict.
+        dataset_metadata: :class:`~lipdp.core.metadata.DatasetMetadata`, required for
+            training (``b``, ``N``, the sampling).
+    """
+
+    def __init__(
+        self, network, *, dp_parameters, clipping=Clipping(), dataset_metadata=None, **kwargs
+    ):
+        super().__init__(**kwargs)
+        clipping = Clipping.coerce(clipping)
+        _check_parameters(dp_parameters, clipping)
+        check_network(network)
+        if dataset_metadata is not None:
+            if not isinstance(dataset_metadata, DatasetMetadata):
+                raise TypeError("dataset_metadata must be a lipdp.core.metadata.DatasetMetadata.")
+            if dataset_metadata.multiplicity:
+                raise ValueError("Augmentation multiplicity is not supported on the JAX backend.")
+        self.network = network
+        self.dp_parameters = dp_parameters
+        self.clipping = clipping
+        self.dataset_metadata = dataset_metadata
+        #: Rule S8: the key of the next step's noise (keys module; zeroed in saved files).
+        self.noise_key = keras.Variable(
+            np.zeros(keys.KEY_WORDS, np.uint32), dtype="uint32", trainable=False, name="noise_key"
+        )
+        #: Rule S10: noisy steps taken, counted inside the step, saved with the weights.
+        self.noisy_steps = keras.Variable(0, dtype="int32", trainable=False, name="noisy_steps")
+        self.privacy_ledger_table, self.privacy_ledger_counts = ledger.create_variables()
+        #: Rule S9: rows neutralised for a NaN or an infinity (statistics for the owner of
+        #: the data, in the logs as the loss is; not part of the release).
+        self.non_finite_examples = keras.metrics.Sum(name="non_finite_examples")
+        object.__setattr__(self, "_step_plan", None)
+        object.__setattr__(self, "_traced_with", None)
+        object.__setattr__(self, "_key_seed", None)
+        if network.built:
+            self.built = True
+
+    def call(self, inputs, training=None):
+        return self.network(inputs, training=training)
+
+    # ------------------------------------------------------------- privacy
+    @property
+    def batch_size(self) -> int:
+        return int(self._metadata_for("training").batch_size)
+
+    def _metadata_for(self, purpose) -> DatasetMetadata:
+        if self.dataset_metadata is None:
+            raise ValueError(
+                f"DPSGD_JaxModel needs dataset_metadata=DatasetMetadata(...) for {purpose}: "
+                "the sensitivity depends on the batch size, the accounting on b/N."
+            )
+        return self.dataset_metadata
+
+    def _sigma(self) -> float:
+        return 0.0 if self.dp_parameters.non_private else self.dp_parameters.noise_multiplier
+
+    def noise_multipliers(self) -> list[float]:
+        """``[sigma]``: one Gaussian mechanism per step."""
+        return noise.noise_multipliers("global", self._sigma(), [1.0])
+
+    def sensitivities(self):
+        """``[(ClippedGradientBound, R (1 + ROUNDOFF_SLACK) / b)]``: one entry for the whole
+        gradient (:mod:`lipdp.clipped.jax.per_example`)."""
+        bound = self.clipping.per_example_bound()
+        delta = bound * (1.0 + noise.ROUNDOFF_SLACK) / float(self.batch_size)
+        entry = ClippedGradientBound(f"all variables ({self.clipping.mode} clipping)", bound)
+        return [(entry, delta)]
+
+    def noise_stddev(self) -> float:
+        """The standard deviation of the noise on every coordinate of the averaged
+        gradient: ``sigma R (1 + ROUNDOFF_SLACK) / b`` (0 for a non-private run)."""
+        return self._sigma() * self.sensitivities()[0][1]
+
+    @property
+    def privacy_ledger(self):
+        """What this model has released (:mod:`lipdp.core.ledger`, read exactly from the
+        JAX variables, :mod:`lipdp.clipped.jax.ledger`)."""
+        return ledger.ledger_view(self.privacy_ledger_table, self.privacy_ledger_counts)
+
+    def privacy_plan(self) -> PrivacyPlan:
+        """The TensorFlow models' plan (rule S11): what the ledger holds, then subsampled
+        Gaussian steps of multiplier ``sigma`` at rate ``b / N``."""
+        metadata = self._metadata_for("privacy accounting")
+        noiseless = self.dp_parameters.non_private
+        return PrivacyPlan.for_training(
+            ledger=self.privacy_ledger,
+            steps_done=int(self.noisy_steps.numpy()),
+            noise_multipliers=1.0 if noiseless else self.noise_multipliers(),
+            sampling_rate=metadata.sampling_rate,
+            steps_per_epoch=metadata.nb_steps_per_epochs,
+            delta=self.dp_parameters.delta,
+            non_private=noiseless,
+            noise_multiplier=None if noiseless else self._sigma(),
+        )
+
+    def _step_row(self) -> np.ndarray:
+        metadata = self._metadata_for("training")
+        return step_row(
+            self._sigma(),
+            metadata.batch_size,
+            metadata.nb_samples_train,
+            metadata.sampling == "poisson",
+            1,
+            reproducible=noise.reproducible_noise_seed() is not None,
+        )
+
+    # -------------------------------------------------------------- compile
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
+        if loss is None:
+            raise ValueError("compile(loss=...) is required.")
+        _check_reduction(loss)
+        if kwargs.get("loss_weights") is not None:
+            raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
+        _refuse_mixed_precision(self.network)
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def get_compile_config(self):
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        # Keras skips compile() on load for models overriding it; ours only adds checks,
+        # so the stored configuration is replayed through it.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built and isinstance(self.optimizer, keras.optimizers.Optimizer):
+            self.optimizer.build(self.trainable_variables)
+
+    # ------------------------------------------------------------ training
+    def make_train_function(self, force=False):
+        """Before every ``fit``/``train_on_batch``: the noise key (rule S8), where the
+        ledger counts the steps, the step's constants; traced again when they changed."""
+        if not self.trainable_variables:
+            raise ValueError(
+                "DPSGD_JaxModel has no trainable variables (every layer is frozen): a private "
+                "step would release nothing. Unfreeze a layer and compile again."
+            )
+        _refuse_mixed_precision(self.network)
+        self._set_noise_key()
+        plan = self._plan_step()
+        configuration = (plan, tuple(id(v) for v in self.trainable_variables))
+        if configuration != self._traced_with:
+            force = True
+        object.__setattr__(self, "_step_plan", plan)
+        object.__setattr__(self, "_traced_with", configuration)
+        return super().make_train_function(force)
+
+    def _set_noise_key(self) -> None:
+        seed = noise.reproducible_noise_seed()
+        if seed is None:
+            self.noise_key.assign(keys.entropy_key())
+            object.__setattr__(self, "_key_seed", None)
+        elif seed != self._key_seed:  # reproducible: seeded once, then moves step by step
+            self.noise_key.assign(keys.seeded_key(seed))
+            object.__setattr__(self, "_key_seed", seed)
+
+    def _plan_step(self) -> _StepPlan:
+        metadata = self._metadata_for("training")
+        index, words = ledger.planned_write(self.privacy_ledger_table, self._step_row())
+        return _StepPlan(
+            stddev=float(self.noise_stddev()),
+            normalizer=float(metadata.loss_normalizer),
+            rows=None if metadata.sampling == "poisson" else metadata.rows_per_batch,
+            ledger_index=index,
+            ledger_words=tuple(int(w) for w in words),
+        )
+
+    def train_step(self, state, data):
+        """One private step (module docstring), stateless: ``(logs, state)``."""
+        import jax.numpy as jnp
+
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        plan = self._step_plan
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        rows = _rows(x)
+        if plan.rows is not None and rows != plan.rows:
+            raise ValueError(
+                f"DP training needs every batch to have exactly {plan.rows} rows (the "
+                f"declared batch size; the sensitivity is computed for it), got {rows}: drop "
+                "the partial last batch."
+            )
+        finite = _finite_rows(x) & _finite_rows(y)
+        x, y = _zeroed(finite, x), _zeroed(finite, y)
+        weights = jnp.ones((rows,), "float32")
+        if sample_weight is not None:
+            weights = jnp.clip(jnp.reshape(sample_weight, (rows,)).astype("float32"), 0.0, 1.0)
+        weights = jnp.where(finite, weights, 0.0)
+
+        row_loss = self._row_loss_function(non_trainable)
+        grads, (losses, y_pred) = per_example.per_example_gradients(row_loss, trainable, x, y)
+        norms = per_example.row_norms(grads)
+        factors = per_example.clip_factors(self.clipping, norms)
+        summed = per_example.clipped_sum(grads, norms, factors, weights)
+
+        next_key, draw = keys.next_key_and_draw(self._own(non_trainable, self.noise_key))
+        averaged = [s / plan.normalizer for s in summed]
+        if plan.stddev > 0:
+            averaged = [
+                a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, plan.stddev))
+            ]
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, averaged, trainable
+        )
+        non_trainable = self._after_step(non_trainable, next_key)
+
+        counted = weights > 0
+        logs, metrics_variables = self._logged(
+            metrics_variables, x, y, y_pred, losses, counted, jnp.sum(~finite)
+        )
+        return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+    def _row_loss_function(self, non_trainable):
+        """``(params, x_i, y_i) -> (loss_i, y_pred_i)``: the forward pass of one row (a
+        batch of one) and its loss; refuses, when traced, a call that updates
+        non-trainable state or adds a loss."""
+        import jax.numpy as jnp
+
+        loss_fn = _per_row_loss(self.loss)
+
+        def row_loss(params, x_row, y_row):
+            batch = keras.tree.map_structure(lambda t: t[None], x_row)
+            y_pred = self._stateless_forward(params, non_trainable, batch)
+            value = loss_fn(_one_target_per_output(y_row[None], y_pred), y_pred)
+            value = jnp.reshape(value, (1, -1)).mean(axis=1)[0]
+            return value, (value, y_pred[0])
+
+        return row_loss
+
+    def _stateless_forward(self, params, non_trainable, batch):
+        mapping = list(zip(self.trainable_variables, params)) + list(
+            zip(self.non_trainable_variables, non_trainable)
+        )
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            given = dict(scope.state_mapping)
+            y_pred = self.network(batch, training=True)
+            added = list(scope.losses)
+        for variable in self.non_trainable_variables:
+            if scope.state_mapping[id(variable)] is not given[id(variable)]:
+                raise ValueError(
+                    f"A training call updates {compat.variable_path(variable)!r} (non-trainable "
+                    "state, e.g. a Dropout or random layer's seed, a stateful RNN): under the "
+                    "per-example vmap it would be shared between rows. Remove that layer or "
+                    "train on KERAS_BACKEND=tensorflow."
+                )
+        if added:
+            raise ValueError(
+                "A layer adds a loss in its call (add_loss): a term outside the clipped "
+                "per-example losses. Remove it."
+            )
+        return y_pred
+
+    def _own(self, non_trainable, variable):
+        """The value of one of this model's own non-trainable variables in the state."""
+        return non_trainable[self._index(variable)]
+
+    def _index(self, variable) -> int:
+        return next(i for i, v in enumerate(self.non_trainable_variables) if v is variable)
+
+    def _after_step(self, non_trainable, next_key):
+        """The state after one step: the next key, one more step, the ledger row."""
+        plan = self._step_plan
+        non_trainable = list(non_trainable)
+        table_at = self._index(self.privacy_ledger_table)
+        counts_at = self._index(self.privacy_ledger_counts)
+        non_trainable[table_at], non_trainable[counts_at] = ledger.recorded(
+            non_trainable[table_at], non_trainable[counts_at], plan.ledger_index, plan.ledger_words
+        )
+        non_trainable[self._index(self.noise_key)] = next_key
+        steps_at = self._index(self.noisy_steps)
+        non_trainable[steps_at] = non_trainable[steps_at] + 1
+        return non_trainable
+
+    def _logged(self, metrics_variables, x, y, y_pred, losses, counted, non_finite):
+        """The logs (loss and metrics of the rows that entered the step, rows neutralised):
+        statistics of the private data for its owner, not part of the release."""
+        import jax.numpy as jnp
+
+        kept = counted.astype("float32")
+        count = jnp.sum(kept)
+        mean_loss = jnp.sum(jnp.where(counted, losses, 0.0)) / jnp.maximum(count, 1.0)
+        mapping = list(zip(self.metrics_variables, metrics_variables))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self._loss_tracker.update_state(mean_loss, sample_weight=count)
+            self.non_finite_examples.update_state(non_finite.astype("float32"))
+            logs = self.compute_metrics(x, y, y_pred, sample_weight=kept)
+        return logs, [scope.get_current_value(v) for v in self.metrics_variables]
+
+    # -------------------------------------------------------------- guards
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_fit_arguments(x, y, batch_size, kwargs)
+        if isinstance(x, PoissonBatches):
+            kwargs.setdefault("shuffle", False)
+        elif batch_size is None and not isinstance(x, keras.utils.PyDataset):
+            batch_size = self.batch_size
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def _check_fit_arguments(self, x, y, batch_size, kwargs) -> None:
+        if not self.compiled or self.loss is None:
+            raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
+        for unsupported in ("sample_weight", "class_weight"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(f"{unsupported} is not supported: it changes the sensitivity.")
+        metadata = self._metadata_for("training")
+        if metadata.sampling == "poisson":
+            _check_poisson_batches(x, metadata)
+            return
+        if isinstance(x, PoissonBatches):
+            raise ValueError(
+                "Poisson batches given to a model declared with sampling='shuffle': declare "
+                "DatasetMetadata(sampling='poisson')."
+            )
+        if x is None or isinstance(x, keras.utils.PyDataset) or not hasattr(x, "__len__"):
+            return  # batch sizes are checked when the step is traced
+        b = metadata.batch_size
+        if batch_size is not None and batch_size != b:
+            raise ValueError(
+                f"fit(batch_size={batch_size}) differs from the batch size {b} declared in "
+                "dataset_metadata."
+            )
+        _refuse_non_finite(x, y)
+        n = len(keras.tree.flatten(x)[0])
+        n_train = int(math.floor(n * (1.0 - (kwargs.get("validation_split") or 0.0))))
+        if n_train != metadata.nb_samples_train:
+            raise ValueError(
+                f"fit receives {n_train} training examples but dataset_metadata declares "
+                f"nb_samples_train={metadata.nb_samples_train}: the sampling rate b/N of the "
+                "privacy accounting comes from it."
+            )
+        if n_train % b:
+            raise ValueError(
+                f"{n_train} training examples are not a multiple of batch_size={b}: the last "
+                f"batch would be partial. Use {n_train - n_train % b} examples."
+            )
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        if class_weight is not None:
+            raise ValueError("class_weight is not supported: it changes the sensitivity.")
+        if sample_weight is not None and self._metadata_for("training").sampling != "poisson":
+            raise ValueError("sample_weight is not supported: it changes the sensitivity.")
+        return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
+
+    # ------------------------------------------------------- privacy state
+    def save(self, filepath, *args, **kwargs):
+        """``.keras`` files only: they carry the step count and the ledger (rule S10)."""
+        if not str(filepath).endswith(".keras"):
+            raise ValueError(
+                f"DP models are saved to .keras files (got {str(filepath)!r}): other formats "
+                "do not carry the privacy state, so a reload would under-count epsilon."
+            )
+        return super().save(filepath, *args, **kwargs)
+
+    def save_own_variables(self, store):
+        """Every variable but the noise key, written as zeros (rule S8: a file never holds
+        a key; a reloaded model draws a fresh one before it trains)."""
+        own = self._trainable_variables + self._non_trainable_variables
+        for i, variable in enumerate(own):  # the layout of Keras' own save_own_variables
+            key = variable is self.noise_key
+            store[f"{i}"] = np.zeros(keys.KEY_WORDS, np.uint32) if key else variable
+
+    def set_weights(self, weights):
+        """Set the weights; the privacy state is never rewound (rule S10)."""
+        snapshot, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        super().set_weights(weights)
+        self._keep_privacy_state(snapshot, steps)
+
+    def load_weights(self, *args, **kwargs):
+        snapshot, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        status = super().load_weights(*args, **kwargs)
+        self._keep_privacy_state(snapshot, steps)
+        return status
+
+    def _keep_privacy_state(self, snapshot, steps) -> None:
+        ledger.keep_at_least(self.privacy_ledger_table, self.privacy_ledger_counts, snapshot)
+        self.noisy_steps.assign(max(steps, int(self.noisy_steps.numpy())))
+
+    # ------------------------------------------------------- serialisation
+    def get_config(self):
+        metadata = self.dataset_metadata
+        return {
+            "network": keras.saving.serialize_keras_object(self.network),
+            "dp_parameters": self.dp_parameters.to_config(),
+            "clipping": self.clipping.to_config(),
+            "dataset_metadata": None if metadata is None else metadata.to_config(),
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        network = keras.saving.deserialize_keras_object(
+            config.pop("network"), custom_objects=custom_objects
+        )
+        metadata = config.pop("dataset_metadata")
+        return cls(
+            network,
+            dp_parameters=DPParameters(**config.pop("dp_parameters")),
+            clipping=Clipping.from_config(config.pop("clipping")),
+            dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
+            **config,
+        )
+
+
+keras.utils.register_keras_serializable(package="lipdp")(DPSGD_JaxModel)
+
+
+# ---------------------------------------------------------------------- helpers
+def _rows(x) -> int:
+    return int(keras.tree.flatten(x)[0].shape[0])
+
+
+def _finite_rows(values):
+    """``(rows,)``: no NaN and no infinity in the row of any floating leaf."""
+    import jax.numpy as jnp
+
+    result = None
+    for leaf in keras.tree.flatten(values):
+        if leaf is None or not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+            continue
+        leaf = jnp.asarray(leaf)
+        ok = jnp.all(jnp.isfinite(jnp.reshape(leaf, (leaf.shape[0], -1))), axis=1)
+        result = ok if result is None else result & ok
+    if result is None:
+        return jnp.ones((_rows(values),), bool)
+    return result
+
+
+def _zeroed(finite, values):
+    """``values`` with the floating leaves of the rows not ``finite`` set to 0."""
+    import jax.numpy as jnp
+
+    def zero(leaf):
+        leaf = jnp.asarray(leaf)
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        mask = jnp.reshape(finite, (-1,) + (1,) * (leaf.ndim - 1))
+        return jnp.where(mask, leaf, jnp.zeros_like(leaf))
+
+    return keras.tree.map_structure(zero, values)
+
+
+def _per_row_loss(loss):
+    """The compiled loss as ``(y_true, y_pred) -> per-row values`` (no reduction)."""
+    loss = keras.losses.get(loss)
+    return loss.call if isinstance(loss, keras.losses.Loss) else loss
+
+
+def _one_target_per_output(labels, predictions):
+    """Targets ``(rows,)`` of predictions ``(rows, 1)`` as ``(rows, 1)``: Keras' losses would
+    otherwise average over the batch axis."""
+    if predictions.ndim >= 2 and predictions.shape[-1] == 1 and labels.ndim == predictions.ndim - 1:
+        return labels[..., None]
+    return labels
+
+
+def _check_reduction(loss) -> None:
+    reduction = getattr(keras.losses.get(loss), "reduction", "sum_over_batch_size")
+    if reduction not in ("sum_over_batch_size", None):
+        raise ValueError(
+            f"Loss reduction {reduction!r} is not supported: the step averages the clipped "
+            "per-example gradients over b. Use the default reduction."
+        )
+
+
+def _refuse_mixed_precision(network) -> None:
+    policy = keras.mixed_precision.global_policy()
+    names = [f"global policy {policy.name!r}"] if policy.compute_dtype != "float32" else []
+    names += [
+        f"layer {path!r} ({layer.compute_dtype})"
+        for path, layer in nested_layers([network])
+        if layer.compute_dtype in ("float16", "bfloat16")
+    ]
+    if names:
+        raise ValueError(
+            f"Mixed precision is not supported ({', '.join(names)}): norms and clipping are "
+            "computed for float32. Use keras.mixed_precision.set_global_policy('float32')."
+        )
+
+
+def _refuse_non_finite(x, y) -> None:
+    """Rule S9 for arrays: refuse rows with a NaN or an infinity, naming them."""
+    for name, values in (("x", x), ("y", y)):
+        for array in keras.tree.flatten(values):
+            array = np.asarray(array)
+            if array.dtype.kind not in "fc" or array.ndim == 0:
+                continue
+            bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
+            if bad.size:
+                shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
+                raise ValueError(
+                    f"{name} has {bad.size} example(s) with NaN or infinite values (rows "
+                    f"{shown}): such a record has no bounded contribution. Remove or repair "
+                    "these rows before fit."
+                )
+
+
+def _check_poisson_batches(x, metadata) -> None:
+    if not isinstance(x, PoissonBatches):
+        raise ValueError(
+            "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
+            "lipdp.private_batches(model, x, y)."
+        )
+    if not math.isclose(x.sampling_rate, metadata.sampling_rate, rel_tol=1e-9):
+        raise ValueError(
+            f"The Poisson batches sample at rate {x.sampling_rate:g} but dataset_metadata "
+            f"declares q = b / N = {metadata.sampling_rate:g}, the rate the accounting uses."
+        )
+    if len(x) != metadata.nb_steps_per_epochs:
+        raise ValueError(
+            f"The Poisson batches have {len(x)} steps per epoch but dataset_metadata declares "
+            f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong steps."
+        )
+
+
+__all__ = ["JAX_CLIPPING_MODES", "DPSGD_JaxModel", "check_network"]

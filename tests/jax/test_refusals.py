@@ -1,0 +1,99 @@
+"""What the JAX step cannot bound is refused in one line naming the fix."""
+
+import importlib
+
+import keras
+import numpy as np
+import pytest
+
+import lipdp
+from lipdp.clipped.clipping import Clipping
+from lipdp.clipped.jax.model import DPSGD_JaxModel
+from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.parameters import DPParameters
+from tests.jax import helpers as h
+
+
+def _with(*layers):
+    return keras.Sequential([keras.Input((h.FEATURES,)), *layers, keras.layers.Dense(h.CLASSES)])
+
+
+def test_a_trainable_batch_normalization_is_refused_and_a_frozen_one_trains():
+    with pytest.raises(ValueError, match="trainable BatchNormalization.*GroupNormalization"):
+        h.private(_with(keras.layers.BatchNormalization()))
+    frozen = keras.layers.BatchNormalization()
+    frozen.trainable = False
+    model = h.private(_with(keras.layers.Dense(4), frozen))
+    x, y = h.data(16)
+    model.train_on_batch(x, y, sample_weight=np.ones(16, np.float32))
+    assert int(model.noisy_steps.numpy()) == 1
+
+
+def test_a_layer_updating_state_in_training_is_refused_at_the_first_step():
+    model = h.private(_with(keras.layers.Dropout(0.5)))
+    x, y = h.data(16)
+    with pytest.raises(ValueError, match="training call updates .*seed.*shared between rows"):
+        model.train_on_batch(x, y, sample_weight=np.ones(16, np.float32))
+    assert int(model.noisy_steps.numpy()) == 0
+
+
+def test_regularisers_are_refused():
+    with pytest.raises(ValueError, match="has a regularizer"):
+        h.private(_with(keras.layers.Dense(4, kernel_regularizer="l2")))
+    with pytest.raises(ValueError, match="activity_regularizer"):
+        h.private(_with(keras.layers.Dense(4, activity_regularizer="l2")))
+
+
+def test_options_of_the_tensorflow_backend_only_are_refused():
+    metadata = DatasetMetadata(input_shape=(h.FEATURES,), nb_classes=3, nb_samples_train=32)
+    with pytest.raises(ValueError, match="per-layer clipping runs on KERAS_BACKEND=tensorflow"):
+        DPSGD_JaxModel(h.mlp(), dp_parameters=DPParameters("global", 1.0, 1e-5),
+                       clipping=Clipping("per-layer"), dataset_metadata=metadata)  # fmt: skip
+    with pytest.raises(ValueError, match="noisify_strategy='global'"):
+        DPSGD_JaxModel(h.mlp(), dp_parameters=DPParameters("per-layer", 1.0, 1e-5),
+                       dataset_metadata=metadata)  # fmt: skip
+    with pytest.raises(ValueError, match="clipless family runs on TensorFlow: set KERAS_BACKEND"):
+        lipdp.make_private(h.mlp(), epsilon=1.0, delta=1e-5, epochs=1, batch_size=8,
+                           dataset_size=32, method="clipless")  # fmt: skip
+
+
+@pytest.mark.parametrize("module", ["lipdp.clipped.model", "lipdp.clipless.model"])
+def test_tensorflow_programs_refuse_the_jax_backend_naming_the_fix(module):
+    with pytest.raises(ImportError, match="Fix: set KERAS_BACKEND=tensorflow before importing"):
+        importlib.import_module(module)
+
+
+def test_fixed_size_batches_must_have_the_declared_size():
+    model = h.private(h.mlp(), sampling="shuffle", batch_size=8, n=32)
+    x, y = h.data(32)
+    with pytest.raises(ValueError, match="not a multiple of batch_size=8: the last batch"):
+        h.private(h.mlp(), sampling="shuffle", batch_size=8, n=30).fit(x[:30], y[:30], verbose=0)
+    with pytest.raises(ValueError, match="declares nb_samples_train=32"):
+        model.fit(x[:24], y[:24], epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="fit\\(batch_size=16\\) differs"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="exactly 8 rows"):
+        model.train_on_batch(x[:7], y[:7])
+    history = model.fit(x, y, epochs=1, verbose=0)  # 4 full batches of 8
+    assert int(model.noisy_steps.numpy()) == 4 and history.history["loss"]
+    assert set(model.evaluate(x, y, verbose=0, return_dict=True)) >= {"loss", "accuracy"}
+
+
+def test_poisson_models_take_poisson_batches_only():
+    model = h.private(h.mlp(), batch_size=8, n=32)
+    x, y = h.data(32)
+    with pytest.raises(
+        ValueError, match="needs Poisson-sampled batches: pass lipdp.private_batches"
+    ):
+        model.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="sample_weight is not supported"):
+        model.fit(lipdp.private_batches(model, x, y), sample_weight=np.ones(32), verbose=0)
+
+
+def test_mixed_precision_is_refused():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        with pytest.raises(ValueError, match="Mixed precision is not supported"):
+            h.private(h.mlp())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
