@@ -150,6 +150,24 @@ def worker_count(strategy=None) -> int:
     return sum(spec.num_tasks(job) for job in jobs if job in ("chief", "worker")) or 1
 
 
+def logs_across_replicas(logs: dict, read) -> dict:
+    """A training step's ``logs`` on Keras 3 under a strategy: ``read()`` (every metric's
+    result by name) once, in cross-replica context, for the keys of ``logs``; ``logs``
+    unchanged elsewhere.
+
+    Why: Keras 3's metrics are synchronised on read. Read in the step, each replica sees
+    its own part and Keras averages the replicas' values: the loss is then the mean of the
+    replicas' means (parts of unequal rows weigh alike) and a count of neutralised rows is
+    divided by ``R``. Read in cross-replica context, every metric sums its replicas'
+    totals first: the values of one device on the whole batch (as Keras 2 logs them).
+    """
+    context = replica_context()
+    if not compat.keras_3() or context is None or context.num_replicas_in_sync == 1:
+        return logs
+    results = context.merge_call(lambda _strategy: read())
+    return {key: results[key] for key in logs}
+
+
 def reducible_logs(logs: dict) -> dict:
     """A training step's ``logs``, each scalar made a vector of one value on Keras 3 under
     a strategy over several workers (unchanged elsewhere).
@@ -201,6 +219,7 @@ __all__ = [
     "apply_released",
     "check_replica_batches",
     "draws_noise",
+    "logs_across_replicas",
     "mirrored_strategy",
     "on_first_replica",
     "once_per_step",

@@ -513,7 +513,14 @@ class PrivateModel(keras.Model):
         self._track_loss(step.loss_inputs, y_logged, step.predictions)
         logs = self.compute_metrics(x, y_logged, step.predictions, None)
         logs = {**logs, **self._count_neutralised(finite, labelled, ids)}
+        logs = distribute.logs_across_replicas(logs, self._metric_results)
         return distribute.reducible_logs(logs)
+
+    def _metric_results(self) -> dict:
+        """``{name: result}`` of every metric the step logs: Keras' (loss, compiled metrics)
+        and rule S9's counts."""
+        counters = (self._non_finite, self._invalid_inputs, self._invalid_labels)
+        return {**self.get_metrics_result(), **{m.name: m.result() for m in counters}}
 
     def _track_loss(self, x, y, y_pred) -> None:
         """The loss of the logs (Keras' loss tracker), from the step's predictions: Keras 2's
