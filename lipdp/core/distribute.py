@@ -19,10 +19,18 @@ replica on that replica's part of the batch. A private step then does, on each r
    need the replicas' streams to be independent (they are, by construction of
    ``tf.random.Generator`` under a strategy, but one draw needs no such argument);
 4. the optimizer update of that identical sum, without a second aggregation
-   (:func:`release`; on Keras 2 -- Keras 3 trains on one device for now), then
+   (:func:`release`, :func:`apply_released`; Keras 3's optimizers always sum the
+   replicas' gradients themselves: replica 0 hands them the sum, the others zeros), then
    the step counter and the projections once, in cross-replica context
    (:func:`once_per_step`): every copy of a weight receives the same deterministic
    projection of the same value.
+
+Keras 3 (3.15) needs three more adjustments, none of them touching what is released:
+the model is built from one replica's element spec rather than from a batch drawn and
+averaged over the replicas (:func:`lipdp.core.compat.first_replica_spec`: parts of
+unequal rows failed there), the step's logs are read once in cross-replica context
+(:func:`logs_across_replicas`) and, on several workers, as vectors of one value
+(:func:`reducible_logs`).
 
 Data. A record must sit on at most one replica per step, or its contribution counts
 twice. One process (``MirroredStrategy``): Keras splits each global batch of the one
