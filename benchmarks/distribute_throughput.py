@@ -70,8 +70,7 @@ def train_function(strategy, variant, batch):
     if strategy.num_replicas_in_sync > 1:
         data = strategy.experimental_distribute_dataset(data)
     iterator = iter(data)
-    function = model.make_train_function()
-    return function, iterator
+    return step_speed._train_function(model), iterator  # Keras 3's returns None
 
 
 def timed_round(pairs, steps):

@@ -8,6 +8,7 @@ from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
+from lipdp.core import compat
 from lipdp.core.metadata import DatasetMetadata
 
 FEATURES, CLASSES, N = 6, 3, 64
@@ -81,9 +82,9 @@ def build(family, sigma, batch_size, sampling="shuffle", optimizer=None, jit_com
 
 class RecordingSGD(tf.keras.optimizers.SGD):
     """SGD with learning rate 0 (the weights stay) that accumulates, per variable, the sum
-    and the sum of squares of the gradients it is asked to apply -- the released, summed
-    gradients -- and the number of steps. Call :meth:`start` in the strategy's scope
-    before training."""
+    and the sum of squares of the gradients it applies -- the released, summed gradients
+    (Keras 2: those it is given; Keras 3: those its all-reduce returns) -- and the number
+    of steps. Call :meth:`start` in the strategy's scope before training."""
 
     def __init__(self):
         super().__init__(learning_rate=0.0)
@@ -100,11 +101,23 @@ class RecordingSGD(tf.keras.optimizers.SGD):
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
+        if not compat.keras_3():  # Keras 2's apply_gradients receives the summed gradients
+            self._record(grads_and_vars)
+        return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        """Keras 3's optimizers sum the replicas' gradients here, in replica context (identity
+        without a strategy); what follows applies the sum."""
+        summed = super()._all_reduce_sum_gradients(grads_and_vars)
+        if compat.keras_3():
+            self._record(summed)
+        return summed
+
+    def _record(self, grads_and_vars):
         for total, squares, (g, _) in zip(self.sums, self.squares, grads_and_vars):
             total.assign_add(g)
             squares.assign_add(tf.square(g))
         self.steps.assign_add(1.0)
-        return super().apply_gradients(grads_and_vars, *args, **kwargs)
 
     def noise_statistics(self):
         """``(mean, std)`` over every coordinate and step (the noise has mean 0)."""
@@ -112,7 +125,7 @@ class RecordingSGD(tf.keras.optimizers.SGD):
         sums = np.concatenate([s.numpy().ravel() for s in self.sums])
         squares = np.concatenate([s.numpy().ravel() for s in self.squares])
         count = steps * sums.size
-        return sums.sum() / count, float(np.sqrt(squares.sum() / count))
+        return float(sums.sum() / count), float(np.sqrt(squares.sum() / count))
 
 
 def expected_stddev(model):
@@ -124,3 +137,10 @@ def expected_stddev(model):
 
 def flat_weights(model):
     return np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+
+
+def replica_copies(strategy, variable):
+    """Every replica's copy of ``variable`` under ``strategy``, as arrays (a Keras 3
+    variable holds the distributed ``tf.Variable`` as its value)."""
+    copies = strategy.experimental_local_results(compat.tape_variable(variable))
+    return [np.asarray(c.numpy()) for c in copies]

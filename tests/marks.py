@@ -152,8 +152,8 @@ THOROUGH_TESTS = {
     # test_compat.py: by default, keras imported first (one process each).
     "tests/core/test_compat.py::test_importing_keras_before_or_after_lipdp_trains_a_keras_model[lipdp first]",
     # test_distribute.py: by default, the partitioned Poisson pipeline of each family, the noise of
-    # two replicas (clipless), the replicas of DP-SGD, dynamic clipping (Laplace) and the refusals;
-    # the two-process test also runs in the smoke run.
+    # two replicas (clipless), the same fixed noise (DP-SGD), the replicas of DP-SGD, dynamic
+    # clipping (Laplace) and the refusals; the two-process test also runs in the smoke run.
     "tests/core/test_distribute.py::test_dynamic_clipping_under_mirrored_updates_every_copy_once[quantile]",
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[clipless-arrays-adversarial]",
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[dp-sgd-arrays-adversarial]",
@@ -161,6 +161,7 @@ THOROUGH_TESTS = {
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[dp-sgd-poisson-random-sizes]",
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[dp-sgd-poisson]",
     "tests/core/test_distribute.py::test_released_noise_has_the_standard_deviation_of_one_step[clipless-1]",
+    "tests/core/test_distribute.py::test_released_update_is_the_single_device_update_with_the_same_noise[clipless]",
     "tests/core/test_distribute.py::test_released_noise_has_the_standard_deviation_of_one_step[dp-sgd-1]",
     "tests/core/test_distribute.py::test_released_noise_has_the_standard_deviation_of_one_step[dp-sgd-2]",
     "tests/core/test_distribute.py::test_replicas_stay_identical_and_epsilon_counts_global_steps[clipless]",

@@ -410,3 +410,38 @@ def accept_batch_input_shape(kwargs: dict) -> dict:
         if shape is not None and kwargs.get("input_shape") is None:
             kwargs["input_shape"] = tuple(shape[1:])
     return kwargs
+
+
+def first_replica_spec(dataset):
+    """The element spec of one replica's batches of a ``tf.distribute`` ``dataset``: the
+    first replica's spec where the dataset's spec is per replica, the spec itself elsewhere.
+
+    Why: Keras 3 (3.15, TensorFlow backend), at the start of ``fit`` and ``evaluate`` under a
+    strategy, builds the model's state on symbolic inputs shaped like the first batch, which
+    it *draws* from the dataset and averages elementwise over the replicas
+    (``strategy.reduce("MEAN", batch, axis=None)``). Parts of different row counts -- a
+    Poisson batch split between the replicas, a partial last batch -- fail there ("Inputs
+    to operation AddN of type AddN must have the same size and shape") before any step;
+    and the drawn batch is thrown away, so a pipeline that re-draws its randomness at every
+    iteration (Poisson batches) starts training on its second draw. The spec has the shapes
+    and dtypes the symbolic build needs, and draws nothing."""
+    import tensorflow as tf
+    from tensorflow.python.distribute.values import PerReplicaSpec  # no public name
+
+    def local(spec):
+        return spec._value_specs[0] if isinstance(spec, PerReplicaSpec) else spec  # noqa: SLF001
+
+    return tf.nest.map_structure(local, dataset.element_spec)
+
+
+def replica_loss(loss):
+    """A replica's mean loss from Keras 3's ``compute_loss`` under a strategy of ``R``
+    replicas, which divides it by ``R`` (so that the replicas' gradients sum to the
+    gradient of the global mean): ``R`` times it. Keras 2's tracker updates itself
+    (unchanged)."""
+    if not keras_3():
+        return loss
+    import tensorflow as tf
+
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return loss * replicas if replicas > 1 else loss

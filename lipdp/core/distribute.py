@@ -19,10 +19,18 @@ replica on that replica's part of the batch. A private step then does, on each r
    need the replicas' streams to be independent (they are, by construction of
    ``tf.random.Generator`` under a strategy, but one draw needs no such argument);
 4. the optimizer update of that identical sum, without a second aggregation
-   (:func:`release`; on Keras 2 -- Keras 3 trains on one device for now), then
+   (:func:`release`, :func:`apply_released`; Keras 3's optimizers always sum the
+   replicas' gradients themselves: replica 0 hands them the sum, the others zeros), then
    the step counter and the projections once, in cross-replica context
    (:func:`once_per_step`): every copy of a weight receives the same deterministic
    projection of the same value.
+
+Keras 3 (3.15) needs three more adjustments, none of them touching what is released:
+the model is built from one replica's element spec rather than from a batch drawn and
+averaged over the replicas (:func:`lipdp.core.compat.first_replica_spec`: parts of
+unequal rows failed there), the step's logs are read once in cross-replica context
+(:func:`logs_across_replicas`) and, on several workers, as vectors of one value
+(:func:`reducible_logs`).
 
 Data. A record must sit on at most one replica per step, or its contribution counts
 twice. One process (``MirroredStrategy``): Keras splits each global batch of the one
@@ -57,10 +65,10 @@ def replicas_in_sync() -> int:
     return int(tf.distribute.get_strategy().num_replicas_in_sync)
 
 
-def draws_noise() -> bool:
-    """Whether the code being traced runs on the replica that draws the step's noise: the
-    replica of id 0 in its sync group (always true without a strategy, or in a
-    cross-replica context). Python, evaluated when the step is traced."""
+def on_first_replica() -> bool:
+    """Whether the code being traced runs on the replica of id 0 in its sync group (always
+    true without a strategy, or in a cross-replica context). Python, evaluated when the
+    step is traced."""
     context = replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return True
@@ -72,6 +80,12 @@ def draws_noise() -> bool:
             "MultiWorkerMirroredStrategy."
         )
     return int(replica_id) == 0
+
+
+def draws_noise() -> bool:
+    """Whether the code being traced runs on the replica that draws the step's noise: the
+    replica of id 0 (:func:`on_first_replica`)."""
+    return on_first_replica()
 
 
 def sum_over_replicas(tensors) -> list:
@@ -88,33 +102,39 @@ def release(optimizer, noisy, penalty, variables) -> list:
     """Apply the step's update and return the released gradients, ``sum_r noisy_r +
     penalty`` (identical on every replica): ``noisy`` the local noisy gradients (the noise
     on one replica only, :func:`draws_noise`), ``penalty`` the gradients of the weight
-    penalties (public, added once) or ``None``.
-
-    Keras 2's optimizers apply gradients already summed when told not to aggregate them.
-    Keras 3's always sum the replicas' gradients themselves; lipdp's steps under a strategy
-    are not validated there yet (the replicas' Poisson batches of unequal sizes fail inside
-    Keras 3's step), so Keras 3 trains on one device and a strategy is refused.
-    """
-    noisy = list(noisy)
-    if compat.keras_3():
-        if replicas_in_sync() > 1:
-            raise NotImplementedError(
-                "Private training under a tf.distribute strategy is not supported on Keras 3 "
-                "yet: train on one device, or on Keras 2 (TensorFlow 2.15)."
-            )
-        if penalty is not None:
-            noisy = [n + p for n, p in zip(noisy, penalty)]
-        optimizer.apply_gradients(list(zip(noisy, variables)))
-        return noisy
+    penalties (public, added once) or ``None``. The optimizer sees nothing but the
+    released gradients (:func:`apply_released`)."""
     released = sum_over_replicas(noisy)
     if penalty is not None:
         released = [r + p for r, p in zip(released, penalty)]
-    pairs = list(zip(released, variables))
-    if isinstance(optimizer, keras.optimizers.legacy.Optimizer):
-        optimizer.apply_gradients(pairs, experimental_aggregate_gradients=False)
-    else:
-        optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
+    apply_released(optimizer, released, variables)
     return released
+
+
+def apply_released(optimizer, released, variables) -> None:
+    """One update by ``released`` (the sum over replicas, identical on every replica), not
+    aggregated again.
+
+    Keras 2's optimizers apply gradients already summed when told not to aggregate them.
+    Keras 3's always sum the replicas' gradients themselves (an all-reduce in
+    ``apply_gradients``), after processing each replica's own gradients (``clipnorm``,
+    ``clipvalue``, ``global_clipnorm``, gradient accumulation, a loss-scale check). So the
+    replica of id 0 hands it ``released`` and every other replica zeros: the sum is
+    ``released + 0 + ... + 0 = released`` exactly, and what each replica's processing sees
+    -- ``released`` or 0 -- is a function of the release, never of one replica's
+    noise-free gradient (clipping ``g_1`` alone before the sum would not be
+    post-processing). The price: a second all-reduce per step, of zeros and one copy.
+    """
+    if not compat.keras_3():
+        pairs = list(zip(released, variables))
+        if isinstance(optimizer, keras.optimizers.legacy.Optimizer):
+            optimizer.apply_gradients(pairs, experimental_aggregate_gradients=False)
+        else:
+            optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
+        return
+    if not on_first_replica():
+        released = [tf.zeros_like(r) for r in released]
+    optimizer.apply_gradients(list(zip(released, variables)))
 
 
 def once_per_step(fn) -> None:
@@ -136,6 +156,43 @@ def worker_count(strategy=None) -> int:
     spec = resolver.cluster_spec()
     jobs = spec.jobs if spec is not None else []
     return sum(spec.num_tasks(job) for job in jobs if job in ("chief", "worker")) or 1
+
+
+def logs_across_replicas(logs: dict, read) -> dict:
+    """A training step's ``logs`` on Keras 3 under a strategy: ``read()`` (every metric's
+    result by name) once, in cross-replica context, for the keys of ``logs``; ``logs``
+    unchanged elsewhere.
+
+    Why: Keras 3's metrics are synchronised on read. Read in the step, each replica sees
+    its own part and Keras averages the replicas' values: the loss is then the mean of the
+    replicas' means (parts of unequal rows weigh alike) and a count of neutralised rows is
+    divided by ``R``. Read in cross-replica context, every metric sums its replicas'
+    totals first: the values of one device on the whole batch (as Keras 2 logs them).
+    """
+    context = replica_context()
+    if not compat.keras_3() or context is None or context.num_replicas_in_sync == 1:
+        return logs
+    results = context.merge_call(lambda _strategy: read())
+    return {key: results[key] for key in logs}
+
+
+def reducible_logs(logs: dict) -> dict:
+    """A training step's ``logs``, each scalar made a vector of one value on Keras 3 under
+    a strategy over several workers (unchanged elsewhere).
+
+    Why: Keras 3 (3.15) reduces a step's logs over the workers by
+    ``strategy.reduce("MEAN", value, axis=0)``, which fails on a scalar ("Invalid reduction
+    dimension 0 for input with 0 dimensions", also for plain Keras models:
+    tensorflow/tensorflow#72388). A vector of one value is reduced to the scalar mean.
+    """
+    strategy = tf.distribute.get_strategy()
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if not (compat.keras_3() and multi_worker and worker_count(strategy) > 1):
+        return logs
+    return {
+        key: tf.reshape(value, [-1]) if value.shape.rank == 0 else value
+        for key, value in logs.items()
+    }
 
 
 _MIRRORED = {}
@@ -167,10 +224,14 @@ def check_replica_batches(rows_per_batch) -> None:
 
 
 __all__ = [
+    "apply_released",
     "check_replica_batches",
     "draws_noise",
+    "logs_across_replicas",
     "mirrored_strategy",
+    "on_first_replica",
     "once_per_step",
+    "reducible_logs",
     "release",
     "replica_context",
     "replicas_in_sync",

@@ -512,15 +512,24 @@ class PrivateModel(keras.Model):
         y_logged = zero_rows(labelled, y)
         self._track_loss(step.loss_inputs, y_logged, step.predictions)
         logs = self.compute_metrics(x, y_logged, step.predictions, None)
-        return {**logs, **self._count_neutralised(finite, labelled, ids)}
+        logs = {**logs, **self._count_neutralised(finite, labelled, ids)}
+        logs = distribute.logs_across_replicas(logs, self._metric_results)
+        return distribute.reducible_logs(logs)
+
+    def _metric_results(self) -> dict:
+        """``{name: result}`` of every metric the step logs: Keras' (loss, compiled metrics)
+        and rule S9's counts."""
+        counters = (self._non_finite, self._invalid_inputs, self._invalid_labels)
+        return {**self.get_metrics_result(), **{m.name: m.result() for m in counters}}
 
     def _track_loss(self, x, y, y_pred) -> None:
         """The loss of the logs (Keras' loss tracker), from the step's predictions: Keras 2's
-        ``compute_loss`` updates the tracker itself, Keras 3's returns the loss."""
+        ``compute_loss`` updates the tracker itself, Keras 3's returns the loss (divided by
+        the replicas under a strategy: :func:`lipdp.core.compat.replica_loss`)."""
         loss = self.compute_loss(x, y, y_pred)
         if compat.keras_3():
             rows = tf.shape(tf.nest.flatten(x)[0])[0]
-            self._loss_tracker.update_state(loss, sample_weight=rows)
+            self._loss_tracker.update_state(compat.replica_loss(loss), sample_weight=rows)
 
     def _refuse_unsupported_step(self) -> None:
         """Refuse, when the step is traced and before anything else runs, a step the
@@ -748,6 +757,16 @@ class PrivateModel(keras.Model):
         # feasible set before the first bound is trusted.
         self.project()
         return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras 3 only (Keras 2 has no such method): Keras' build at the start of ``fit``
+        and ``evaluate`` under a strategy, on the spec of one replica's batches instead of a
+        batch drawn and averaged over the replicas, which fails on parts of unequal row
+        counts and wastes a Poisson draw (:func:`lipdp.core.compat.first_replica_spec`)."""
+        dataset = getattr(iterator, "_distributed_dataset", None)  # Keras' TFEpochIterator
+        if dataset is not None and self._distribute_strategy is not None:
+            iterator, data_batch = None, compat.first_replica_spec(dataset)
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def save(self, filepath, *args, **kwargs):
         """Save in the ``.keras`` format only (rule S10).

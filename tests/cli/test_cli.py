@@ -11,7 +11,6 @@ import pytest
 
 from lipdp import cli
 from lipdp.cli import arguments, devices
-from lipdp.core import compat
 from lipdp.recipes import defaults, runs
 
 MISUSES = [
@@ -333,7 +332,6 @@ def test_cli_evaluate_trains_saves_and_loads(tmp_path, capsys):
 # Two trainings (about 30 s on 2 idle cores); tests/core/test_distribute.py covers mirrored
 # training itself in the default run.
 @pytest.mark.slow
-@pytest.mark.skipif(compat.keras_3(), reason="tf.distribute training is refused on Keras 3 for now")
 def test_cli_mirrored_training_reports_the_single_device_epsilon(capsys):
     """--mirrored 2 (the two logical CPU devices of conftest.py): the same epsilon per
     epoch as one device, the replicas named; more devices than exist: a one-line error."""

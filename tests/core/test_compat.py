@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -114,14 +115,29 @@ def test_layers_of_another_keras_package_are_refused_naming_the_fix():
         DPSGD_Sequential([foreign], dp_parameters=DPParameters("global", 1.0, 1e-5))
 
 
-@pytest.mark.skipif(not KERAS_3, reason="Keras 2 trains under tf.distribute (test_distribute)")
-def test_keras_3_refuses_training_under_a_strategy_naming_the_fix():
+def test_a_poisson_batch_split_unevenly_between_replicas_trains_as_on_one_device():
+    """MirroredStrategy over two devices, a Poisson batch of an odd number of rows: the
+    replicas hold parts of unequal sizes. Training runs (Keras 3 would build the model from
+    the parts' elementwise mean and fail: compat.first_replica_spec), on the pipeline's
+    first draw (Keras 3's build draws none), to the single device's weights, and the
+    logged loss is the whole batch's (Keras 3 divides each replica's by the replicas:
+    compat.replica_loss)."""
     from lipdp.core.distribute import mirrored_strategy
+    from lipdp.pipeline import poisson_batches
     from tests import distribute_helpers as h
 
+    x, y = h.data()
+
+    def batches():  # the same seeded draws for every run
+        return poisson_batches(x, y, 0.5, 2, seed=11)
+
+    assert len(next(iter(batches()))[0]) % 2 == 1
+    tf.keras.utils.set_random_seed(3)
+    single = h.build("dp-sgd", 0.0, 32, "poisson")
     devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
     with mirrored_strategy(devices).scope():
-        model = h.build("dp-sgd", sigma=1.0, batch_size=32)
-    x, y = h.data()
-    with pytest.raises(NotImplementedError, match="not supported on Keras 3 yet: train on one"):
-        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        replicated = h.build("dp-sgd", 0.0, 32, "poisson")
+    replicated.set_weights(single.get_weights())
+    losses = [m.fit(batches(), verbose=0).history["loss"] for m in (single, replicated)]
+    np.testing.assert_allclose(h.flat_weights(replicated), h.flat_weights(single), atol=2e-6)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)

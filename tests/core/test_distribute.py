@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from lipdp.accounting import get_eps_delta
 from lipdp.clipped.model import SharpnessAscent
-from lipdp.core import compat
+from lipdp.core import noise
 from lipdp.core.adversarial import PGD
 from lipdp.core.callbacks import DP_Accountant
 from lipdp.core.distribute import mirrored_strategy
@@ -23,14 +23,6 @@ from lipdp.pipeline import distributed_poisson_batches, poisson_batches
 from tests import distribute_helpers as h
 
 ROOT = Path(__file__).resolve().parents[2]
-
-#: Private training under a strategy runs on Keras 2 only for now: Keras 3 refuses it
-#: (lipdp.core.distribute.release; the last test checks the refusal).
-pytestmark = pytest.mark.skipif(
-    compat.keras_3(),
-    reason="tf.distribute training is refused on Keras 3 for now; checked on Keras 2 "
-    "(make test-keras2)",
-)
 
 
 def mirrored():
@@ -100,6 +92,40 @@ def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
     assert int(replicated.noisy_steps.numpy()) == int(single.noisy_steps.numpy()) == 2
 
 
+class _FixedNoise:
+    """Stands for the noise generator: every draw is the same known vector ``Z`` (its
+    standard deviation times a fixed pattern), so two runs add the same noise."""
+
+    def normal(self, shape, stddev, dtype):
+        pattern = tf.sin(tf.cast(tf.range(tf.reduce_prod(shape)), dtype) + 1.0)
+        return stddev * tf.reshape(pattern, shape)
+
+
+@pytest.mark.parametrize("family", h.FAMILIES)
+def test_released_update_is_the_single_device_update_with_the_same_noise(family, monkeypatch):
+    """The same noise ``Z`` drawn by both runs (a fixed draw): two replicas release
+    ``sum_r g_r + Z``, the single device ``g + Z`` -- not ``R Z`` (each replica adding
+    it), not the mean of the replicas' gradients."""
+    monkeypatch.setattr(noise, "noise_generator", _FixedNoise)
+    x, y = h.data()
+    tf.keras.utils.set_random_seed(3)
+    single = h.build(family, 1.0, 32)
+    initial = single.get_weights()
+    strategy = mirrored()
+    with strategy.scope():
+        replicated = h.build(family, 1.0, 32)
+    replicated.set_weights(initial)
+    for model in (single, replicated):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    tf.keras.utils.set_random_seed(3)
+    noiseless = h.build(family, 0.0, 32)
+    noiseless.set_weights(initial)
+    noiseless.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    after = h.flat_weights(single)
+    assert np.abs(after - h.flat_weights(noiseless)).max() > 1e-3  # the noise moved them
+    np.testing.assert_allclose(h.flat_weights(replicated), after, atol=2e-6)
+
+
 @pytest.mark.smoke
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("family", h.FAMILIES)
@@ -133,7 +159,7 @@ def test_replicas_stay_identical_and_epsilon_counts_global_steps(family):
         model = h.build(family, 1.0, 32)
     history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[DP_Accountant()])
     for variable in model.trainable_variables:
-        copies = [c.numpy() for c in strategy.experimental_local_results(variable)]
+        copies = h.replica_copies(strategy, variable)
         assert len(copies) == 2
         np.testing.assert_array_equal(copies[0], copies[1])
     assert int(model.noisy_steps.numpy()) == 3 * (h.N // 32)
@@ -232,7 +258,7 @@ def test_dynamic_clipping_under_mirrored_updates_every_copy_once(kind):
     with strategy.scope():
         model = make_model(dynamic=callback)
     history = model.fit(train, epochs=3, verbose=0, callbacks=[callback])
-    copies = strategy.experimental_local_results(model.dp_layers[-1].clip_value)
+    copies = h.replica_copies(strategy, model.dp_layers[-1].clip_value)
     assert len(copies) == 2 and float(copies[0]) == float(copies[1])
     assert float(copies[0]) == pytest.approx(history.history["clip_value"][-1])
     assert float(copies[0]) != 1.0  # updated from the initial clip value
