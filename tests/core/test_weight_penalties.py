@@ -15,6 +15,7 @@ from lipdp.clipless import layers as DPL
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
+from lipdp.core import compat
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.variables import variable_key
 from tests.marks import thorough
@@ -64,7 +65,10 @@ def _clipless(regularised):
     )
     if regularised:
         kernel = model.dp_layers[1].kernel
-        model.add_loss(lambda: L2 * tf.reduce_sum(tf.square(kernel)))
+        if compat.keras_3():  # add_loss takes tensors only there: the variable's regulariser
+            kernel.regularizer = tf.keras.regularizers.L2(L2)
+        else:
+            model.add_loss(lambda: L2 * tf.reduce_sum(tf.square(kernel)))
     model.compile(loss=losses.DP_TauCategoricalCrossentropy(tau=1.0), optimizer="sgd")
     return model
 
