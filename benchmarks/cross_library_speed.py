@@ -23,7 +23,8 @@ parameters, GroupSort and L2-norm pooling; its loss is the tau-cross-entropy).
   gradient_method="ghost")`` (``DPSGD_Sequential``: ghost norms, then the clipped sum);
 * ``lipdp-clipless-tf``: Clipless DP-SGD, ``DP_Sequential`` on the Lipschitz CNN, global
   noise (``lipdp-global`` of ``keras_stacks_speed.py``);
-* ``lipdp-clipped-jax``: the same ``make_private`` call under ``KERAS_BACKEND=jax``;
+* ``lipdp-clipped-jax``: the same ``make_private`` call under ``KERAS_BACKEND=jax``
+  (``DPSGD_JaxModel``'s default step: per-example gradients by ``jax.vmap``);
   skipped ("not available") while ``import lipdp.clipped.jax`` fails;
 * ``jax-privacy``: jax-privacy's Keras API (``keras_api.make_private(model,
   DPKerasConfig(...))``) on the plain Keras model: per-example gradients by ``jax.vmap``
@@ -205,8 +206,12 @@ def _lipdp_clipped(batch, n):
     replaced, as make_private itself sets it); fixed batches (``sampling="shuffle"``)."""
     import dataclasses
 
+    import keras
+
     import lipdp
 
+    # Ghost norms are the TensorFlow step's way; the JAX step takes its own default.
+    ghost = {"gradient_method": "ghost"} if keras.backend.backend() == "tensorflow" else {}
     model = lipdp.make_private(
         _keras_layers(),
         epsilon=3.0,
@@ -218,7 +223,7 @@ def _lipdp_clipped(batch, n):
         clip_norm=CLIP,
         clipping="flat",
         sampling="shuffle",
-        gradient_method="ghost",
+        **ghost,
     )
     model.dp_parameters = dataclasses.replace(model.dp_parameters, noise_multiplier=SIGMA)
     return _keras_compile(model)
