@@ -410,35 +410,12 @@ class DPSGD_JaxModel(keras.Model):
     def _ghost_clipped_sum(self, trainable, non_trainable, x, y, weights):
         """``(clipped sum, losses, y_pred)`` by ghost norms, or ``None`` when the model is
         outside their scope (decided when the step is traced; logged)."""
-        import jax
         import jax.numpy as jnp
 
-        layers, reason = ghost.ghost_layers(self.network, self.trainable_variables)
-        calls = []
-        if layers is not None:
-            row = self._ghost_row_function(layers, non_trainable, calls)
-
-            def forward(scope_params, tap_params, xs, ys):
-                return jax.vmap(lambda xr, yr: row(scope_params, tap_params, None, xr, yr))(xs, ys)
-
-            if not ghost.uses_only_taps(forward, list(trainable), list(trainable), x, y):
-                layers, reason = None, "a trainable weight is read outside its layer's call"
-        if layers is None:
-            logger.warning("gradient_method='ghost' falls back to 'vmap': %s.", reason)
+        found = self._ghost_norms(trainable, non_trainable, x, y)
+        if found is None:
             return None
-        shapes = jax.eval_shape(forward, list(trainable), list(trainable), x, y)[1][3]
-        probes = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-
-        def total(probes):
-            losses, aux = jax.vmap(row, in_axes=(None, None, 0, 0, 0))(
-                list(trainable), list(trainable), probes, x, y
-            )
-            return jnp.sum(losses), aux
-
-        cotangents, (losses, y_pred, inputs, _) = jax.grad(total, has_aux=True)(probes)
-        recorded = ghost.factors(layers, list(zip(calls, inputs)), cotangents)
-        pieces = [n for f in recorded if f is not None for n in f.norms()]
-        norms = per_example.row_norms([jnp.stack(pieces, axis=1)])
+        layers, recorded, norms, losses, y_pred = found
         factors = per_example.clip_factors(self.clipping, norms)
         usable = per_example.usable_rows(norms, factors, weights)
         scale = jnp.where(usable, weights * factors, 0.0)
@@ -448,6 +425,43 @@ class DPSGD_JaxModel(keras.Model):
             parts = f.sums(usable, scale) if f is not None else [jnp.zeros(v.shape) for v in own]
             sums.update((id(v), part) for v, part in zip(own, parts))
         return [sums[id(v)] for v in self.trainable_variables], losses, y_pred
+
+    def _ghost_norms(self, trainable, non_trainable, x, y):
+        """``(layers, factors per layer, row norms, losses, y_pred)``, or ``None`` outside
+        the scope of ghost norms (:mod:`lipdp.clipped.jax.ghost`)."""
+        import jax
+        import jax.numpy as jnp
+
+        trainable = list(trainable)
+        layers, reason = ghost.ghost_layers(self.network, self.trainable_variables)
+        calls = []
+        if layers is not None:
+            row = self._ghost_row_function(layers, non_trainable, calls)
+
+            def forward(scope_params, tap_params, xs, ys):
+                return jax.vmap(lambda xr, yr: row(scope_params, tap_params, None, xr, yr))(xs, ys)
+
+            if not ghost.uses_only_taps(forward, trainable, trainable, x, y):
+                layers, reason = None, "a trainable weight is read outside its layer's call"
+        if layers is None:
+            logger.info("gradient_method='ghost' falls back to 'vmap': %s.", reason)
+            return None
+        shapes = jax.eval_shape(forward, trainable, trainable, x, y)[1][3]
+        probes = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+
+        def total(probes):
+            losses, aux = jax.vmap(row, in_axes=(None, None, 0, 0, 0))(
+                trainable, trainable, probes, x, y
+            )
+            return jnp.sum(losses), aux
+
+        cotangents, (losses, y_pred, inputs, _) = jax.grad(total, has_aux=True)(probes)
+        recorded = ghost.factors(layers, list(zip(calls, inputs)), cotangents)
+        pieces = [n for f in recorded if f is not None for n in f.norms()]
+        if not pieces:  # no tapped layer is called: nothing to bound by ghost norms
+            return None
+        norms = per_example.row_norms([jnp.stack(pieces, axis=1)])
+        return layers, recorded, norms, losses, y_pred
 
     def _row_loss_function(self, non_trainable):
         """``(params, x_i, y_i) -> (loss_i, y_pred_i)``: the forward pass of one row (a
