@@ -10,11 +10,11 @@ step (``train_step(state, data) -> (logs, state)``, compiled by ``jax.jit``):
 2. per-example gradients of the per-example losses, ``jax.vmap(jax.grad(...))`` over the
    network's ``stateless_call`` on one row at a time (rule S2), flat-clipped to ``R``
    and summed (:mod:`lipdp.clipped.jax.per_example`, where the sensitivity is derived);
-   with ``gradient_method="ghost"``, the same norms, clip factors and clipped sum from
-   each layer's inputs and output cotangents, without per-example gradients
-   (:mod:`lipdp.clipped.jax.ghost`): when every trainable variable is the kernel or bias
-   of a ``Dense`` or ``Conv2D`` used only through its layer's call; any other model takes
-   the ``vmap`` path for the whole step (logged once), never a mix;
+   with ``gradient_method="ghost"`` (the default), the same norms, clip factors and
+   clipped sum from each layer's inputs and output cotangents, without per-example
+   gradients (:mod:`lipdp.clipped.jax.ghost`): when every trainable variable is the
+   kernel or bias of a ``Dense`` or ``Conv2D`` used only through its layer's call; any
+   other model takes the ``vmap`` path for the whole step (logged at INFO), never a mix;
 3. the sum divided by the loss normaliser ``b`` plus Gaussian noise of standard
    deviation ``sigma R (1 + ROUNDOFF_SLACK) / b`` on every coordinate, drawn from a key
    seeded by the operating system that moves at every step (rule S8,
@@ -144,17 +144,17 @@ class DPSGD_JaxModel(keras.Model):
             ``"global"``), or its config dict.
         dataset_metadata: :class:`~lipdp.core.metadata.DatasetMetadata`, required for
             training (``b``, ``N``, the sampling).
-        gradient_method: ``"vmap"`` (default: per-example gradients) or ``"ghost"``
-            (ghost norms, :mod:`lipdp.clipped.jax.ghost`). Ghost norms cover models whose
+        gradient_method: ``"ghost"`` (default: ghost norms, :mod:`lipdp.clipped.jax.ghost`)
+            or ``"vmap"`` (per-example gradients). Ghost norms cover models whose
             trainable variables all belong to ``Dense`` and ``Conv2D`` layers (rows or
             sequences); a model with any other trainable layer, or a weight read outside
-            its layer's call, falls back to ``"vmap"`` for the whole step (logged once;
+            its layer's call, falls back to ``"vmap"`` for the whole step (logged at INFO;
             :attr:`gradient_method_used` says which ran).
     """
 
     def __init__(
         self, network, *, dp_parameters, clipping=Clipping(), dataset_metadata=None,
-        gradient_method="vmap", **kwargs,
+        gradient_method="ghost", **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         if gradient_method not in JAX_GRADIENT_METHODS:
