@@ -12,6 +12,8 @@ inputs), built once with the same initial weights, in one process:
 * ``keras``: plain Keras 3 training (``SGD``, the mean cross-entropy);
 * ``lipdp``: :class:`lipdp.clipped.jax.model.DPSGD_JaxModel` (flat clipping ``R = 1``,
   ``sigma = 1``, fixed batches of ``b``: per-example gradients by ``vmap`` of ``grad``);
+* ``lipdp-ghost``: the same with ``gradient_method="ghost"`` (ghost norms: Conv2D by
+  patches, per-row kernel gradients materialised; Dense by ``||a|| ||g||``);
 * ``jax-privacy``: ``jax_privacy.keras_api.make_private`` (jax-privacy 2.0.0,
   ``DPKerasConfig`` with the same ``R``, ``sigma`` and ``b``; its default microbatching,
   ``vmap`` over the whole batch).
@@ -47,7 +49,7 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-CONTENDERS = ["keras", "lipdp", "jax-privacy"]
+CONTENDERS = ["keras", "lipdp", "lipdp-ghost", "jax-privacy"]
 SIGMA, CLIP = 1.0, 1.0
 SHAPE, CLASSES = (28, 28, 1), 10
 
@@ -80,7 +82,7 @@ def build(contender, batch, weights):
     n = 100 * batch
     if contender == "keras":
         model = network
-    elif contender == "lipdp":
+    elif contender in ("lipdp", "lipdp-ghost"):
         from lipdp.clipped.clipping import Clipping
         from lipdp.clipped.jax.model import DPSGD_JaxModel
         from lipdp.core.metadata import DatasetMetadata
@@ -94,6 +96,7 @@ def build(contender, batch, weights):
             dp_parameters=DPParameters("global", SIGMA, 1e-5),
             clipping=Clipping("flat", CLIP),
             dataset_metadata=metadata,
+            gradient_method="ghost" if contender == "lipdp-ghost" else "vmap",
         )
     else:
         from jax_privacy import keras_api
@@ -178,6 +181,9 @@ def table(measured, batch) -> str:
         cells = [f"{1e3 * wall:.1f}", f"{1e3 * cpu:.1f}"]
         for other in ("keras", "jax-privacy"):
             for field in ("wall_s", "cpu_s"):
+                if other not in results:
+                    cells.append("-")
+                    continue
                 cells.append(f"{statistics.median(_ratios(results, name, other, field)):.2f}x")
         cells.append(f"{measured['first_step_s'][name]:.1f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -201,9 +207,13 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per timed call")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--only", nargs="+", choices=CONTENDERS, default=None,
+                        help="time these contenders only")  # fmt: skip
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         parser.error("run with KERAS_BACKEND=jax")
+    if args.only:
+        CONTENDERS[:] = [c for c in CONTENDERS if c in args.only]
     measured = measure(args.batch, args.rounds, args.steps)
     measured.update(
         date=datetime.date.today().isoformat(), versions=versions(), batch=args.batch,

@@ -6,6 +6,9 @@ One module per concept:
   ``train_step`` clips per-example gradients under ``jit``;
 * :mod:`~lipdp.clipped.jax.per_example` -- per-example gradients (``vmap`` of ``grad``),
   their norms, the clipping factors and the clipped sum, with the sensitivity argument;
+* :mod:`~lipdp.clipped.jax.ghost` -- ghost norms (``gradient_method="ghost"``, the
+  default): the same norms and clipped sum from ``Dense``/``Conv2D`` inputs and output
+  cotangents, without per-example gradients;
 * :mod:`~lipdp.clipped.jax.keys` -- the noise keys (rule S8);
 * :mod:`~lipdp.clipped.jax.ledger` -- the privacy ledger held exactly in JAX variables
   (rule S10), read by the shared :class:`lipdp.core.ledger.PrivacyLedger`;

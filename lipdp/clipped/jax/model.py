@@ -10,6 +10,11 @@ step (``train_step(state, data) -> (logs, state)``, compiled by ``jax.jit``):
 2. per-example gradients of the per-example losses, ``jax.vmap(jax.grad(...))`` over the
    network's ``stateless_call`` on one row at a time (rule S2), flat-clipped to ``R``
    and summed (:mod:`lipdp.clipped.jax.per_example`, where the sensitivity is derived);
+   with ``gradient_method="ghost"`` (the default), the same norms, clip factors and
+   clipped sum from each layer's inputs and output cotangents, without per-example
+   gradients (:mod:`lipdp.clipped.jax.ghost`): when every trainable variable is the
+   kernel or bias of a ``Dense`` or ``Conv2D`` used only through its layer's call; any
+   other model takes the ``vmap`` path for the whole step (logged at INFO), never a mix;
 3. the sum divided by the loss normaliser ``b`` plus Gaussian noise of standard
    deviation ``sigma R (1 + ROUNDOFF_SLACK) / b`` on every coordinate, drawn from a key
    seeded by the operating system that moves at every step (rule S8,
@@ -49,7 +54,7 @@ import numpy as np
 
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.clipped.clipping import ClippedGradientBound, Clipping
-from lipdp.clipped.jax import keys, ledger, per_example
+from lipdp.clipped.jax import ghost, keys, ledger, per_example
 from lipdp.clipped.jax.batches import PoissonBatches
 from lipdp.core import compat, noise
 from lipdp.core.layer_walk import nested_layers
@@ -62,6 +67,11 @@ logger = logging.getLogger(__name__)
 
 #: Clipping modes of the JAX step (per-layer clipping: TensorFlow backend).
 JAX_CLIPPING_MODES = ("flat", "automatic", "global")
+#: How the step gets each row's gradient norm and the clipped sum: ``"vmap"`` (per-example
+#: gradients, :mod:`~lipdp.clipped.jax.per_example`) or ``"ghost"`` (ghost norms,
+#: :mod:`~lipdp.clipped.jax.ghost`; models of Dense and Conv2D layers only, others take
+#: ``"vmap"``).
+JAX_GRADIENT_METHODS = ("vmap", "ghost")
 
 
 def check_network(network) -> None:
@@ -134,12 +144,26 @@ class DPSGD_JaxModel(keras.Model):
             ``"global"``), or its config dict.
         dataset_metadata: :class:`~lipdp.core.metadata.DatasetMetadata`, required for
             training (``b``, ``N``, the sampling).
+        gradient_method: ``"ghost"`` (default: ghost norms, :mod:`lipdp.clipped.jax.ghost`)
+            or ``"vmap"`` (per-example gradients). Ghost norms cover models whose
+            trainable variables all belong to ``Dense`` and ``Conv2D`` layers (rows or
+            sequences); a model with any other trainable layer, or a weight read outside
+            its layer's call, falls back to ``"vmap"`` for the whole step (logged at INFO;
+            :attr:`gradient_method_used` says which ran).
     """
 
     def __init__(
-        self, network, *, dp_parameters, clipping=Clipping(), dataset_metadata=None, **kwargs
-    ):
+        self, network, *, dp_parameters, clipping=Clipping(), dataset_metadata=None,
+        gradient_method="ghost", **kwargs,
+    ):  # fmt: skip
         super().__init__(**kwargs)
+        if gradient_method not in JAX_GRADIENT_METHODS:
+            raise ValueError(
+                f"gradient_method must be one of {JAX_GRADIENT_METHODS}, got {gradient_method!r}."
+            )
+        self.gradient_method = gradient_method
+        #: The method the last traced step used (``"ghost"`` may fall back to ``"vmap"``).
+        self.gradient_method_used = None
         clipping = Clipping.coerce(clipping)
         _check_parameters(dp_parameters, clipping)
         check_network(network)
@@ -318,11 +342,15 @@ class DPSGD_JaxModel(keras.Model):
             weights = jnp.clip(jnp.reshape(sample_weight, (rows,)).astype("float32"), 0.0, 1.0)
         weights = jnp.where(finite, weights, 0.0)
 
-        row_loss = self._row_loss_function(non_trainable)
-        grads, (losses, y_pred) = per_example.per_example_gradients(row_loss, trainable, x, y)
-        norms = per_example.row_norms(grads)
-        factors = per_example.clip_factors(self.clipping, norms)
-        summed = per_example.clipped_sum(grads, norms, factors, weights)
+        ghosted = None
+        if self.gradient_method == "ghost":
+            ghosted = self._ghost_clipped_sum(trainable, non_trainable, x, y, weights)
+        if ghosted is not None:
+            summed, losses, y_pred = ghosted
+            object.__setattr__(self, "gradient_method_used", "ghost")
+        else:
+            summed, losses, y_pred = self._vmap_clipped_sum(trainable, non_trainable, x, y, weights)
+            object.__setattr__(self, "gradient_method_used", "vmap")
 
         next_key, draw = keys.next_key_and_draw(self._own(non_trainable, self.noise_key))
         averaged = [s / plan.normalizer for s in summed]
@@ -340,6 +368,100 @@ class DPSGD_JaxModel(keras.Model):
             metrics_variables, x, y, y_pred, losses, counted, jnp.sum(~finite)
         )
         return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+    def _vmap_clipped_sum(self, trainable, non_trainable, x, y, weights):
+        """``(clipped sum, losses, y_pred)`` from per-example gradients."""
+        row_loss = self._row_loss_function(non_trainable)
+        grads, (losses, y_pred) = per_example.per_example_gradients(row_loss, trainable, x, y)
+        norms = per_example.row_norms(grads)
+        factors = per_example.clip_factors(self.clipping, norms)
+        return per_example.clipped_sum(grads, norms, factors, weights), losses, y_pred
+
+    def _ghost_row_function(self, layers, non_trainable, calls):
+        """``(scope_params, tap_params, probes, x_i, y_i) -> (loss_i, aux)``: row ``i``'s
+        forward (a batch of one) with the taps on (:mod:`lipdp.clipped.jax.ghost`); the
+        trainable variables read ``scope_params`` outside the taps, the taps
+        ``tap_params``. ``calls`` receives the layer of every tapped call, in order."""
+        import jax.numpy as jnp
+
+        loss_fn = _per_row_loss(self.loss)
+        trainable_ids = [id(v) for v in self.trainable_variables]
+        others = list(zip(self.non_trainable_variables, non_trainable))
+
+        def row(scope_params, tap_params, probes, x_row, y_row):
+            by_id = dict(zip(trainable_ids, tap_params))
+            by_id.update((id(v), value) for v, value in others)
+
+            def value_of(variable):
+                return None if variable is None else by_id[id(variable)]
+
+            values = {id(lr): (value_of(lr.kernel), value_of(lr.bias)) for lr in layers}
+            tap = ghost.Tap(values, probes)
+            batch = keras.tree.map_structure(lambda t: t[None], x_row)
+            with ghost.tapped(layers, tap):
+                y_pred = self._stateless_forward(scope_params, non_trainable, batch)
+            calls[:] = [layer for layer, _ in tap.inputs]
+            value = loss_fn(_one_target_per_output(y_row[None], y_pred), y_pred)
+            value = jnp.reshape(value, (1, -1)).mean(axis=1)[0]
+            return value, (value, y_pred[0], [a for _, a in tap.inputs], tap.outputs)
+
+        return row
+
+    def _ghost_clipped_sum(self, trainable, non_trainable, x, y, weights):
+        """``(clipped sum, losses, y_pred)`` by ghost norms, or ``None`` when the model is
+        outside their scope (decided when the step is traced; logged)."""
+        import jax.numpy as jnp
+
+        found = self._ghost_norms(trainable, non_trainable, x, y)
+        if found is None:
+            return None
+        layers, recorded, norms, losses, y_pred = found
+        factors = per_example.clip_factors(self.clipping, norms)
+        usable = per_example.usable_rows(norms, factors, weights)
+        scale = jnp.where(usable, weights * factors, 0.0)
+        sums = {}
+        for layer, f in zip(layers, recorded):
+            own = ghost.own_variables(layer)
+            parts = f.sums(usable, scale) if f is not None else [jnp.zeros(v.shape) for v in own]
+            sums.update((id(v), part) for v, part in zip(own, parts))
+        return [sums[id(v)] for v in self.trainable_variables], losses, y_pred
+
+    def _ghost_norms(self, trainable, non_trainable, x, y):
+        """``(layers, factors per layer, row norms, losses, y_pred)``, or ``None`` outside
+        the scope of ghost norms (:mod:`lipdp.clipped.jax.ghost`)."""
+        import jax
+        import jax.numpy as jnp
+
+        trainable = list(trainable)
+        layers, reason = ghost.ghost_layers(self.network, self.trainable_variables)
+        calls = []
+        if layers is not None:
+            row = self._ghost_row_function(layers, non_trainable, calls)
+
+            def forward(scope_params, tap_params, xs, ys):
+                return jax.vmap(lambda xr, yr: row(scope_params, tap_params, None, xr, yr))(xs, ys)
+
+            if not ghost.uses_only_taps(forward, trainable, trainable, x, y):
+                layers, reason = None, "a trainable weight is read outside its layer's call"
+        if layers is None:
+            logger.info("gradient_method='ghost' falls back to 'vmap': %s.", reason)
+            return None
+        shapes = jax.eval_shape(forward, trainable, trainable, x, y)[1][3]
+        probes = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+
+        def total(probes):
+            losses, aux = jax.vmap(row, in_axes=(None, None, 0, 0, 0))(
+                trainable, trainable, probes, x, y
+            )
+            return jnp.sum(losses), aux
+
+        cotangents, (losses, y_pred, inputs, _) = jax.grad(total, has_aux=True)(probes)
+        recorded = ghost.factors(layers, list(zip(calls, inputs)), cotangents)
+        pieces = [n for f in recorded if f is not None for n in f.norms()]
+        if not pieces:  # no tapped layer is called: nothing to bound by ghost norms
+            return None
+        norms = per_example.row_norms([jnp.stack(pieces, axis=1)])
+        return layers, recorded, norms, losses, y_pred
 
     def _row_loss_function(self, non_trainable):
         """``(params, x_i, y_i) -> (loss_i, y_pred_i)``: the forward pass of one row (a
@@ -513,6 +635,7 @@ class DPSGD_JaxModel(keras.Model):
             "dp_parameters": self.dp_parameters.to_config(),
             "clipping": self.clipping.to_config(),
             "dataset_metadata": None if metadata is None else metadata.to_config(),
+            "gradient_method": self.gradient_method,
             "name": self.name,
         }
 
@@ -643,4 +766,4 @@ def _check_poisson_batches(x, metadata) -> None:
         )
 
 
-__all__ = ["JAX_CLIPPING_MODES", "DPSGD_JaxModel", "check_network"]
+__all__ = ["JAX_CLIPPING_MODES", "JAX_GRADIENT_METHODS", "DPSGD_JaxModel", "check_network"]
