@@ -66,6 +66,12 @@ from lipdp.core.layer_walk import nested_layers
 #: Unit round-off of float32.
 UNIT_ROUNDOFF = 2.0**-24
 
+#: Precision of every product here: full float32 ("highest"). The bounds assume float32
+#: round-off; on accelerators JAX's default may compute float32 products in bfloat16 or
+#: TF32 passes, whose error (~1e-3) would exceed both the Gram round-off bound and the
+#: slack between a row's bounded norm and the term it adds to the sum.
+EXACT = "highest"
+
 
 # ----------------------------------------------------------------------- scope
 def _dense_ok(layer) -> bool:
@@ -213,7 +219,9 @@ def gram_norms(a, g):
     p = g.shape[2]
     an, ma = _scaled(a, (1, 2))
     gn, mg = _scaled(g, (1, 2))
-    grams = jnp.einsum("btd,bsd->bts", an, an) * jnp.einsum("btp,bsp->bts", gn, gn)
+    grams = jnp.einsum("btd,bsd->bts", an, an, precision=EXACT) * jnp.einsum(
+        "btp,bsp->bts", gn, gn, precision=EXACT
+    )
     computed = jnp.sum(grams, axis=(1, 2))
     triangle = jnp.sum(
         jnp.sqrt(jnp.sum(jnp.square(an), axis=2) * jnp.sum(jnp.square(gn), axis=2)), axis=1
@@ -241,7 +249,7 @@ class _Factors:
         if t == 1:
             kernel = _norm(self.a[:, 0]) * _norm(self.g[:, 0])
         elif materialise(t, d, p):
-            self.rows = jnp.einsum("btd,btp->bdp", self.a, self.g)
+            self.rows = jnp.einsum("btd,btp->bdp", self.a, self.g, precision=EXACT)
             kernel = _norm(self.rows)
         else:
             kernel = gram_norms(self.a, self.g)
@@ -260,12 +268,14 @@ class _Factors:
 
         g = select(self.g)
         if self.rows is not None:
-            kernel = jnp.tensordot(scale, select(self.rows), axes=1)
+            kernel = jnp.tensordot(scale, select(self.rows), axes=1, precision=EXACT)
         else:
-            kernel = jnp.einsum("btd,btp->dp", select(self.a), g * scale[:, None, None])
+            kernel = jnp.einsum(
+                "btd,btp->dp", select(self.a), g * scale[:, None, None], precision=EXACT
+            )
         out = [_kernel_shaped(self.layer, kernel)]
         if self.layer.bias is not None:
-            out.append(jnp.tensordot(scale, jnp.sum(g, axis=1), axes=1))
+            out.append(jnp.tensordot(scale, jnp.sum(g, axis=1), axes=1, precision=EXACT))
         return out
 
 

@@ -96,7 +96,9 @@ def clipped_sum(grads, norms, factors, weights):
 
     def summed(g):
         kept = jnp.where(jnp.reshape(usable, (-1,) + (1,) * (g.ndim - 1)), g, 0.0)
-        return jnp.tensordot(scale.astype(g.dtype), kept, axes=1)
+        # Full float32 products (accelerators' default may use bfloat16 passes): the term
+        # row i adds must be C_i g_i itself, whose norm was bounded.
+        return jnp.tensordot(scale.astype(g.dtype), kept, axes=1, precision="highest")
 
     return jax.tree_util.tree_map(summed, grads)
 
