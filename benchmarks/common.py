@@ -30,3 +30,24 @@ def machine_description():
         f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
         f"TF {tf.__version__}, {datetime.date.today().isoformat()}"
     )
+
+
+def plain_cnn_layers(shape=(28, 28, 1), classes=10):
+    """The unconstrained ``cnn`` of ``step_speed.py`` as Keras 3 layers for any backend
+    (50 080 parameters, no biases): the network of ``cross_library_speed.py`` and
+    ``jax_backend_speed.py``. Keras is imported here, so that importing this module imports
+    no framework."""
+    import keras
+
+    L = keras.layers
+    return [
+        L.InputLayer(shape=shape),
+        L.Conv2D(32, 3, padding="same", use_bias=False),
+        L.ReLU(),
+        L.AveragePooling2D(2),
+        L.Conv2D(64, 3, padding="same", use_bias=False),
+        L.ReLU(),
+        L.AveragePooling2D(2),
+        L.Flatten(),
+        L.Dense(classes, use_bias=False),
+    ]

@@ -175,20 +175,9 @@ class _Marks:
 # --------------------------------------------------------------------------- Keras
 def _keras_layers():
     """The unconstrained CNN (``step_speed._keras_layers("cnn")``), backend-neutral."""
-    import keras
+    import common
 
-    L = keras.layers
-    return [
-        L.InputLayer(shape=SHAPE),
-        L.Conv2D(32, 3, padding="same", use_bias=False),
-        L.ReLU(),
-        L.AveragePooling2D(2),
-        L.Conv2D(64, 3, padding="same", use_bias=False),
-        L.ReLU(),
-        L.AveragePooling2D(2),
-        L.Flatten(),
-        L.Dense(CLASSES, use_bias=False),
-    ]
+    return common.plain_cnn_layers(SHAPE, CLASSES)
 
 
 def _keras_compile(model, loss=None):

@@ -55,20 +55,9 @@ SHAPE, CLASSES = (28, 28, 1), 10
 
 
 def cnn():
-    L = keras.layers
-    return keras.Sequential(
-        [
-            keras.Input(SHAPE),
-            L.Conv2D(32, 3, padding="same", use_bias=False),
-            L.ReLU(),
-            L.AveragePooling2D(2),
-            L.Conv2D(64, 3, padding="same", use_bias=False),
-            L.ReLU(),
-            L.AveragePooling2D(2),
-            L.Flatten(),
-            L.Dense(CLASSES, use_bias=False),
-        ]
-    )
+    import common  # (benchmarks/, the script's directory, is on sys.path)
+
+    return keras.Sequential(common.plain_cnn_layers(SHAPE, CLASSES))
 
 
 def _loss():

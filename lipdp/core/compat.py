@@ -412,6 +412,19 @@ def accept_batch_input_shape(kwargs: dict) -> dict:
     return kwargs
 
 
+def replay_compile_config(model, config) -> None:
+    """``model.compile_from_config(config)`` for a model whose ``compile`` adds checks.
+
+    Keras (2.13+ and 3) skips ``compile()`` when loading a model that overrides it; lipdp's
+    models only add checks there, so the stored configuration is replayed through it, and
+    the optimizer is built for the loaded weights."""
+    import keras
+
+    model.compile(**keras.saving.deserialize_keras_object(config))
+    if model.built and isinstance(model.optimizer, keras.optimizers.Optimizer):
+        model.optimizer.build(model.trainable_variables)
+
+
 def first_replica_spec(dataset):
     """The element spec of one replica's batches of a ``tf.distribute`` ``dataset``: the
     first replica's spec where the dataset's spec is per replica, the spec itself elsewhere.

@@ -947,12 +947,7 @@ class PrivateModel(keras.Model):
         return super().get_compile_config()
 
     def compile_from_config(self, config):
-        # Keras skips compile() on load for models overriding it; our compile only
-        # adds checks, so the stored configuration is replayed through it.
-        config = keras.saving.deserialize_keras_object(config)
-        self.compile(**config)
-        if self.built and isinstance(self.optimizer, keras.optimizers.Optimizer):
-            self.optimizer.build(self.trainable_variables)
+        compat.replay_compile_config(self, config)
 
     def get_config(self):
         return {

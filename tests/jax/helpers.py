@@ -73,3 +73,19 @@ def step_update(model, x, y, mask=None) -> np.ndarray:
     before = weights(model)
     model.train_on_batch(x, y, sample_weight=mask)
     return weights(model) - before
+
+
+def remove_one_moves(full, masked, deleted, x, y, row=3) -> list:
+    """How far the released update moves when ``row`` leaves the batch, both ways it can:
+    masked out (weight 0), and deleted with a padding row in its place. ``full``,
+    ``masked`` and ``deleted`` are three identical models drawing identical noise."""
+    rows = len(x)
+    mask = np.ones(rows, np.float32)
+    released = step_update(full, x, y, mask)
+    without = mask.copy()
+    without[row] = 0.0
+    keep = np.delete(np.arange(rows), row)
+    x_out = np.concatenate([x[keep], np.zeros_like(x[:1])])
+    y_out = np.concatenate([y[keep], np.zeros_like(y[:1])])
+    neighbours = (step_update(masked, x, y, without), step_update(deleted, x_out, y_out, mask))
+    return [float(np.linalg.norm(released - n)) for n in neighbours]

@@ -30,16 +30,7 @@ def test_removing_one_record_moves_the_update_by_at_most_r_over_b(reproducible_n
     is large, so by almost that."""
     reproducible_noise(11)
     x, y = h.data(12, scale=20.0)
-    full, masked, deleted = _same(3)
-    mask = np.ones(12, np.float32)
-    released = h.step_update(full, x, y, mask)
-    mask_3 = mask.copy()
-    mask_3[3] = 0.0
-    keep = np.delete(np.arange(12), 3)
-    x_3 = np.concatenate([x[keep], np.zeros_like(x[:1])])
-    y_3 = np.concatenate([y[keep], np.zeros_like(y[:1])])
-    for neighbour in (h.step_update(masked, x, y, mask_3), h.step_update(deleted, x_3, y_3, mask)):
-        moved = np.linalg.norm(released - neighbour)
+    for moved in h.remove_one_moves(*_same(3), x, y, row=3):
         assert 0.9 * R / B <= moved <= R / B * (1 + ROUNDOFF_SLACK) + 1e-6
 
 

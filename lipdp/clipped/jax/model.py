@@ -275,12 +275,7 @@ class DPSGD_JaxModel(keras.Model):
         return super().get_compile_config()
 
     def compile_from_config(self, config):
-        # Keras skips compile() on load for models overriding it; ours only adds checks,
-        # so the stored configuration is replayed through it.
-        config = keras.saving.deserialize_keras_object(config)
-        self.compile(**config)
-        if self.built and isinstance(self.optimizer, keras.optimizers.Optimizer):
-            self.optimizer.build(self.trainable_variables)
+        compat.replay_compile_config(self, config)
 
     # ------------------------------------------------------------ training
     def make_train_function(self, force=False):
