@@ -100,6 +100,8 @@ bench: install install-keras2
 	$(BIN_KERAS2)/python benchmarks/shuttle_utility.py --scaling asinh > $(BENCH_OUT)/shuttle_asinh.md
 	$(BIN_KERAS2)/python benchmarks/fmnist_utility.py > $(BENCH_OUT)/fmnist_utility.md
 	$(BIN_KERAS2)/python benchmarks/fmnist_capacity.py > $(BENCH_OUT)/fmnist_capacity.md
+	$(BIN)/python benchmarks/clipless_tightness.py --out $(BENCH_OUT)/clipless_tightness.json \
+		> $(BENCH_OUT)/clipless_tightness.md
 	$(BIN)/python benchmarks/keras_stacks_speed.py --keras3-python $(BIN)/python \
 		--keras2-python $(BIN_KERAS2)/python --json $(BENCH_OUT)/keras_stacks_speed.json \
 		> $(BENCH_OUT)/keras_stacks_speed.md
