@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -37,6 +38,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -------------------------------------------------------------------------- value types
+def _clipless_defaults_text(setting) -> str:
+    """``"0.3 (digits), none (fashion_mnist), ..."``: the help's statement of a clipless
+    default."""
+    values = [(name, getattr(d, setting)) for name, d in D.CLIPLESS_DEFAULTS.items()]
+    return ", ".join(f"{'none' if v is None else format(v, 'g')} ({name})" for name, v in values)
+
+
+def _scattering_default_text() -> str:
+    names = [name for name, d in D.CLIPLESS_DEFAULTS.items() if d.scattering]
+    return " and ".join(names) or "no data set"
+
+
+def _clip_or_none(text):
+    """``--gradient-clip``: a number > 0, or ``none`` (no clipping: ``math.inf``)."""
+    if text.strip().lower() in ("none", "off", "inf"):
+        return math.inf
+    return _positive_float(text)
+
+
 def _number(convert, check, requirement):
     def parse(text):
         try:
@@ -251,12 +271,20 @@ def _add_network_arguments(parser) -> None:
     """The network: logit-gradient clipping, kernel balls, group normalisation, scattering."""
     parser.add_argument(
         "--gradient-clip",
-        type=_positive_float,
+        type=_clip_or_none,
         default=None,
         metavar="C",
         help="lipdp / lip-dp-sgd: clip each example's loss gradient at the logits to norm C "
         "(DP_ClipGradient; every bound upstream uses C instead of the loss's own bound, no "
-        "per-example parameter gradients); default: none",
+        "per-example parameter gradients), or 'none'; default: "
+        f"{_clipless_defaults_text('gradient_clip')}",
+    )
+    parser.add_argument(
+        "--tau",
+        type=_positive_float,
+        default=None,
+        help="lipdp / lip-dp-sgd: temperature of the loss DP_TauCategoricalCrossentropy(tau) "
+        f"(default {D.SCATTERING_TAU:g} with the scattering network, {D.TAU:g} otherwise)",
     )
     parser.add_argument(
         "--weight-norm-bound",
@@ -279,11 +307,13 @@ def _add_network_arguments(parser) -> None:
     )
     parser.add_argument(
         "--scattering",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="images: a scattering front-end (Kymatio's J=2, L=8, no weights, certified "
         "Lipschitz constant), a group normalisation (--group-norm groups, default 27 per "
         "channel; alpha 1e-4) and a linear head (zoo.scattering_net; with dp-sgd the same "
-        "layers and a Dense head)",
+        "layers and a Dense head); --no-scattering: the CNN. Default: on for the clipless "
+        f"methods on {_scattering_default_text()}, off otherwise",
     )
 
 
@@ -513,6 +543,9 @@ def _family_refusals(args) -> dict:
     return {
         "--gradient-clip": "--gradient-clip applies to the clipless methods; dp-sgd clips "
         "per-example gradients with --clip-norm.",
+        "--tau": "--tau applies to the clipless methods (their loss "
+        "DP_TauCategoricalCrossentropy); dp-sgd trains with the cross-entropy of the logits: "
+        "drop --tau.",
         "--weight-norm-bound": "--weight-norm-bound applies to the clipless methods (lipdp, "
         "lip-dp-sgd) only: dp-sgd's layers have unconstrained kernels (their gradients are "
         "clipped at --clip-norm): drop --weight-norm-bound.",
@@ -533,12 +566,13 @@ def _group_norm_refusals(args) -> dict:
     """Group normalisation: in the clipless networks (``--group-norm``, ``--group-norm-alpha``)
     and in either family's scattering network (``--group-norm`` only: its alpha is fixed)."""
     refusals = {}
-    if args.method == "dp-sgd" and not args.scattering:
+    scattering = resolved_scattering(args)
+    if args.method == "dp-sgd" and not scattering:
         refusals["--group-norm"] = (
             "--group-norm applies to the clipless methods, or to dp-sgd with --scattering "
             "(dp-sgd's plain network has no group normalisation): drop --group-norm."
         )
-    if args.scattering:
+    if scattering:
         refusals["--group-norm-alpha"] = (
             "--group-norm-alpha does not apply to --scattering, whose group normalisation "
             "has its own alpha (lipdp.recipes.zoo.SCATTERING_ALPHA): drop --group-norm-alpha."
@@ -601,6 +635,13 @@ def refuse_missing_settings(args) -> None:
         )
     if args.scattering and args.dataset not in D.IMAGE_DATASETS:
         raise ValueError(f"--scattering needs images; {args.dataset} is tabular.")
+
+
+def resolved_scattering(args) -> bool:
+    """``--scattering`` / ``--no-scattering``, or the data set's default for the method."""
+    if args.scattering is not None:
+        return args.scattering
+    return D.default_scattering(args.dataset, args.method)
 
 
 def batch_size(args) -> int:

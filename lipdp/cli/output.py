@@ -4,6 +4,7 @@ lines of ``lipdp evaluate``'s report. Text only: the numbers come from the recip
 
 from __future__ import annotations
 
+import math
 import time
 
 
@@ -42,8 +43,9 @@ def _family_detail(recipe) -> str:
         if recipe.dp_sat is not None:
             detail += f", DP-SAT rho = {recipe.dp_sat:g}"
         return detail
-    detail = f"weight norm bound {recipe.weight_norm_bound:g}"
-    if recipe.gradient_clip is not None:
+    network = "scattering + linear head" if recipe.scattering else "Lipschitz network"
+    detail = f"{network}, weight norm bound {recipe.weight_norm_bound:g}, tau {recipe.tau:g}"
+    if recipe.gradient_clip is not None and recipe.gradient_clip != math.inf:
         detail += f", logit gradients clipped at {recipe.gradient_clip:g}"
     return detail
 

@@ -10,8 +10,10 @@ A run is described by two frozen, validated configurations (:class:`lipdp.core.c
   epochs, the accountant, weight averaging, the seed and where the data lives.
 
 Every field is named after the ``lipdp train`` option of the same name (``--clip-norm`` is
-``clip_norm``) and has its default; ``None`` for ``batch_size``, ``noise_multiplier`` and
-``learning_rate`` means the data set's default (:data:`~lipdp.recipes.defaults.DEFAULTS`).
+``clip_norm``) and has its default; ``None`` for ``batch_size``, ``noise_multiplier``,
+``learning_rate``, ``scattering``, ``gradient_clip`` and ``tau`` means the data set's
+default for the method (:data:`~lipdp.recipes.defaults.DEFAULTS`,
+:data:`~lipdp.recipes.defaults.CLIPLESS_DEFAULTS`; :meth:`ModelRecipe.resolved`).
 A setting that the recipe's network would not read is refused in one line when it differs
 from its default (``clip_norm=2`` with ``method="lipdp"``): a recipe never silently drops
 a choice.
@@ -29,6 +31,7 @@ the command line validates its arguments and answers ``--help`` without it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -74,8 +77,14 @@ class ModelRecipe(Config):
         group_norm, group_norm_alpha: groups and ``alpha`` of a group normalisation after
             each hidden layer (clipless; with ``scattering``, the groups of its
             normalisation, whose alpha is fixed).
-        scattering: a scattering front-end (images only).
-        gradient_clip: clip each example's logit gradient at this norm (clipless).
+        scattering: a scattering front-end (images only); ``None``: the data set's default
+            for the method (:func:`~lipdp.recipes.defaults.default_scattering`).
+        gradient_clip: clip each example's logit gradient at this norm (clipless); ``None``:
+            the data set's default (:data:`~lipdp.recipes.defaults.CLIPLESS_DEFAULTS`),
+            ``math.inf``: no clipping.
+        tau: temperature of the clipless loss ``DP_TauCategoricalCrossentropy(tau)``;
+            ``None``: :data:`~lipdp.recipes.defaults.SCATTERING_TAU` for the scattering
+            network, :data:`~lipdp.recipes.defaults.TAU` for the others.
         clipping, clip_norm, clip_threshold, gradient_method, bam, dp_sat: clipped DP-SGD's
             per-example clipping (:class:`lipdp.clipped.model.Clipping`), its gradient
             norms and its ascent step (:class:`lipdp.clipped.model.SharpnessAscent`).
@@ -101,8 +110,9 @@ class ModelRecipe(Config):
     weight_norm_bound: float = 1.0
     group_norm: int | None = None
     group_norm_alpha: float = 1.0
-    scattering: bool = False
+    scattering: bool | None = None
     gradient_clip: float | None = None
+    tau: float | None = None
     clipping: str = "flat"
     clip_norm: float = 1.0
     clip_threshold: float | None = None
@@ -132,7 +142,8 @@ class ModelRecipe(Config):
         validation.choice("gradient_method", self.gradient_method, D.GRADIENT_METHODS)
         validation.choice("adversarial_norm", self.adversarial_norm, D.ADVERSARIAL_NORMS)
         self._set("non_private", bool(self.non_private))
-        self._set("scattering", bool(self.scattering))
+        if self.scattering is not None:
+            self._set("scattering", bool(self.scattering))
 
     def _check_numbers(self):
         self._set("batch_size", _optional(_positive_count, "batch_size", self.batch_size))
@@ -149,8 +160,10 @@ class ModelRecipe(Config):
         self._set(
             "group_norm_alpha", validation.positive("group_norm_alpha", self.group_norm_alpha)
         )
-        clip = _optional(validation.positive, "gradient_clip", self.gradient_clip)
-        self._set("gradient_clip", clip)
+        if self.gradient_clip != math.inf:  # math.inf: no clipping (off, not a bound)
+            clip = _optional(validation.positive, "gradient_clip", self.gradient_clip)
+            self._set("gradient_clip", clip)
+        self._set("tau", _optional(validation.positive, "tau", self.tau))
         self._set("clip_norm", validation.positive("clip_norm", self.clip_norm))
         threshold = _optional(validation.positive, "clip_threshold", self.clip_threshold)
         self._set("clip_threshold", threshold)
@@ -185,25 +198,46 @@ class ModelRecipe(Config):
 
     def resolved(self) -> ModelRecipe:
         """This recipe with the data set's defaults in place of ``None``: batch size, noise
-        multiplier (still ``None`` for a non-private reference, whose noise is 0) and
-        learning rate."""
+        multiplier (still ``None`` for a non-private reference, whose noise is 0), learning
+        rate and, for the clipless methods, the network, the logit-gradient clip and the
+        temperature (:data:`~lipdp.recipes.defaults.CLIPLESS_DEFAULTS`). Idempotent."""
         default = D.DEFAULTS[self.dataset]
         sigma = None if self.non_private else self.noise_multiplier or default.noise_multiplier
-        return dataclasses.replace(
-            self,
+        common = dict(
             batch_size=self.batch_size or default.batch_size,
             noise_multiplier=sigma,
-            learning_rate=self.learning_rate or default.learning_rate,
+            scattering=_scattering(self),
         )
+        if self.method == "dp-sgd":
+            rate = self.learning_rate or default.learning_rate
+            return dataclasses.replace(self, learning_rate=rate, **common)
+        clipless = D.CLIPLESS_DEFAULTS[self.dataset]
+        tau = D.SCATTERING_TAU if common["scattering"] else D.TAU
+        clip = clipless.gradient_clip if self.gradient_clip is None else self.gradient_clip
+        return dataclasses.replace(
+            self,
+            learning_rate=self.learning_rate or clipless.learning_rate,
+            gradient_clip=clip,
+            tau=self.tau or tau,
+            **common,
+        )
+
+
+def _scattering(recipe) -> bool:
+    """The recipe's ``scattering``, or its data set's default for its method."""
+    if recipe.scattering is not None:
+        return recipe.scattering
+    return D.default_scattering(recipe.dataset, recipe.method)
 
 
 def _unused_settings(recipe) -> dict:
     """``{field: why}`` for the settings that the recipe's network does not read."""
     unused = {}
+    scattering = _scattering(recipe)
     if recipe.method == "dp-sgd":
         clipless = "applies to the clipless methods (lipdp, lip-dp-sgd) only"
-        unused.update(weight_norm_bound=clipless, gradient_clip=clipless)
-        if not recipe.scattering:
+        unused.update(weight_norm_bound=clipless, gradient_clip=clipless, tau=clipless)
+        if not scattering:
             unused["group_norm"] = "applies to the clipless methods, or to dp-sgd with scattering"
     else:
         why = f"applies to method='dp-sgd' only (method {recipe.method!r} clips no gradient)"
@@ -211,7 +245,7 @@ def _unused_settings(recipe) -> dict:
             unused[name] = why
     if recipe.method == "dp-sgd" and recipe.clipping != "global":
         unused["clip_threshold"] = "applies to clipping='global' only"
-    if recipe.scattering or recipe.method == "dp-sgd" or recipe.group_norm is None:
+    if scattering or recipe.method == "dp-sgd" or recipe.group_norm is None:
         unused["group_norm_alpha"] = "applies to the group normalisation of group_norm only"
     if recipe.optimizer != "sgd":
         unused["momentum"] = "applies to optimizer='sgd' only (Adam keeps its own moments)"
@@ -401,6 +435,7 @@ def architecture(recipe: ModelRecipe) -> tuple[str, dict]:
     method, ``weight_norm_bound`` or ``group_norm`` ask for them; on breast cancer
     :func:`~lipdp.recipes.zoo.lip_mlp`; with ``scattering``
     :func:`~lipdp.recipes.zoo.scattering_net`."""
+    recipe = ModelRecipe.coerce(recipe).resolved()
     adaptive = recipe.method == "lip-dp-sgd"
     if recipe.scattering:
         return "scattering_net", dict(
@@ -433,6 +468,7 @@ def keras_layers(recipe: ModelRecipe, input_shape, nb_classes) -> list:
 
     from lipdp.core import compat
 
+    recipe = ModelRecipe.coerce(recipe).resolved()
     if recipe.scattering:
         return _keras_scattering_layers(recipe, input_shape, nb_classes)
     stack = [compat.input_layer(input_shape)]
@@ -473,7 +509,7 @@ def build_model(recipe: ModelRecipe, metadata):
 
     Clipless methods: :func:`architecture`'s zoo network (``DP_ClipGradient(c)`` after the
     logits with ``gradient_clip=c``) in a ``DP_Sequential``, loss
-    ``DP_TauCategoricalCrossentropy(8)``. ``dp-sgd``: :func:`keras_layers` in a
+    ``DP_TauCategoricalCrossentropy(tau)``. ``dp-sgd``: :func:`keras_layers` in a
     ``DPSGD_Sequential`` with :func:`clipping`, :func:`ascent` and ``gradient_method``,
     loss cross-entropy on the logits. Either family trains on :func:`adversarial`'s PGD
     examples when ``adversarial_radius`` is set; optimiser :func:`optimizer`; metric
@@ -489,7 +525,7 @@ def build_model(recipe: ModelRecipe, metadata):
         loss = keras.losses.CategoricalCrossentropy(from_logits=True)
     else:
         model = _clipless_model(recipe, metadata)
-        loss = losses.DP_TauCategoricalCrossentropy(tau=D.TAU)
+        loss = losses.DP_TauCategoricalCrossentropy(tau=recipe.tau)
     model.compile(loss=loss, optimizer=optimizer(recipe), metrics=["accuracy"])
     return model
 
@@ -515,7 +551,7 @@ def _clipless_model(recipe, metadata):
 
     name, options = architecture(recipe)
     stack = zoo.ZOO[name](metadata, **options)  # looked up now: the registry can be patched
-    if recipe.gradient_clip is not None:
+    if recipe.gradient_clip is not None and recipe.gradient_clip != math.inf:
         stack.append(DP_ClipGradient(recipe.gradient_clip))
     model = DP_Sequential(stack, dp_parameters=dp_parameters(recipe), dataset_metadata=metadata)
     model.adversarial = adversarial(recipe)

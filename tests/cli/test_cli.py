@@ -269,7 +269,12 @@ def test_cli_model_follows_the_method_flags():
     assert all(k.constraint == "spectral" for k in kernels)
     assert any(isinstance(layer, L.DP_GroupNormalization) for layer in model.dp_layers)
     recipe = runs.ModelRecipe(
-        dataset="digits", batch_size=512, sampling="shuffle", weight_norm_bound=2.0, **params
+        dataset="digits",
+        batch_size=512,
+        sampling="shuffle",
+        weight_norm_bound=2.0,
+        scattering=False,
+        **params,
     )
     fixed, _, _ = runs.model_and_arrays(recipe, datasets.load_digits())
     kernels = [layer for layer in fixed.dp_layers if hasattr(layer, "adaptive_norm")]
@@ -377,6 +382,10 @@ _NO_GROUP_NORM_IN_DP_SGD = (
     "--group-norm applies to the clipless methods, or to dp-sgd with --scattering "
     "(dp-sgd's plain network has no group normalisation): drop --group-norm."
 )
+_TAU_IN_DP_SGD = (
+    "--tau applies to the clipless methods (their loss DP_TauCategoricalCrossentropy); "
+    "dp-sgd trains with the cross-entropy of the logits: drop --tau."
+)
 _SCATTERING_ALPHA = (
     "--group-norm-alpha does not apply to --scattering, whose group normalisation has its "
     "own alpha (lipdp.recipes.zoo.SCATTERING_ALPHA): drop --group-norm-alpha."
@@ -429,11 +438,13 @@ INAPPLICABLE = [
         "no group normalisation): drop --group-norm-alpha.",
     ),
     (
-        ["train", "--group-norm-alpha", "0.5"],
+        ["train", "--no-scattering", "--group-norm-alpha", "0.5"],
         "--group-norm-alpha needs --group-norm G (without it the network has no group "
         "normalisation): add --group-norm G or drop --group-norm-alpha.",
     ),
     (["train", "--scattering", "--group-norm", "9", "--group-norm-alpha", "2"], _SCATTERING_ALPHA),
+    (["train", "--group-norm-alpha", "2"], _SCATTERING_ALPHA),  # digits: scattering by default
+    (["train", "--method", "dp-sgd", "--tau", "2"], _TAU_IN_DP_SGD),
     (["train", "--method", "dp-sgd", "--scattering", "--group-norm-alpha", "2"], _SCATTERING_ALPHA),
     (["train", "--momentum", "0.9"], _MOMENTUM),
     (["train", "--momentum", "0"], _MOMENTUM),  # typed, even at its default value
@@ -496,7 +507,9 @@ def _check_options(argv):
     [
         ["train", "--method", "dp-sgd", "--clipping", "global", "--clip-threshold", "5"],
         ["train", "--method", "dp-sgd", "--scattering", "--group-norm", "9"],
-        ["train", "--group-norm", "4", "--group-norm-alpha", "0.5"],
+        ["train", "--no-scattering", "--group-norm", "4", "--group-norm-alpha", "0.5"],
+        ["train", "--no-scattering", "--gradient-clip", "none", "--tau", "4"],
+        ["train", "--dataset", "fashion_mnist", "--scattering", "--group-norm", "9"],
         ["train", "--optimizer", "sgd", "--momentum", "0.9"],
         ["train", "--dataset", "fashion_mnist", "--data-dir", "/tmp"],
         ["train", "--adversarial-radius", "0.1", "--adversarial-steps", "3"],

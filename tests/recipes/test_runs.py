@@ -4,6 +4,7 @@ the command line."""
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -105,12 +106,39 @@ def test_configurations_round_trip_through_plain_dicts():
 
 def test_resolved_takes_the_data_set_defaults():
     for dataset, default in defaults.DEFAULTS.items():
+        clipless = defaults.CLIPLESS_DEFAULTS[dataset]
         recipe = runs.ModelRecipe(dataset=dataset).resolved()
         assert recipe.batch_size == default.batch_size
         assert recipe.noise_multiplier == default.noise_multiplier
-        assert recipe.learning_rate == default.learning_rate
-    given = runs.ModelRecipe(batch_size=100, noise_multiplier=3, learning_rate=0.5)
+        assert recipe.learning_rate == clipless.learning_rate
+        assert recipe.scattering == clipless.scattering
+        assert recipe.gradient_clip == clipless.gradient_clip
+        assert recipe.tau == (defaults.SCATTERING_TAU if clipless.scattering else defaults.TAU)
+        assert recipe.resolved() == recipe  # idempotent
+        clipped = runs.ModelRecipe(dataset=dataset, method="dp-sgd").resolved()
+        assert clipped.learning_rate == default.learning_rate
+        assert clipped.scattering is False and clipped.tau is None
+        assert clipped.gradient_clip is None
+    given = runs.ModelRecipe(
+        batch_size=100,
+        noise_multiplier=3,
+        learning_rate=0.5,
+        scattering=False,
+        gradient_clip=2.0,
+        tau=5.0,
+    )
     assert given.resolved() == given
+
+
+def test_the_temperature_follows_the_network_and_clipping_can_be_turned_off():
+    assert runs.ModelRecipe(scattering=False).resolved().tau == defaults.TAU
+    assert runs.ModelRecipe(scattering=True).resolved().tau == defaults.SCATTERING_TAU
+    off = runs.ModelRecipe(gradient_clip=math.inf).resolved()
+    assert off.gradient_clip == math.inf
+    with pytest.raises(ValueError, match="tau"):
+        runs.ModelRecipe(method="dp-sgd", tau=2.0)
+    with pytest.raises(ValueError, match="tau"):
+        runs.ModelRecipe(tau=-1.0)
     reference = runs.ModelRecipe(non_private=True)
     assert runs.dp_parameters(reference).noise_multiplier == 0.0
     assert runs.dp_parameters(reference).non_private
@@ -119,10 +147,12 @@ def test_resolved_takes_the_data_set_defaults():
 @pytest.mark.parametrize(
     "settings, name",
     [
-        (dict(), "pooled_cnn"),
-        (dict(weight_norm_bound=2.0), "lip_convnet"),
-        (dict(method="lip-dp-sgd"), "lip_convnet"),
-        (dict(group_norm=4), "lip_convnet"),
+        (dict(), "scattering_net"),
+        (dict(scattering=False), "pooled_cnn"),
+        (dict(dataset="fashion_mnist"), "pooled_cnn"),
+        (dict(weight_norm_bound=2.0, scattering=False), "lip_convnet"),
+        (dict(method="lip-dp-sgd", scattering=False), "lip_convnet"),
+        (dict(group_norm=4, scattering=False), "lip_convnet"),
         (dict(dataset="breast_cancer"), "lip_mlp"),
         (dict(scattering=True), "scattering_net"),
     ],

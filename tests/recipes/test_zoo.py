@@ -230,10 +230,14 @@ def test_the_run_recipe_asks_the_zoo_for_its_model(monkeypatch):
         raise _Stop
 
     monkeypatch.setitem(zoo.ZOO, "pooled_cnn", spy)
+    monkeypatch.setitem(zoo.ZOO, "scattering_net", spy)
     with pytest.raises(_Stop):
-        runs.prepare(runs.RunConfig(epochs=1))
-    ((metadata, options),) = calls
+        runs.prepare(runs.RunConfig(runs.ModelRecipe(scattering=False), epochs=1))
+    with pytest.raises(_Stop):
+        runs.prepare(runs.RunConfig(epochs=1))  # digits' default: the scattering network
+    (metadata, options), (_, scattering_options) = calls
     assert options == {"widths": defaults.CNN_WIDTHS["digits"]}
+    assert set(scattering_options) >= {"groups", "weight_norm_bound"}
     assert metadata.max_norm == defaults.INPUT_BOUNDS["digits"]
     assert metadata.input_shape == (8, 8, 1) and metadata.nb_classes == 10
 
