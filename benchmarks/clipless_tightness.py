@@ -1,4 +1,4 @@
-"""How tight are the clipless bounds? The tightness report of four zoo networks, before and
+"""How tight are the clipless bounds? The tightness report of the zoo networks, before and
 after a short private training.
 
     .venv/bin/python benchmarks/clipless_tightness.py [--epochs 10] [--out FILE]
@@ -7,9 +7,14 @@ For each network, :func:`lipdp.clipless.tightness.tightness_report` on the whole
 set at initialisation and after ``--epochs`` epochs of Clipless DP-SGD (Poisson batches,
 ``DP_Accountant``, :func:`lipdp.recipes.runs.fit`):
 
-* ``pooled_cnn``: the CNN of ``lipdp train`` on digits, built by the run recipe
-  (:func:`lipdp.recipes.runs.build_model`: input bound 5, tau 8, Adam(0.02), b = 512,
-  sigma = 6);
+* ``pooled_cnn``: the CNN of ``lipdp train`` on digits before issue 29, built by the run
+  recipe (:func:`lipdp.recipes.runs.build_model` with ``--no-scattering --gradient-clip
+  none --learning-rate 0.02``: input bound 5, tau 8, b = 512, sigma = 6);
+* ``pooled_cnn_clip``: the same CNN as ``lipdp train --no-scattering`` builds it since
+  (logit gradients clipped at 0.3, Adam(0.01));
+* ``scattering_net``: the network of ``lipdp train`` on digits since issue 29 (scattering
+  features, group normalisation, a linear head; logit gradients clipped at 0.3, tau 2,
+  Adam(0.01));
 * ``strided_cnn``: notebook 01's network, widths (16, 64), logit gradient clipped at 0.3,
   tau 64, Adam(5e-3), on digits (the notebook runs it on Fashion-MNIST);
 * ``resnet``: notebook 02's residual network, 3 "1-lip-add" blocks of width 16, tau 8,
@@ -19,11 +24,12 @@ set at initialisation and after ``--epochs`` epochs of Clipless DP-SGD (Poisson 
 
 Prints every report, then a Markdown table of ``max / B_v`` and ``mean / B_v`` per
 variable before and after, and writes everything as JSON (default
-``benchmarks/results/clipless_tightness.json``). About two minutes on 2 cores.
+``benchmarks/results/clipless_tightness.json``). About three minutes on 2 cores.
 """
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -40,19 +46,37 @@ from lipdp.recipes import runs, zoo  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-#: name -> (data set, builder options, tau, learning rate); None: the recipe's own.
+#: name -> (run recipe options, builder options, tau, learning rate); builder options None:
+#: the command line's own model for that recipe.
 NETWORKS = {
-    "pooled_cnn": ("digits", None, None, None),
-    "strided_cnn": ("digits", dict(widths=(16, 64), clip=0.3), 64.0, 5e-3),
-    "resnet": ("digits", dict(merge_policy="1-lip-add", blocks=3, width=16), 8.0, 5e-3),
-    "tabular_mlp": ("breast_cancer", dict(width=64, depth=2, bias=1.0), 8.0, None),
+    "pooled_cnn": (
+        dict(scattering=False, gradient_clip=math.inf, learning_rate=0.02),
+        None,
+        None,
+        None,
+    ),
+    "pooled_cnn_clip": (dict(scattering=False), None, None, None),
+    "scattering_net": ({}, None, None, None),
+    "strided_cnn": (dict(scattering=False), dict(widths=(16, 64), clip=0.3), 64.0, 5e-3),
+    "resnet": (
+        dict(scattering=False),
+        dict(merge_policy="1-lip-add", blocks=3, width=16),
+        8.0,
+        5e-3,
+    ),
+    "tabular_mlp": (
+        dict(dataset="breast_cancer"),
+        dict(width=64, depth=2, bias=1.0),
+        8.0,
+        None,
+    ),
 }
 
 
 def build(name, data):
     """``(compiled model, x_train, y_train)`` of network ``name`` (module docstring)."""
-    dataset, options, tau, rate = NETWORKS[name]
-    recipe = runs.ModelRecipe(dataset=dataset)
+    recipe_options, options, tau, rate = NETWORKS[name]
+    recipe = runs.ModelRecipe(**recipe_options)
     metadata = runs.run_metadata(recipe, data)
     x, y = runs.training_arrays(metadata, data)
     if options is None:  # the command line's model, exactly
@@ -77,7 +101,7 @@ def measure(name, epochs, data):
     start = time.perf_counter()
     before = tightness_report(model, x, y)
     report_seconds = time.perf_counter() - start
-    run = runs.RunConfig(model=runs.ModelRecipe(dataset=NETWORKS[name][0]), epochs=epochs)
+    run = runs.RunConfig(model=runs.ModelRecipe(**NETWORKS[name][0]), epochs=epochs)
     start = time.perf_counter()
     history = runs.fit(runs.PreparedRun(run, data, model, x, y, epochs))
     train_seconds = time.perf_counter() - start
@@ -87,7 +111,7 @@ def measure(name, epochs, data):
         print(f"\n=== {name}, {title} ===\n{report.format()}")
     return {
         "network": name,
-        "dataset": NETWORKS[name][0],
+        "dataset": runs.ModelRecipe(**NETWORKS[name][0]).dataset,
         "parameters": int(model.count_params()),
         "examples": before.examples,
         "epochs": epochs,
