@@ -73,6 +73,10 @@ NETWORKS = {
 }
 
 
+def _dataset(name) -> str:
+    return runs.ModelRecipe(**NETWORKS[name][0]).dataset
+
+
 def build(name, data):
     """``(compiled model, x_train, y_train)`` of network ``name`` (module docstring)."""
     recipe_options, options, tau, rate = NETWORKS[name]
@@ -111,7 +115,7 @@ def measure(name, epochs, data):
         print(f"\n=== {name}, {title} ===\n{report.format()}")
     return {
         "network": name,
-        "dataset": runs.ModelRecipe(**NETWORKS[name][0]).dataset,
+        "dataset": _dataset(name),
         "parameters": int(model.count_params()),
         "examples": before.examples,
         "epochs": epochs,
@@ -149,7 +153,7 @@ def main():
     parser.add_argument("--out", type=Path, default=RESULTS / "clipless_tightness.json")
     args = parser.parse_args()
     data = {name: runs.load_data(name) for name in ("digits", "breast_cancer")}
-    results = [measure(n, args.epochs, data[NETWORKS[n][0]]) for n in args.networks]
+    results = [measure(n, args.epochs, data[_dataset(n)]) for n in args.networks]
     print(f"\n{machine_description()}\n")
     print(summary_table(results))
     for r in results:
