@@ -433,7 +433,8 @@ def architecture(recipe: ModelRecipe) -> tuple[str, dict]:
     :func:`~lipdp.recipes.zoo.pooled_cnn` (:data:`~lipdp.recipes.defaults.CNN_WIDTHS`), or
     the same network with norm balls (:func:`~lipdp.recipes.zoo.lip_convnet`) when the
     method, ``weight_norm_bound`` or ``group_norm`` ask for them; on breast cancer
-    :func:`~lipdp.recipes.zoo.lip_mlp`; with ``scattering``
+    :func:`~lipdp.recipes.zoo.lip_mlp` with the data set's ``hidden_layers`` (0: a linear
+    classifier; at least 1 with ``group_norm``); with ``scattering``
     :func:`~lipdp.recipes.zoo.scattering_net`."""
     recipe = ModelRecipe.coerce(recipe).resolved()
     adaptive = recipe.method == "lip-dp-sgd"
@@ -452,7 +453,10 @@ def architecture(recipe: ModelRecipe) -> tuple[str, dict]:
         alpha=recipe.group_norm_alpha,
     )
     if recipe.dataset == "breast_cancer":
-        return "lip_mlp", dict(width=D.MLP_WIDTH, **ball)
+        depth = D.CLIPLESS_DEFAULTS[recipe.dataset].hidden_layers
+        if recipe.group_norm is not None:  # a group normalisation follows a hidden layer
+            depth = max(depth, 1)
+        return "lip_mlp", dict(width=D.MLP_WIDTH, depth=depth, **ball)
     widths = D.CNN_WIDTHS[recipe.dataset]
     if not adaptive and recipe.weight_norm_bound == 1.0 and recipe.group_norm is None:
         return "pooled_cnn", dict(widths=widths)

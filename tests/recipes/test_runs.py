@@ -130,6 +130,21 @@ def test_resolved_takes_the_data_set_defaults():
     assert given.resolved() == given
 
 
+def test_breast_cancer_takes_a_linear_head_unless_a_group_norm_needs_a_hidden_layer():
+    name, options = runs.architecture(runs.ModelRecipe(dataset="breast_cancer"))
+    assert (name, options["depth"]) == ("lip_mlp", 0)
+    assert defaults.CLIPLESS_DEFAULTS["breast_cancer"].hidden_layers == 0
+    grouped = runs.ModelRecipe(dataset="breast_cancer", group_norm=4)
+    assert runs.architecture(grouped)[1]["depth"] == 1
+    metadata = runs.run_metadata(
+        runs.ModelRecipe(dataset="breast_cancer"), sources.load_breast_cancer()
+    )
+    model = runs.build_model(runs.ModelRecipe(dataset="breast_cancer"), metadata)
+    kernels = [v for v in model.trainable_variables if "kernel" in v.name]
+    assert [tuple(k.shape) for k in kernels] == [(30, 2)]  # one linear layer
+    assert type(model.dp_layers[-1]).__name__ == "DP_ClipGradient"
+
+
 def test_the_temperature_follows_the_network_and_clipping_can_be_turned_off():
     assert runs.ModelRecipe(scattering=False).resolved().tau == defaults.TAU
     assert runs.ModelRecipe(scattering=True).resolved().tau == defaults.SCATTERING_TAU
