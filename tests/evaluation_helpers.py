@@ -1,6 +1,8 @@
 """Shared by the evaluation tests: the digits CNN of ``lipdp train``, trained once per
 test process, and a small vector model."""
 
+import math
+
 import pytest
 import tensorflow as tf
 
@@ -18,10 +20,17 @@ def digits():
 
 
 def digits_cnn(data, sigma=1.0, batch_size=512):
-    """The compiled CNN of ``lipdp train`` on digits (:func:`lipdp.recipes.runs.build_model`),
-    on the whole batches of the training set: ``(model, x_train, y_train)``."""
+    """The compiled CNN of ``lipdp train --no-scattering --gradient-clip none --learning-rate
+    0.02`` on digits (:func:`lipdp.recipes.runs.build_model`; the command's default before
+    issue 29), on the whole batches of the training set: ``(model, x_train, y_train)``."""
     recipe = runs.ModelRecipe(
-        dataset="digits", batch_size=batch_size, noise_multiplier=sigma, sampling="shuffle"
+        dataset="digits",
+        batch_size=batch_size,
+        noise_multiplier=sigma,
+        sampling="shuffle",
+        scattering=False,
+        gradient_clip=math.inf,
+        learning_rate=0.02,
     )
     return runs.model_and_arrays(recipe, data)
 
