@@ -1,6 +1,7 @@
 """lipdp.cli: the lipdp command, its errors and its output."""
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -131,7 +132,7 @@ def test_cli_trains_lip_dp_sgd_on_breast_cancer(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "breast_cancer, 455 training examples" in out
-    assert "method lip-dp-sgd (weight norm bound 2)" in out
+    assert "method lip-dp-sgd (Lipschitz network, weight norm bound 2, tau 8, " in out
     assert "(114 examples" in out
 
 
@@ -232,14 +233,14 @@ def test_cli_gradient_clip_bounds_the_logit_gradient(capsys):
     from lipdp.clipless.model import compute_gradient_bounds
 
     bounds = {}
-    for clip in (None, 0.05):
-        model = _digits_model(gradient_clip=clip)
+    for clip in (math.inf, 0.05):  # math.inf: no clipping (--gradient-clip none)
+        model = _digits_model(gradient_clip=clip, scattering=False)
         last = model.layers[-1]
-        assert isinstance(last, DP_ClipGradient) == (clip is not None)
+        assert isinstance(last, DP_ClipGradient) == (clip != math.inf)
         bounds[clip] = list(compute_gradient_bounds(model).values())
     # Every parameter bound is X * (clipped G): 0.05 over the loss's own bound (tau CE:
     # sqrt(2) at the logits), the same ratio for every layer.
-    ratios = [float(c / u) for c, u in zip(bounds[0.05], bounds[None])]
+    ratios = [float(c / u) for c, u in zip(bounds[0.05], bounds[math.inf])]
     assert ratios == pytest.approx([0.05 / np.sqrt(2)] * len(ratios), rel=1e-5)
     argv = ["train", "--gradient-clip", "0.5", "--quiet", "--epochs", "1"]
     assert cli.main(argv) == 0
