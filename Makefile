@@ -104,6 +104,10 @@ bench: install install-keras2
 	$(BIN_KERAS2)/python benchmarks/fmnist_capacity.py > $(BENCH_OUT)/fmnist_capacity.md
 	$(BIN)/python benchmarks/clipless_tightness.py --out $(BENCH_OUT)/clipless_tightness.json \
 		> $(BENCH_OUT)/clipless_tightness.md
+	$(BIN)/python benchmarks/clipless_defaults.py --runs 5 > $(BENCH_OUT)/clipless_defaults.md
+	$(BIN)/python benchmarks/clipless_defaults.py --dataset breast_cancer --runs 10 \
+		> $(BENCH_OUT)/clipless_defaults_breast_cancer.md
+	$(BIN)/python benchmarks/clipless_defaults.py --search > $(BENCH_OUT)/clipless_defaults_search.md
 	$(BIN)/python benchmarks/keras_stacks_speed.py --keras3-python $(BIN)/python \
 		--keras2-python $(BIN_KERAS2)/python --json $(BENCH_OUT)/keras_stacks_speed.json \
 		> $(BENCH_OUT)/keras_stacks_speed.md
