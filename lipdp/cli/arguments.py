@@ -315,6 +315,15 @@ def _add_network_arguments(parser) -> None:
         "layers and a Dense head); --no-scattering: the CNN. Default: on for the clipless "
         f"methods on {_scattering_default_text()}, off otherwise",
     )
+    parser.add_argument(
+        "--feature-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --scattering (and no adversarial training): compute the scattering "
+        "features once and train the head on them, the same mechanism and model as "
+        "recomputing them at every step, several times faster (default: on); "
+        "--no-feature-cache recomputes them",
+    )
 
 
 def _add_optimisation_arguments(parser) -> None:
@@ -670,6 +679,7 @@ def run_config(args):
         averaging=args.averaging,
         seed=args.seed,
         data_dir=args.data_dir,
+        cache_features=args.feature_cache,
     )
 
 

@@ -10,6 +10,10 @@ and returns the public bound on the features' norm, the input bound of the head:
 
     features, bound = fixed_features(zoo.scattering_net(meta)[:3], x_train)
     head = DP_Sequential([DP_BoundedInput(features.shape[1:], bound), DP_Flatten(), ...])
+
+:func:`fixed_front_end` finds such a front-end at the start of a network (``lipdp train``
+trains the head of its scattering networks on cached features,
+:mod:`lipdp.recipes.runs`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,38 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.clipless.bounds import bound_pass
-from lipdp.clipless.layers import DP_BoundedInput, DPLayer
+from lipdp.clipless.layers import (
+    DP_BoundedInput,
+    DP_GroupNormalization,
+    DP_InputLayer,
+    DP_ScatteringTransform,
+    DPLayer,
+)
+
+#: Layers that map one example to its output by a fixed function: no variables, no
+#: randomness, no statistic of the batch (an allow-list: a weightless layer is not enough,
+#: a dropout has no weights).
+FIXED_LAYER_TYPES = (
+    keras.layers.InputLayer,
+    DP_InputLayer,
+    DP_BoundedInput,
+    DP_ScatteringTransform,
+    DP_GroupNormalization,
+)
+
+
+def fixed_front_end(layers) -> int:
+    """How many leading layers of ``layers`` form a fixed front-end worth computing once:
+    the longest run of :data:`FIXED_LAYER_TYPES` without weights, if it holds a
+    :class:`~lipdp.clipless.layers.DP_ScatteringTransform`; else 0 (an input layer alone
+    is not worth a cache)."""
+    length = 0
+    for layer in layers:
+        if not isinstance(layer, FIXED_LAYER_TYPES) or layer.weights:
+            break
+        length += 1
+    scattering = any(isinstance(layer, DP_ScatteringTransform) for layer in layers[:length])
+    return length if scattering else 0
 
 
 def front_end_bound(dp_layers) -> float:
@@ -44,7 +79,14 @@ def fixed_features(dp_layers, x, batch_size=256) -> tuple[np.ndarray, float]:
     Refuses a layer with variables: trained (or data-dependent) weights would make the
     features depend on other records.
     """
-    model = keras.Sequential(list(dp_layers))
+    bound = front_end_bound(dp_layers)
+    return apply_front_end(dp_layers, x, batch_size), bound
+
+
+def apply_front_end(layers, x, batch_size=256) -> np.ndarray:
+    """The weightless ``layers`` applied to ``x`` (one pass, in batches), as ``float32``.
+    Refuses a layer with variables (see :func:`fixed_features`)."""
+    model = keras.Sequential(list(layers))
     model.build((None, *np.shape(x)[1:]))
     holding = [layer.name for layer in model.layers if layer.weights]
     if holding:
@@ -52,10 +94,9 @@ def fixed_features(dp_layers, x, batch_size=256) -> tuple[np.ndarray, float]:
             f"fixed features need weightless layers; {holding} hold variables. Train them "
             "in the model instead."
         )
-    bound = front_end_bound(dp_layers)
     compute = tf.function(model.call)
     parts = [
         compute(tf.constant(x[start : start + batch_size])).numpy()
         for start in range(0, len(x), batch_size)
     ]
-    return np.concatenate(parts).astype(np.float32), bound
+    return np.concatenate(parts).astype(np.float32)

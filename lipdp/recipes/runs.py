@@ -280,6 +280,11 @@ class RunConfig(Config):
         seed: the seed of the initial weights (Python, NumPy and TensorFlow); the noise and
             the Poisson batches draw from the operating system's entropy regardless.
         data_dir: ``fashion_mnist`` only: the directory of its IDX files.
+        cache_features: a network that opens with a fixed front-end (the scattering
+            transform and its per-example normalisation: no weights, no statistic of the
+            data) trains its head on the front-end's outputs, computed once, instead of
+            recomputing them at every step (:func:`fit`); the same mechanism, the same
+            model. Not with adversarial training (its attack needs the whole network).
     """
 
     argument_name = "run"
@@ -292,6 +297,7 @@ class RunConfig(Config):
     averaging: float | None = None
     seed: int = 0
     data_dir: str | None = None
+    cache_features: bool = True
 
     def __post_init__(self):
         self._set("model", ModelRecipe.coerce(self.model))
@@ -300,6 +306,7 @@ class RunConfig(Config):
         validation.choice("accountant", self.accountant, D.ACCOUNTANTS)
         self._set("averaging", _optional(_decay, "averaging", self.averaging))
         self._set("seed", validation.count("seed", self.seed, 0))
+        self._set("cache_features", bool(self.cache_features))
         if self.data_dir is not None and self.model.dataset != "fashion_mnist":
             raise ValueError(
                 f"data_dir applies to dataset='fashion_mnist' only ({self.model.dataset} is "
@@ -507,9 +514,10 @@ def _keras_scattering_layers(recipe, input_shape, nb_classes) -> list:
     ]
 
 
-def build_model(recipe: ModelRecipe, metadata):
+def build_model(recipe: ModelRecipe, metadata, layers=None):
     """The compiled model of ``recipe`` for the training set ``metadata``
-    (:func:`run_metadata`).
+    (:func:`run_metadata`); ``layers``: these layers instead of the recipe's network (the
+    head of :func:`fit`'s feature cache, or the network rebuilt from its trained layers).
 
     Clipless methods: :func:`architecture`'s zoo network (``DP_ClipGradient(c)`` after the
     logits with ``gradient_clip=c``) in a ``DP_Sequential``, loss
@@ -525,20 +533,22 @@ def build_model(recipe: ModelRecipe, metadata):
 
     recipe = ModelRecipe.coerce(recipe).resolved()
     if recipe.method == "dp-sgd":
-        model = _clipped_model(recipe, metadata)
+        model = _clipped_model(recipe, metadata, layers)
         loss = keras.losses.CategoricalCrossentropy(from_logits=True)
     else:
-        model = _clipless_model(recipe, metadata)
+        model = _clipless_model(recipe, metadata, layers)
         loss = losses.DP_TauCategoricalCrossentropy(tau=recipe.tau)
     model.compile(loss=loss, optimizer=optimizer(recipe), metrics=["accuracy"])
     return model
 
 
-def _clipped_model(recipe, metadata):
+def _clipped_model(recipe, metadata, layers=None):
     from lipdp.clipped.model import DPSGD_Sequential
 
+    if layers is None:
+        layers = keras_layers(recipe, metadata.input_shape, metadata.nb_classes)
     return DPSGD_Sequential(
-        keras_layers(recipe, metadata.input_shape, metadata.nb_classes),
+        layers,
         dp_parameters=dp_parameters(recipe),
         clipping=clipping(recipe),
         dataset_metadata=metadata,
@@ -548,18 +558,24 @@ def _clipped_model(recipe, metadata):
     )
 
 
-def _clipless_model(recipe, metadata):
-    from lipdp.clipless.layers import DP_ClipGradient
+def _clipless_model(recipe, metadata, layers=None):
     from lipdp.clipless.model import DP_Sequential
+
+    stack = _clipless_layers(recipe, metadata) if layers is None else layers
+    model = DP_Sequential(stack, dp_parameters=dp_parameters(recipe), dataset_metadata=metadata)
+    model.adversarial = adversarial(recipe)
+    return model
+
+
+def _clipless_layers(recipe, metadata) -> list:
+    from lipdp.clipless.layers import DP_ClipGradient
     from lipdp.recipes import zoo
 
     name, options = architecture(recipe)
     stack = zoo.ZOO[name](metadata, **options)  # looked up now: the registry can be patched
     if recipe.gradient_clip is not None and recipe.gradient_clip != math.inf:
         stack.append(DP_ClipGradient(recipe.gradient_clip))
-    model = DP_Sequential(stack, dp_parameters=dp_parameters(recipe), dataset_metadata=metadata)
-    model.adversarial = adversarial(recipe)
-    return model
+    return stack
 
 
 def model_and_arrays(recipe: ModelRecipe, data):
@@ -573,7 +589,8 @@ def model_and_arrays(recipe: ModelRecipe, data):
 @dataclass
 class PreparedRun:
     """A run ready to train (:func:`prepare`): its data, its compiled model, the training
-    arrays and the number of epochs."""
+    arrays, the number of epochs and ``front_end``, the number of leading layers of the
+    model whose outputs :func:`fit` computes once (0: none; ``RunConfig.cache_features``)."""
 
     run: RunConfig
     data: object
@@ -581,6 +598,7 @@ class PreparedRun:
     x_train: object
     y_train: object
     epochs: int
+    front_end: int = 0
 
 
 class TrainedRun(NamedTuple):
@@ -607,7 +625,16 @@ def prepare(run: RunConfig, data=None, strategy=None) -> PreparedRun:
     with (strategy or tf.distribute.get_strategy()).scope():
         model, x_train, y_train = model_and_arrays(run.model, data)
     epochs = run.epochs or get_max_epochs(run.epsilon, model, accountant=run.accountant)
-    return PreparedRun(run, data, model, x_train, y_train, epochs)
+    return PreparedRun(run, data, model, x_train, y_train, epochs, _cached_front_end(run, model))
+
+
+def _cached_front_end(run: RunConfig, model) -> int:
+    """The leading layers :func:`fit` computes once (``RunConfig.cache_features``)."""
+    from lipdp.clipless.features import fixed_front_end
+
+    if not run.cache_features or getattr(model, "adversarial", None) is not None:
+        return 0
+    return fixed_front_end(list(model.layers))
 
 
 def training_callbacks(run: RunConfig) -> list:
@@ -625,10 +652,21 @@ def fit(prepared: PreparedRun, callbacks=(), verbose=0):
     """Train ``prepared.model`` for ``prepared.epochs``: on Poisson batches of rate
     ``b / N`` (the mechanism the accountant analyses) or, with ``sampling="shuffle"``, on
     fixed-size batches of a shuffle. ``callbacks`` come after :func:`training_callbacks`.
-    Returns the Keras ``History``."""
+    Returns the Keras ``History``.
+
+    With ``prepared.front_end`` (a fixed front-end, ``RunConfig.cache_features``) the
+    model's head is trained instead, on the front-end's outputs computed once
+    (:func:`_fit_on_features`), and ``prepared.model`` is then the whole network rebuilt
+    from the trained layers; ``callbacks`` see the head."""
+    if prepared.front_end:
+        return _fit_on_features(prepared, callbacks, verbose)
+    return _fit_model(prepared, prepared.model, prepared.x_train, callbacks, verbose)
+
+
+def _fit_model(prepared: PreparedRun, model, x, callbacks, verbose):
     from lipdp.data.sampling import poisson_batches
 
-    model, x, y = prepared.model, prepared.x_train, prepared.y_train
+    y = prepared.y_train
     every = training_callbacks(prepared.run) + list(callbacks)
     options = dict(epochs=prepared.epochs, verbose=verbose, callbacks=every)
     metadata = model.dataset_metadata
@@ -636,6 +674,76 @@ def fit(prepared: PreparedRun, callbacks=(), verbose=0):
         rate, steps = metadata.sampling_rate, metadata.nb_steps_per_epochs
         return model.fit(poisson_batches(x, y, rate, steps), **options)
     return model.fit(x, y, batch_size=metadata.batch_size, **options)
+
+
+def _fit_on_features(prepared: PreparedRun, callbacks, verbose):
+    """Train the layers after the fixed front-end on its outputs, computed once.
+
+    Why it is the same mechanism: the front-end maps each record to its features by a
+    fixed function (:func:`lipdp.clipless.features.fixed_front_end`: no weights, no
+    statistic of the data), so neighbouring training sets give feature sets that differ
+    in one row, and the head's training is the whole network's training -- the same
+    layers, the same batches, the same per-variable sensitivities (the head opens with
+    ``DP_BoundedInput`` at the front-end's public output bound, the bound the whole
+    network's bound pass has there; checked below) and the same noise. The whole network
+    is then rebuilt from the trained layers: it shares the head's privacy ledger
+    (:func:`lipdp.core.ledger.inherited_ledger`) and step count.
+    """
+    from lipdp.clipless.features import apply_front_end
+
+    model, recipe = prepared.model, prepared.run.model
+    front, rest = list(model.layers[: prepared.front_end]), list(model.layers[prepared.front_end :])
+    features = apply_front_end(front, prepared.x_train)
+    with model.distribute_strategy.scope():
+        head = build_model(recipe, model.dataset_metadata, _head_input(front, features) + rest)
+    _refuse_smaller_sensitivities(head, model)
+    history = _fit_model(prepared, head, features, callbacks, verbose)
+    with model.distribute_strategy.scope():
+        whole = build_model(recipe, model.dataset_metadata, _with_input(model))
+    whole.noisy_steps.assign(head.noisy_steps)
+    prepared.model = whole
+    return history
+
+
+def _head_input(front, features) -> list:
+    """The input layer of the head: ``DP_BoundedInput`` at the front-end's output bound
+    (clipless), a plain input layer (dp-sgd: its sensitivity is its clipping norm)."""
+    from lipdp.clipless.features import front_end_bound
+    from lipdp.clipless.layers import DP_BoundedInput
+    from lipdp.core import compat
+
+    shape = features.shape[1:]
+    if isinstance(front[0], DP_BoundedInput):
+        return [DP_BoundedInput(shape, front_end_bound(front))]
+    return [compat.input_layer(shape)]
+
+
+def _with_input(model) -> list:
+    """The layers of ``model``, with an input layer first when Keras keeps it out of
+    ``model.layers`` (Keras 3's ``Sequential``)."""
+    import keras
+
+    from lipdp.core import compat
+
+    layers = list(model.layers)
+    if isinstance(layers[0], keras.layers.InputLayer) or hasattr(layers[0], "upper_bound"):
+        return layers
+    return [compat.input_layer(model.dataset_metadata.input_shape), *layers]
+
+
+def _refuse_smaller_sensitivities(head, model) -> None:
+    """The head's per-variable sensitivities are the whole network's (clipless; a clipped
+    model has none): a smaller one would under-state the noise the head needs."""
+    if not hasattr(model, "sensitivities"):
+        return
+    whole = {entry.key: float(delta) for entry, delta in model.sensitivities()}
+    for entry, delta in head.sensitivities():
+        if float(delta) < whole[entry.key] * (1 - 1e-6):
+            raise RuntimeError(
+                f"the head trained on cached features bounds {entry.key} by {float(delta):g}, "
+                f"below the whole network's {whole[entry.key]:g}: train without the cache "
+                "(RunConfig(cache_features=False)) and report this."
+            )
 
 
 def metrics_on_test_set(model, data) -> dict:
