@@ -156,7 +156,7 @@ def search(seed, data):
     sigma = calibrate_noise_multiplier(EPSILON, SEARCH_EPOCHS, batch, n, DELTA, search=law)
 
     def train(config):
-        tau_default = D.SCATTERING_TAU if config["scattering"] else D.TAU
+        tau_default = D.clipless_defaults("digits", config["scattering"]).tau
         recipe = runs.ModelRecipe(
             scattering=config["scattering"],
             gradient_clip=config["gradient_clip"],

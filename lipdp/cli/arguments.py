@@ -23,13 +23,6 @@ DESCRIPTION = (
 )
 
 
-def _defaults_text(setting) -> str:
-    """``"512 (digits), 2048 (fashion_mnist), ..."``: the help's statement of a default."""
-    return ", ".join(
-        f"{getattr(values, setting):g} ({name})" for name, values in D.DEFAULTS.items()
-    )
-
-
 class _Parser(argparse.ArgumentParser):
     """Errors as one line, ``lipdp <command>: error: ...``, exit status 2 (no usage dump)."""
 
@@ -38,16 +31,46 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -------------------------------------------------------------------------- value types
+def _defaults_text(setting) -> str:
+    """``"512 (digits), 2048 (fashion_mnist), ...; 8192 for the clipless fashion_mnist
+    scattering network"``: the help's statement of a data-set default (dp-sgd's, and the
+    clipless networks' that differ)."""
+    text = ", ".join(
+        f"{getattr(values, setting):g} ({name})" for name, values in D.DEFAULTS.items()
+    )
+    networks = [
+        f"{getattr(values, setting):g} for the clipless {dataset} {network} network"
+        for (dataset, network), values in D.CLIPLESS_DEFAULTS.items()
+        if getattr(values, setting) not in (None, getattr(D.DEFAULTS[dataset], setting))
+    ]
+    return "; ".join([text, *networks])
+
+
 def _clipless_defaults_text(setting) -> str:
-    """``"0.3 (digits), none (fashion_mnist), ..."``: the help's statement of a clipless
-    default."""
-    values = [(name, getattr(d, setting)) for name, d in D.CLIPLESS_DEFAULTS.items()]
+    """``"0.3 (digits scattering), none (fashion_mnist cnn), ..."``: the help's statement
+    of a clipless network's default."""
+    values = [
+        (f"{dataset} {network}", getattr(d, setting))
+        for (dataset, network), d in D.CLIPLESS_DEFAULTS.items()
+    ]
     return ", ".join(f"{'none' if v is None else format(v, 'g')} ({name})" for name, v in values)
 
 
 def _scattering_default_text() -> str:
-    names = [name for name, d in D.CLIPLESS_DEFAULTS.items() if d.scattering]
+    names = [name for name, network in D.CLIPLESS_NETWORKS.items() if network == "scattering"]
     return " and ".join(names) or "no data set"
+
+
+def _sgd_networks_text(momentum=False) -> str:
+    """The clipless networks whose default optimiser is SGD (with their momentum)."""
+    names = [
+        f"{values.momentum:g} for the {dataset} {network} network"
+        if momentum
+        else f"{dataset} {network}"
+        for (dataset, network), values in D.CLIPLESS_DEFAULTS.items()
+        if values.optimizer == "sgd"
+    ]
+    return ", ".join(names) or "no"
 
 
 def _clip_or_none(text):
@@ -283,14 +306,15 @@ def _add_network_arguments(parser) -> None:
         "--tau",
         type=_positive_float,
         default=None,
-        help="lipdp / lip-dp-sgd: temperature of the loss DP_TauCategoricalCrossentropy(tau) "
-        f"(default {D.SCATTERING_TAU:g} with the scattering network, {D.TAU:g} otherwise)",
+        help="lipdp / lip-dp-sgd: temperature of the loss DP_TauCategoricalCrossentropy(tau); "
+        f"default: {_clipless_defaults_text('tau')}",
     )
     parser.add_argument(
         "--weight-norm-bound",
         type=_positive_float,
-        default=1.0,
-        help="C, the radius of every kernel's norm ball (default 1)",
+        default=None,
+        help="C, the radius of every kernel's norm ball; default: "
+        f"{_clipless_defaults_text('weight_norm_bound')}",
     )
     parser.add_argument(
         "--group-norm",
@@ -362,21 +386,24 @@ def _add_optimisation_arguments(parser) -> None:
         "--learning-rate",
         type=_positive_float,
         default=None,
-        help=f"step size of the optimiser; default: {_defaults_text('learning_rate')}",
+        help=f"step size of the optimiser; default: {_defaults_text('learning_rate')} "
+        "(a clipless network's own default is for its own optimiser)",
     )
     parser.add_argument(
         "--optimizer",
         choices=D.OPTIMIZERS,
-        default="adam",
-        help="adam (default) or sgd (with --momentum; Tramer & Boneh's choice for linear "
-        "heads on scattering features); the noise is added before the optimiser, so either "
-        "is post-processing",
+        default=None,
+        help="adam or sgd (with --momentum; Tramer & Boneh's choice for linear heads on "
+        "scattering features); the noise is added before the optimiser, so either is "
+        "post-processing; default: adam, sgd for the clipless "
+        f"{_sgd_networks_text()} network",
     )
     parser.add_argument(
         "--momentum",
         type=_decay,
-        default=0.0,
-        help="heavy-ball momentum of --optimizer sgd, in [0, 1) (default 0)",
+        default=None,
+        help="heavy-ball momentum of --optimizer sgd, in [0, 1); default: 0, "
+        f"{_sgd_networks_text(momentum=True)}",
     )
 
 
@@ -511,7 +538,7 @@ def _inapplicable_options(args) -> dict:
         refusals.update(_clipping_refusals(args))
         refusals.update(_group_norm_refusals(args))
         refusals.update(_adversarial_refusals(args))
-    if args.optimizer != "sgd":
+    if _optimizer(args) != "sgd":
         refusals.setdefault(
             "--momentum",
             "--momentum applies to --optimizer sgd only (Adam keeps its own moment "
@@ -644,6 +671,13 @@ def refuse_missing_settings(args) -> None:
         )
     if args.scattering and args.dataset not in D.IMAGE_DATASETS:
         raise ValueError(f"--scattering needs images; {args.dataset} is tabular.")
+    net = D.clipless_defaults(args.dataset, args.scattering)
+    adam_on_sgd = args.method != "dp-sgd" and net.optimizer == "sgd" and args.optimizer == "adam"
+    if adam_on_sgd and args.learning_rate is None:
+        raise ValueError(
+            f"--optimizer adam needs --learning-rate: the default {net.learning_rate:g} is "
+            f"the SGD rate of this network on {args.dataset}."
+        )
 
 
 def resolved_scattering(args) -> bool:
@@ -654,8 +688,21 @@ def resolved_scattering(args) -> bool:
 
 
 def batch_size(args) -> int:
-    """``--batch-size``, or the data set's default."""
-    return args.batch_size or D.DEFAULTS[args.dataset].batch_size
+    """``--batch-size``, or the default of the data set and the network."""
+    return args.batch_size or model_recipe(args).resolved().batch_size
+
+
+def _optimizer(args) -> str:
+    """``--optimizer``, or the default of the run's network (Adam for dp-sgd and for a
+    saved model, which takes no optimiser option)."""
+    if args.optimizer is not None:
+        return args.optimizer
+    if args.method == "dp-sgd" or getattr(args, "model", None) is not None:
+        return "adam"
+    network = D.clipless_network(args.dataset, args.scattering)
+    defaults = D.CLIPLESS_DEFAULTS.get((args.dataset, network))
+    # (none: a network the data set cannot have, which refuse_missing_settings refuses)
+    return "adam" if defaults is None else defaults.optimizer
 
 
 def model_recipe(args):

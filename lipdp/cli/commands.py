@@ -20,6 +20,7 @@ def _prepared_run(args, verb):
     ``--mirrored``, the settings the run needs (which the recipe would refuse too, in its
     fields' words).
     """
+    arguments.refuse_missing_settings(args)
     data = runs.load_data(args.dataset, args.data_dir)
     batch_size = arguments.batch_size(args)
     if batch_size > len(data.x_train):
@@ -27,7 +28,6 @@ def _prepared_run(args, verb):
             f"--batch-size {batch_size} exceeds the {len(data.x_train)} training examples."
         )
     strategy = devices.distribution_strategy(args.mirrored)
-    arguments.refuse_missing_settings(args)
     prepared = runs.prepare(arguments.run_config(args), data, strategy)
     print(output.run_line(verb, prepared, args.mirrored))
     return prepared

@@ -9,18 +9,26 @@ import time
 
 
 def run_line(verb, prepared, replicas=None) -> str:
-    """``lipdp train: digits, 1536 training examples, batch 512, method lipdp (...), noise
-    multiplier 6.0, global noise, budget (epsilon = 3.0, delta = 1e-05) -> 7 epochs``."""
+    """``lipdp train: digits, 1536 training examples, batch 512, method lipdp (...), adam
+    0.01, noise multiplier 6.0, global noise, budget (epsilon = 3.0, delta = 1e-05) -> 46
+    epochs``."""
     run, epochs = prepared.run, prepared.epochs
     recipe = run.model.resolved()
     devices = f", {replicas} replicas" if replicas else ""
     return (
         f"lipdp {verb}: {recipe.dataset}, {len(prepared.x_train)} training examples, batch "
         f"{recipe.batch_size}{devices}, method {recipe.method} ({method_detail(recipe)}), "
-        f"noise multiplier {recipe.noise_multiplier}, {recipe.strategy} noise, budget "
+        f"{optimizer_detail(recipe)}, noise multiplier {recipe.noise_multiplier}, "
+        f"{recipe.strategy} noise, budget "
         f"(epsilon = {run.epsilon}, delta = {recipe.delta}) -> {epochs} "
         f"epoch{'' if epochs == 1 else 's'}"
     )
+
+
+def optimizer_detail(recipe) -> str:
+    """``adam 0.01`` or ``sgd 16 (momentum 0.9)``: the optimiser and its learning rate."""
+    detail = f"{recipe.optimizer} {recipe.learning_rate:g}"
+    return detail + (f" (momentum {recipe.momentum:g})" if recipe.momentum else "")
 
 
 def method_detail(recipe) -> str:

@@ -61,44 +61,90 @@ DEFAULTS = {
 
 
 class CliplessDefaults(NamedTuple):
-    """What the clipless methods (``lipdp``, ``lip-dp-sgd``) take when none is given.
+    """What a clipless network (``lipdp``, ``lip-dp-sgd``) takes on a data set when the run
+    does not say.
 
     Attributes:
-        scattering: the network: the scattering front-end and a linear head
-            (:func:`lipdp.recipes.zoo.scattering_net`) rather than the CNN or the MLP.
         gradient_clip: ``C`` of the ``DP_ClipGradient(C)`` after the logits (``None``: no
             clipping, the loss's own bound ``sqrt(2)``).
-        learning_rate: of Adam (or SGD).
-        hidden_layers: tabular data: hidden layers of the MLP
-            (:func:`lipdp.recipes.zoo.lip_mlp`; 0: a Lipschitz linear classifier, whose
-            kernel gradient ``x g^T`` reaches its bound ``X C`` for every example at the
-            input bound). A group normalisation (``group_norm``) needs one.
+        learning_rate: of the optimiser.
+        tau: temperature of the loss ``DP_TauCategoricalCrossentropy(tau)``.
+        batch_size, noise_multiplier: ``None``: the data set's :data:`DEFAULTS` (those of
+            dp-sgd).
+        optimizer, momentum: ``"adam"``, or ``"sgd"`` with heavy-ball ``momentum``.
+        weight_norm_bound: the radius of every kernel's ball.
+        hidden_layers: the MLP only: its hidden layers (:func:`lipdp.recipes.zoo.lip_mlp`;
+            0: a Lipschitz linear classifier, whose kernel gradient ``x g^T`` reaches its
+            bound ``X C`` for every example at the input bound). A group normalisation
+            (``group_norm``) needs one.
     """
 
-    scattering: bool
     gradient_clip: float | None
     learning_rate: float
+    tau: float
+    batch_size: int | None = None
+    noise_multiplier: float | None = None
+    optimizer: str = "adam"
+    momentum: float = 0.0
+    weight_norm_bound: float = 1.0
     hidden_layers: int = 1
 
 
-#: Per data set, the clipless methods' network, logit-gradient clip and learning rate.
-#: Digits and breast cancer: chosen by the exploration of issue 29 (its size, its
-#: optimism and a private search's cost: ``benchmarks/README.md``, "The default commands");
-#: Fashion-MNIST keeps the values of the original demo until a search of its own is run.
+#: The clipless networks of a run: the scattering front-end and a linear head
+#: (:func:`lipdp.recipes.zoo.scattering_net`, images), the CNN (images), the MLP (tabular).
+NETWORKS = ("scattering", "cnn", "mlp")
+
+#: Per data set, the clipless methods' network when the run does not say (``scattering``
+#: unset).
+CLIPLESS_NETWORKS = {"digits": "scattering", "fashion_mnist": "scattering", "breast_cancer": "mlp"}
+
+#: Per ``(data set, network)``, what the clipless methods take. How each was chosen (the
+#: size of the exploration, its optimism, a private search's cost): ``benchmarks/README.md``,
+#: "The default commands". The temperature rises with the logits' scale: the scattering
+#: head's logits are bounded by its feature bound (5.4 on digits), the CNN's by the input
+#: bound. Fashion-MNIST's scattering head is Tramer & Boneh's published recipe (SGD with
+#: momentum 0.9, batches of 8 192, learning rate 16 for gradients clipped at 0.1 / 63, the
+#: feature norm; ``tau = 1`` on kernels of norm 16); its CNN keeps the original demo's.
 CLIPLESS_DEFAULTS = {
-    "digits": CliplessDefaults(scattering=True, gradient_clip=0.3, learning_rate=0.01),
-    "fashion_mnist": CliplessDefaults(scattering=False, gradient_clip=None, learning_rate=0.01),
-    "breast_cancer": CliplessDefaults(
-        scattering=False, gradient_clip=0.3, learning_rate=0.01, hidden_layers=0
+    ("digits", "scattering"): CliplessDefaults(gradient_clip=0.3, learning_rate=0.01, tau=2.0),
+    ("digits", "cnn"): CliplessDefaults(gradient_clip=0.3, learning_rate=0.01, tau=8.0),
+    ("fashion_mnist", "scattering"): CliplessDefaults(
+        gradient_clip=0.1 / 63,
+        learning_rate=16.0,
+        tau=1.0,
+        batch_size=8192,
+        noise_multiplier=4.05,
+        optimizer="sgd",
+        momentum=0.9,
+        weight_norm_bound=16.0,
+    ),
+    ("fashion_mnist", "cnn"): CliplessDefaults(gradient_clip=None, learning_rate=0.01, tau=8.0),
+    ("breast_cancer", "mlp"): CliplessDefaults(
+        gradient_clip=0.3, learning_rate=0.01, tau=8.0, hidden_layers=0
     ),
 }
 
 
+def clipless_network(dataset: str, scattering: bool | None) -> str:
+    """The clipless network of a run: ``"scattering"`` when asked, the CNN or the MLP when
+    not, the data set's :data:`CLIPLESS_NETWORKS` when ``scattering`` is ``None``."""
+    if scattering is None:
+        return CLIPLESS_NETWORKS[dataset]
+    if scattering:
+        return "scattering"
+    return "cnn" if dataset in IMAGE_DATASETS else "mlp"
+
+
+def clipless_defaults(dataset: str, scattering: bool | None = None) -> CliplessDefaults:
+    """:data:`CLIPLESS_DEFAULTS` of the network :func:`clipless_network` picks."""
+    return CLIPLESS_DEFAULTS[dataset, clipless_network(dataset, scattering)]
+
+
 def default_scattering(dataset: str, method: str) -> bool:
     """Whether a run of ``method`` on ``dataset`` has the scattering network when the user
-    does not say: the clipless methods' :data:`CLIPLESS_DEFAULTS`; never for dp-sgd (its
+    does not say: the clipless methods' :data:`CLIPLESS_NETWORKS`; never for dp-sgd (its
     default network is the plain CNN, ``--scattering`` asks for the other)."""
-    return method != "dp-sgd" and CLIPLESS_DEFAULTS[dataset].scattering
+    return method != "dp-sgd" and CLIPLESS_NETWORKS[dataset] == "scattering"
 
 
 #: The choices of the other settings of a run. (``CLIPPING_MODES`` and ``GRADIENT_METHODS``
@@ -111,15 +157,6 @@ GRADIENT_METHODS = ("ghost", "jacobian")
 OPTIMIZERS = ("adam", "sgd")
 ADVERSARIAL_NORMS = ("l2", "linf")
 ACCOUNTANTS = ("rdp", "pld", "gdp")
-
-#: Loss of the clipless networks: ``DP_TauCategoricalCrossentropy(tau)`` (its
-#: probabilities are ``softmax(tau * logits)``), when the run does not set ``tau``: ``TAU``
-#: for the CNN and the MLP, ``SCATTERING_TAU`` for the scattering network. The logits of
-#: both are bounded by the input bound (1-Lipschitz networks without bias at the logits),
-#: so ``tau`` sets how soon an example's loss gradient fades once it is classified; on
-#: digits the scattering head learned best at 2, the CNN at 8 (the search above).
-TAU = 8.0
-SCATTERING_TAU = 2.0
 
 #: Groups of the scattering network's normalisation per input channel: its 81
 #: coefficients per channel (J = 2, L = 8) in groups of 3.
@@ -136,7 +173,11 @@ __all__ = [
     "DatasetDefaults",
     "DEFAULTS",
     "CliplessDefaults",
+    "NETWORKS",
+    "CLIPLESS_NETWORKS",
     "CLIPLESS_DEFAULTS",
+    "clipless_network",
+    "clipless_defaults",
     "default_scattering",
     "SAMPLINGS",
     "NOISE_STRATEGIES",
@@ -145,7 +186,5 @@ __all__ = [
     "OPTIMIZERS",
     "ADVERSARIAL_NORMS",
     "ACCOUNTANTS",
-    "TAU",
-    "SCATTERING_TAU",
     "SCATTERING_GROUPS_PER_CHANNEL",
 ]

@@ -11,8 +11,9 @@ A run is described by two frozen, validated configurations (:class:`lipdp.core.c
 
 Every field is named after the ``lipdp train`` option of the same name (``--clip-norm`` is
 ``clip_norm``) and has its default; ``None`` for ``batch_size``, ``noise_multiplier``,
-``learning_rate``, ``scattering``, ``gradient_clip`` and ``tau`` means the data set's
-default for the method (:data:`~lipdp.recipes.defaults.DEFAULTS`,
+``learning_rate``, ``optimizer``, ``momentum``, ``weight_norm_bound``, ``scattering``,
+``gradient_clip`` and ``tau`` means the default of the data set and the network for the
+method (:data:`~lipdp.recipes.defaults.DEFAULTS`,
 :data:`~lipdp.recipes.defaults.CLIPLESS_DEFAULTS`; :meth:`ModelRecipe.resolved`).
 A setting that the recipe's network would not read is refused in one line when it differs
 from its default (``clip_norm=2`` with ``method="lipdp"``): a recipe never silently drops
@@ -71,20 +72,25 @@ class ModelRecipe(Config):
         sampling: ``"poisson"`` (batches of rate ``b / N``, what the accountant analyses) or
             ``"shuffle"`` (fixed-size batches; the remainder is dropped, rule S5).
         non_private: a noiseless reference (``noise_multiplier`` must then be unset).
-        learning_rate: step of the optimiser; ``None``: the data set's default.
-        optimizer: ``"adam"`` or ``"sgd"``; ``momentum`` in ``[0, 1)`` (SGD only).
-        weight_norm_bound: ``C``, the radius of every kernel's ball (clipless methods).
+        learning_rate: step of the optimiser; ``None``: the default of the network
+            (clipless, :func:`~lipdp.recipes.defaults.clipless_defaults`; an SGD network's
+            rate is not Adam's: give one with ``optimizer="adam"``) or of the data set
+            (dp-sgd).
+        optimizer: ``"adam"`` or ``"sgd"``; ``momentum`` in ``[0, 1)`` (SGD only); ``None``:
+            the network's default (clipless), Adam (dp-sgd); momentum: the network's with
+            its own optimiser, else 0.
+        weight_norm_bound: ``C``, the radius of every kernel's ball (clipless methods);
+            ``None``: the network's default.
         group_norm, group_norm_alpha: groups and ``alpha`` of a group normalisation after
             each hidden layer (clipless; with ``scattering``, the groups of its
             normalisation, whose alpha is fixed).
         scattering: a scattering front-end (images only); ``None``: the data set's default
             for the method (:func:`~lipdp.recipes.defaults.default_scattering`).
         gradient_clip: clip each example's logit gradient at this norm (clipless); ``None``:
-            the data set's default (:data:`~lipdp.recipes.defaults.CLIPLESS_DEFAULTS`),
+            the network's default (:data:`~lipdp.recipes.defaults.CLIPLESS_DEFAULTS`),
             ``math.inf``: no clipping.
         tau: temperature of the clipless loss ``DP_TauCategoricalCrossentropy(tau)``;
-            ``None``: :data:`~lipdp.recipes.defaults.SCATTERING_TAU` for the scattering
-            network, :data:`~lipdp.recipes.defaults.TAU` for the others.
+            ``None``: the network's default.
         clipping, clip_norm, clip_threshold, gradient_method, bam, dp_sat: clipped DP-SGD's
             per-example clipping (:class:`lipdp.clipped.model.Clipping`), its gradient
             norms and its ascent step (:class:`lipdp.clipped.model.SharpnessAscent`).
@@ -105,9 +111,9 @@ class ModelRecipe(Config):
     sampling: str = "poisson"
     non_private: bool = False
     learning_rate: float | None = None
-    optimizer: str = "adam"
-    momentum: float = 0.0
-    weight_norm_bound: float = 1.0
+    optimizer: str | None = None
+    momentum: float | None = None
+    weight_norm_bound: float | None = None
     group_norm: int | None = None
     group_norm_alpha: float = 1.0
     scattering: bool | None = None
@@ -137,7 +143,8 @@ class ModelRecipe(Config):
         validation.choice("method", self.method, D.METHODS)
         validation.choice("strategy", self.strategy, D.NOISE_STRATEGIES)
         validation.choice("sampling", self.sampling, D.SAMPLINGS)
-        validation.choice("optimizer", self.optimizer, D.OPTIMIZERS)
+        if self.optimizer is not None:
+            validation.choice("optimizer", self.optimizer, D.OPTIMIZERS)
         validation.choice("clipping", self.clipping, D.CLIPPING_MODES)
         validation.choice("gradient_method", self.gradient_method, D.GRADIENT_METHODS)
         validation.choice("adversarial_norm", self.adversarial_norm, D.ADVERSARIAL_NORMS)
@@ -152,10 +159,9 @@ class ModelRecipe(Config):
         self._set("delta", validation.delta(self.delta))
         rate = _optional(validation.positive, "learning_rate", self.learning_rate)
         self._set("learning_rate", rate)
-        self._set("momentum", _decay("momentum", self.momentum))
-        self._set(
-            "weight_norm_bound", validation.positive("weight_norm_bound", self.weight_norm_bound)
-        )
+        self._set("momentum", _optional(_decay, "momentum", self.momentum))
+        bound = _optional(validation.positive, "weight_norm_bound", self.weight_norm_bound)
+        self._set("weight_norm_bound", bound)
         self._set("group_norm", _optional(_positive_count, "group_norm", self.group_norm))
         self._set(
             "group_norm_alpha", validation.positive("group_norm_alpha", self.group_norm_alpha)
@@ -197,29 +203,51 @@ class ModelRecipe(Config):
             )
 
     def resolved(self) -> ModelRecipe:
-        """This recipe with the data set's defaults in place of ``None``: batch size, noise
-        multiplier (still ``None`` for a non-private reference, whose noise is 0), learning
-        rate and, for the clipless methods, the network, the logit-gradient clip and the
-        temperature (:data:`~lipdp.recipes.defaults.CLIPLESS_DEFAULTS`). Idempotent."""
-        default = D.DEFAULTS[self.dataset]
-        sigma = None if self.non_private else self.noise_multiplier or default.noise_multiplier
-        common = dict(
-            batch_size=self.batch_size or default.batch_size,
-            noise_multiplier=sigma,
-            scattering=_scattering(self),
-        )
+        """This recipe with the defaults in place of ``None``: the network (scattering or
+        not), the batch size, the noise multiplier (still ``None`` for a non-private
+        reference, whose noise is 0), the optimiser, its learning rate and momentum and,
+        for the clipless methods, the kernels' radius, the logit-gradient clip and the
+        temperature (:func:`~lipdp.recipes.defaults.clipless_defaults` of the network,
+        then the data set's :data:`~lipdp.recipes.defaults.DEFAULTS`). Idempotent."""
+        scattering = _scattering(self)
         if self.method == "dp-sgd":
-            rate = self.learning_rate or default.learning_rate
-            return dataclasses.replace(self, learning_rate=rate, **common)
-        clipless = D.CLIPLESS_DEFAULTS[self.dataset]
-        tau = D.SCATTERING_TAU if common["scattering"] else D.TAU
-        clip = clipless.gradient_clip if self.gradient_clip is None else self.gradient_clip
+            default = D.DEFAULTS[self.dataset]
+            return self._filled(scattering, default, "adam", 0.0, default.learning_rate)
+        net = D.clipless_defaults(self.dataset, scattering)
+        clip = net.gradient_clip if self.gradient_clip is None else self.gradient_clip
+        own = self.optimizer in (None, net.optimizer)
+        # An SGD rate scales the (tiny) clipped gradients; Adam's step ignores their scale,
+        # so the published SGD rate of 16 would be a step of 16 per coordinate: refused.
+        # (An Adam network's rate has always served SGD as well.)
+        if self.learning_rate is None and net.optimizer == "sgd" and not own:
+            raise ValueError(
+                f"learning_rate: the default {net.learning_rate:g} is for optimizer "
+                f"{net.optimizer!r} of this network on {self.dataset}; give learning_rate "
+                f"with optimizer={self.optimizer!r}."
+            )
+        filled = self._filled(
+            scattering, net, net.optimizer, net.momentum if own else 0.0, net.learning_rate
+        )
+        bound = self.weight_norm_bound or net.weight_norm_bound
+        return dataclasses.replace(
+            filled, weight_norm_bound=bound, gradient_clip=clip, tau=self.tau or net.tau
+        )
+
+    def _filled(self, scattering, default, optimizer, momentum, learning_rate) -> ModelRecipe:
+        """The settings both families resolve: ``default`` holds ``batch_size`` and
+        ``noise_multiplier`` (``None``: the data set's)."""
+        dataset = D.DEFAULTS[self.dataset]
+        sigma = self.noise_multiplier or default.noise_multiplier or dataset.noise_multiplier
+        optimizer = self.optimizer or optimizer
+        sgd = optimizer == "sgd"
         return dataclasses.replace(
             self,
-            learning_rate=self.learning_rate or clipless.learning_rate,
-            gradient_clip=clip,
-            tau=self.tau or tau,
-            **common,
+            scattering=scattering,
+            batch_size=self.batch_size or default.batch_size or dataset.batch_size,
+            noise_multiplier=None if self.non_private else sigma,
+            optimizer=optimizer,
+            momentum=(momentum if self.momentum is None else self.momentum) if sgd else None,
+            learning_rate=self.learning_rate or learning_rate,
         )
 
 
@@ -228,6 +256,15 @@ def _scattering(recipe) -> bool:
     if recipe.scattering is not None:
         return recipe.scattering
     return D.default_scattering(recipe.dataset, recipe.method)
+
+
+def _optimizer(recipe, scattering) -> str:
+    """The recipe's optimiser, or its network's default (Adam for dp-sgd)."""
+    if recipe.optimizer is not None:
+        return recipe.optimizer
+    if recipe.method == "dp-sgd":
+        return "adam"
+    return D.clipless_defaults(recipe.dataset, scattering).optimizer
 
 
 def _unused_settings(recipe) -> dict:
@@ -247,7 +284,7 @@ def _unused_settings(recipe) -> dict:
         unused["clip_threshold"] = "applies to clipping='global' only"
     if scattering or recipe.method == "dp-sgd" or recipe.group_norm is None:
         unused["group_norm_alpha"] = "applies to the group normalisation of group_norm only"
-    if recipe.optimizer != "sgd":
+    if _optimizer(recipe, scattering) != "sgd":
         unused["momentum"] = "applies to optimizer='sgd' only (Adam keeps its own moments)"
     if recipe.adversarial_radius is None:
         for name in ("adversarial_norm", "adversarial_steps", "adversarial_mix", "trades"):
@@ -460,7 +497,7 @@ def architecture(recipe: ModelRecipe) -> tuple[str, dict]:
         alpha=recipe.group_norm_alpha,
     )
     if recipe.dataset == "breast_cancer":
-        depth = D.CLIPLESS_DEFAULTS[recipe.dataset].hidden_layers
+        depth = D.clipless_defaults(recipe.dataset, False).hidden_layers
         if recipe.group_norm is not None:  # a group normalisation follows a hidden layer
             depth = max(depth, 1)
         return "lip_mlp", dict(width=D.MLP_WIDTH, depth=depth, **ball)

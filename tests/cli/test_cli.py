@@ -90,6 +90,10 @@ def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
             "--gradient-clip applies to the clipless methods",
         ),
         (["train", "--dataset", "breast_cancer", "--scattering"], "--scattering needs images"),
+        (
+            ["train", "--dataset", "fashion_mnist", "--optimizer", "adam"],
+            "--optimizer adam needs --learning-rate: the default 16 is the SGD rate",
+        ),
         (["train", "--trades", "2"], "--trades needs --adversarial-radius R"),
         (
             ["train", "--adversarial-radius", "0.1", "--trades", "2"],

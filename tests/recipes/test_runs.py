@@ -104,21 +104,27 @@ def test_configurations_round_trip_through_plain_dicts():
     assert run_evaluation.EvaluationConfig.from_config(plain) == evaluation
 
 
-def test_resolved_takes_the_data_set_defaults():
+def test_resolved_takes_the_defaults_of_the_data_set_and_the_network():
     for dataset, default in defaults.DEFAULTS.items():
-        clipless = defaults.CLIPLESS_DEFAULTS[dataset]
+        network = defaults.CLIPLESS_NETWORKS[dataset]
+        clipless = defaults.CLIPLESS_DEFAULTS[dataset, network]
         recipe = runs.ModelRecipe(dataset=dataset).resolved()
-        assert recipe.batch_size == default.batch_size
-        assert recipe.noise_multiplier == default.noise_multiplier
+        assert recipe.batch_size == (clipless.batch_size or default.batch_size)
+        assert recipe.noise_multiplier == (clipless.noise_multiplier or default.noise_multiplier)
         assert recipe.learning_rate == clipless.learning_rate
-        assert recipe.scattering == clipless.scattering
+        assert recipe.scattering == (network == "scattering")
         assert recipe.gradient_clip == clipless.gradient_clip
-        assert recipe.tau == (defaults.SCATTERING_TAU if clipless.scattering else defaults.TAU)
+        assert recipe.tau == clipless.tau
+        assert recipe.optimizer == clipless.optimizer
+        assert recipe.momentum == (clipless.momentum if clipless.optimizer == "sgd" else None)
+        assert recipe.weight_norm_bound == clipless.weight_norm_bound
         assert recipe.resolved() == recipe  # idempotent
         clipped = runs.ModelRecipe(dataset=dataset, method="dp-sgd").resolved()
         assert clipped.learning_rate == default.learning_rate
+        assert (clipped.batch_size, clipped.noise_multiplier) == default[:2]
         assert clipped.scattering is False and clipped.tau is None
-        assert clipped.gradient_clip is None
+        assert clipped.gradient_clip is None and clipped.weight_norm_bound is None
+        assert clipped.optimizer == "adam" and clipped.momentum is None
     given = runs.ModelRecipe(
         batch_size=100,
         noise_multiplier=3,
@@ -126,14 +132,51 @@ def test_resolved_takes_the_data_set_defaults():
         scattering=False,
         gradient_clip=2.0,
         tau=5.0,
+        optimizer="sgd",
+        momentum=0.5,
+        weight_norm_bound=2.0,
     )
     assert given.resolved() == given
+
+
+def test_fashion_mnist_networks_take_their_own_defaults():
+    scattering = runs.ModelRecipe(dataset="fashion_mnist").resolved()
+    published = (8192, 4.05, "sgd", 0.9, 16.0, 16.0, 1.0)  # Tramer & Boneh's recipe
+    assert (
+        scattering.batch_size,
+        scattering.noise_multiplier,
+        scattering.optimizer,
+        scattering.momentum,
+        scattering.learning_rate,
+        scattering.weight_norm_bound,
+        scattering.tau,
+    ) == published
+    assert scattering.gradient_clip == pytest.approx(0.1 / 63)
+    cnn = runs.ModelRecipe(dataset="fashion_mnist", scattering=False).resolved()
+    assert (cnn.batch_size, cnn.noise_multiplier, cnn.optimizer, cnn.learning_rate) == (
+        2048,
+        2.0,
+        "adam",
+        0.01,
+    )
+    assert cnn.momentum is None and cnn.gradient_clip is None and cnn.tau == 8.0
+    # SGD asked for on a network whose default is Adam: no momentum unless given.
+    assert runs.ModelRecipe(optimizer="sgd").resolved().momentum == 0.0
+    assert runs.ModelRecipe(optimizer="sgd").resolved().learning_rate == 0.01  # Adam's rate
+    # Adam on a network whose rate is an SGD rate: Adam's must be given.
+    with pytest.raises(ValueError, match="learning_rate: the default 16 is for optimizer 'sgd'"):
+        runs.ModelRecipe(dataset="fashion_mnist", optimizer="adam").resolved()
+    adam = runs.ModelRecipe(dataset="fashion_mnist", optimizer="adam", learning_rate=0.001)
+    assert adam.resolved().momentum is None
+    with pytest.raises(ValueError, match="momentum=0.5 applies to optimizer='sgd' only"):
+        runs.ModelRecipe(momentum=0.5)
+    runs.ModelRecipe(dataset="fashion_mnist", momentum=0.5)  # its network's SGD
 
 
 def test_breast_cancer_takes_a_linear_head_unless_a_group_norm_needs_a_hidden_layer():
     name, options = runs.architecture(runs.ModelRecipe(dataset="breast_cancer"))
     assert (name, options["depth"]) == ("lip_mlp", 0)
-    assert defaults.CLIPLESS_DEFAULTS["breast_cancer"].hidden_layers == 0
+    assert defaults.CLIPLESS_DEFAULTS["breast_cancer", "mlp"].hidden_layers == 0
     grouped = runs.ModelRecipe(dataset="breast_cancer", group_norm=4)
     assert runs.architecture(grouped)[1]["depth"] == 1
     metadata = runs.run_metadata(
@@ -146,8 +189,8 @@ def test_breast_cancer_takes_a_linear_head_unless_a_group_norm_needs_a_hidden_la
 
 
 def test_the_temperature_follows_the_network_and_clipping_can_be_turned_off():
-    assert runs.ModelRecipe(scattering=False).resolved().tau == defaults.TAU
-    assert runs.ModelRecipe(scattering=True).resolved().tau == defaults.SCATTERING_TAU
+    assert runs.ModelRecipe(scattering=False).resolved().tau == 8.0
+    assert runs.ModelRecipe(scattering=True).resolved().tau == 2.0
     off = runs.ModelRecipe(gradient_clip=math.inf).resolved()
     assert off.gradient_clip == math.inf
     with pytest.raises(ValueError, match="tau"):
@@ -164,7 +207,8 @@ def test_the_temperature_follows_the_network_and_clipping_can_be_turned_off():
     [
         (dict(), "scattering_net"),
         (dict(scattering=False), "pooled_cnn"),
-        (dict(dataset="fashion_mnist"), "pooled_cnn"),
+        (dict(dataset="fashion_mnist"), "scattering_net"),
+        (dict(dataset="fashion_mnist", scattering=False), "pooled_cnn"),
         (dict(weight_norm_bound=2.0, scattering=False), "lip_convnet"),
         (dict(method="lip-dp-sgd", scattering=False), "lip_convnet"),
         (dict(group_norm=4, scattering=False), "lip_convnet"),
