@@ -108,6 +108,10 @@ bench: install install-keras2
 	$(BIN)/python benchmarks/clipless_defaults.py --dataset breast_cancer --runs 10 \
 		> $(BENCH_OUT)/clipless_defaults_breast_cancer.md
 	$(BIN)/python benchmarks/clipless_defaults.py --search > $(BENCH_OUT)/clipless_defaults_search.md
+	$(BIN)/python benchmarks/clipless_defaults.py --dataset fashion_mnist --runs 3 \
+		> $(BENCH_OUT)/clipless_defaults_fashion_mnist.md
+	$(BIN)/python benchmarks/shuttle_private_search.py --seeds 0 1 2 3 4 5 6 \
+		> $(BENCH_OUT)/shuttle_private_search.md
 	$(BIN)/python benchmarks/keras_stacks_speed.py --keras3-python $(BIN)/python \
 		--keras2-python $(BIN_KERAS2)/python --json $(BENCH_OUT)/keras_stacks_speed.json \
 		> $(BENCH_OUT)/keras_stacks_speed.md
