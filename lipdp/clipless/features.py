@@ -79,8 +79,8 @@ def fixed_features(dp_layers, x, batch_size=256) -> tuple[np.ndarray, float]:
     Refuses a layer with variables: trained (or data-dependent) weights would make the
     features depend on other records.
     """
-    bound = front_end_bound(dp_layers)
-    return apply_front_end(dp_layers, x, batch_size), bound
+    features = apply_front_end(dp_layers, x, batch_size)  # builds the layers the bound reads
+    return features, front_end_bound(dp_layers)
 
 
 def apply_front_end(layers, x, batch_size=256) -> np.ndarray:
