@@ -32,25 +32,25 @@ from lipdp.clipless.layers import (
 )
 
 #: Layers that map one example to its output by a fixed function: no variables, no
-#: randomness, no statistic of the batch (an allow-list: a weightless layer is not enough,
-#: a dropout has no weights).
-FIXED_LAYER_TYPES = (
-    keras.layers.InputLayer,
-    DP_InputLayer,
-    DP_BoundedInput,
-    DP_ScatteringTransform,
-    DP_GroupNormalization,
-)
+#: randomness, no statistic of the batch. An allow-list of exact types: a weightless layer
+#: is not enough (a dropout has no weights), nor is a subclass (its ``call`` may differ).
+FIXED_LAYER_TYPES = (DP_InputLayer, DP_BoundedInput, DP_ScatteringTransform, DP_GroupNormalization)
+
+
+def _is_fixed(layer) -> bool:
+    if isinstance(layer, keras.layers.InputLayer):  # (the framework's own placeholder)
+        return True
+    return type(layer) in FIXED_LAYER_TYPES and not layer.weights
 
 
 def fixed_front_end(layers) -> int:
     """How many leading layers of ``layers`` form a fixed front-end worth computing once:
-    the longest run of :data:`FIXED_LAYER_TYPES` without weights, if it holds a
-    :class:`~lipdp.clipless.layers.DP_ScatteringTransform`; else 0 (an input layer alone
-    is not worth a cache)."""
+    the longest run of input layers and :data:`FIXED_LAYER_TYPES` without weights, if it
+    holds a :class:`~lipdp.clipless.layers.DP_ScatteringTransform`; else 0 (an input
+    layer alone is not worth a cache)."""
     length = 0
     for layer in layers:
-        if not isinstance(layer, FIXED_LAYER_TYPES) or layer.weights:
+        if not _is_fixed(layer):
             break
         length += 1
     scattering = any(isinstance(layer, DP_ScatteringTransform) for layer in layers[:length])

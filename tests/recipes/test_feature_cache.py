@@ -81,6 +81,11 @@ def test_fixed_front_end_is_an_allow_list():
     bounded = L.DP_BoundedInput(input_shape=(8, 8, 1), upper_bound=5.0)
     dropout_first = [bounded, keras.layers.Dropout(0.5), L.DP_ScatteringTransform()]
     assert fixed_front_end(dropout_first) == 0  # weightless, not fixed
+
+    class BatchScattering(L.DP_ScatteringTransform):  # a subclass may couple the batch
+        pass
+
+    assert fixed_front_end([bounded, BatchScattering()]) == 0
     no_scattering = [L.DP_BoundedInput(input_shape=(8, 8, 3), upper_bound=5.0)]
     assert fixed_front_end(no_scattering + [L.DP_GroupNormalization(3)]) == 0
 
