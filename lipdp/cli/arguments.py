@@ -693,16 +693,13 @@ def batch_size(args) -> int:
 
 
 def _optimizer(args) -> str:
-    """``--optimizer``, or the default of the run's network (Adam for dp-sgd and for a
-    saved model, which takes no optimiser option)."""
+    """``--optimizer``, or the default of the run's network (Adam for a saved model,
+    which takes no optimiser option)."""
     if args.optimizer is not None:
         return args.optimizer
-    if args.method == "dp-sgd" or getattr(args, "model", None) is not None:
+    if getattr(args, "model", None) is not None:
         return "adam"
-    network = D.clipless_network(args.dataset, args.scattering)
-    defaults = D.CLIPLESS_DEFAULTS.get((args.dataset, network))
-    # (none: a network the data set cannot have, which refuse_missing_settings refuses)
-    return "adam" if defaults is None else defaults.optimizer
+    return D.default_optimizer(args.dataset, args.method, args.scattering)
 
 
 def model_recipe(args):

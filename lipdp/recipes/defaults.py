@@ -140,6 +140,16 @@ def clipless_defaults(dataset: str, scattering: bool | None = None) -> CliplessD
     return CLIPLESS_DEFAULTS[dataset, clipless_network(dataset, scattering)]
 
 
+def default_optimizer(dataset: str, method: str, scattering: bool | None = None) -> str:
+    """The optimiser of a run that does not name one: Adam for dp-sgd, the clipless
+    network's otherwise (Adam for a network the data set cannot have, e.g. scattering on
+    tabular data, which the run refuses anyway)."""
+    if method == "dp-sgd":
+        return "adam"
+    defaults = CLIPLESS_DEFAULTS.get((dataset, clipless_network(dataset, scattering)))
+    return "adam" if defaults is None else defaults.optimizer
+
+
 def default_scattering(dataset: str, method: str) -> bool:
     """Whether a run of ``method`` on ``dataset`` has the scattering network when the user
     does not say: the clipless methods' :data:`CLIPLESS_NETWORKS`; never for dp-sgd (its
@@ -178,6 +188,7 @@ __all__ = [
     "CLIPLESS_DEFAULTS",
     "clipless_network",
     "clipless_defaults",
+    "default_optimizer",
     "default_scattering",
     "SAMPLINGS",
     "NOISE_STRATEGIES",

@@ -260,11 +260,7 @@ def _scattering(recipe) -> bool:
 
 def _optimizer(recipe, scattering) -> str:
     """The recipe's optimiser, or its network's default (Adam for dp-sgd)."""
-    if recipe.optimizer is not None:
-        return recipe.optimizer
-    if recipe.method == "dp-sgd":
-        return "adam"
-    return D.clipless_defaults(recipe.dataset, scattering).optimizer
+    return recipe.optimizer or D.default_optimizer(recipe.dataset, recipe.method, scattering)
 
 
 def _unused_settings(recipe) -> dict:
@@ -726,20 +722,33 @@ def _fit_on_features(prepared: PreparedRun, callbacks, verbose):
     is then rebuilt from the trained layers: it shares the head's privacy ledger
     (:func:`lipdp.core.ledger.inherited_ledger`) and step count.
     """
-    from lipdp.clipless.features import apply_front_end
-
     model, recipe = prepared.model, prepared.run.model
-    front, rest = list(model.layers[: prepared.front_end]), list(model.layers[prepared.front_end :])
-    features = apply_front_end(front, prepared.x_train)
-    with model.distribute_strategy.scope():
-        head = build_model(recipe, model.dataset_metadata, _head_input(front, features) + rest)
-    _refuse_smaller_sensitivities(head, model)
+    head, features = feature_head(prepared)
     history = _fit_model(prepared, head, features, callbacks, verbose)
     with model.distribute_strategy.scope():
         whole = build_model(recipe, model.dataset_metadata, _with_input(model))
     whole.noisy_steps.assign(head.noisy_steps)
     prepared.model = whole
     return history
+
+
+def feature_head(prepared: PreparedRun):
+    """``(head, features)``: the compiled model of the layers after ``prepared``'s fixed
+    front-end (sharing them with ``prepared.model``), opened by :func:`_head_input`, and
+    the front-end's outputs on the training set, which it trains on (:func:`fit`). Its
+    sensitivities are checked against the whole network's first."""
+    from lipdp.clipless.features import apply_front_end
+
+    if not prepared.front_end:
+        raise ValueError("this run has no fixed front-end (PreparedRun.front_end is 0).")
+    model = prepared.model
+    front, rest = model.layers[: prepared.front_end], model.layers[prepared.front_end :]
+    features = apply_front_end(front, prepared.x_train)
+    with model.distribute_strategy.scope():
+        layers = _head_input(front, features) + list(rest)
+        head = build_model(prepared.run.model, model.dataset_metadata, layers)
+    _refuse_smaller_sensitivities(head, model)
+    return head, features
 
 
 def _head_input(front, features) -> list:
@@ -760,19 +769,18 @@ def _with_input(model) -> list:
     ``model.layers`` (Keras 3's ``Sequential``)."""
     import keras
 
+    from lipdp.clipless.layers import DP_BoundedInput
     from lipdp.core import compat
 
     layers = list(model.layers)
-    if isinstance(layers[0], keras.layers.InputLayer) or hasattr(layers[0], "upper_bound"):
+    if isinstance(layers[0], (keras.layers.InputLayer, DP_BoundedInput)):
         return layers
     return [compat.input_layer(model.dataset_metadata.input_shape), *layers]
 
 
 def _refuse_smaller_sensitivities(head, model) -> None:
-    """The head's per-variable sensitivities are the whole network's (clipless; a clipped
-    model has none): a smaller one would under-state the noise the head needs."""
-    if not hasattr(model, "sensitivities"):
-        return
+    """The head's sensitivities are the whole network's (clipless: its layers' bounds;
+    dp-sgd: its clipping norms): a smaller one would under-state the noise the head needs."""
     whole = {entry.key: float(delta) for entry, delta in model.sensitivities()}
     for entry, delta in head.sensitivities():
         if float(delta) < whole[entry.key] * (1 - 1e-6):
@@ -817,6 +825,7 @@ __all__ = [
     "build_model",
     "model_and_arrays",
     "prepare",
+    "feature_head",
     "training_callbacks",
     "fit",
     "metrics_on_test_set",

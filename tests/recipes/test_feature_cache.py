@@ -11,9 +11,10 @@ import pytest
 
 from lipdp.accounting.budget import get_eps_delta
 from lipdp.clipless import layers as L
-from lipdp.clipless.features import fixed_front_end
+from lipdp.clipless.features import apply_front_end, fixed_front_end
 from lipdp.core import noise
 from lipdp.recipes import runs, zoo
+from tests.remove_one import TOLERANCE, remove_one_ratios
 
 SMALL = 1024  # digits rows kept: one epoch of two batches per run
 
@@ -71,6 +72,44 @@ def test_the_returned_model_is_the_whole_network(digits):
     expected = {entry.key: float(delta) for entry, delta in fresh.sensitivities()}
     got = {entry.key: float(delta) for entry, delta in model.sensitivities()}
     assert got == pytest.approx(expected, rel=1e-9)
+
+
+def _extreme_images() -> np.ndarray:
+    """Finite records an attacker would pick: blank, constant, huge (clipped to the input
+    bound), a checkerboard and a single bright pixel."""
+    checker = np.indices((8, 8)).sum(axis=0) % 2
+    pixel = np.zeros((8, 8))
+    pixel[3, 4] = 1e6
+    images = [np.zeros((8, 8)), np.ones((8, 8)), np.full((8, 8), 1e30), checker, pixel]
+    return np.stack(images)[..., None].astype("float32")
+
+
+@pytest.mark.usefixtures("reproducible_noise")
+@pytest.mark.parametrize("method", ["lipdp", "dp-sgd"])
+def test_the_head_on_cached_features_moves_by_at_most_its_sensitivity(digits, method):
+    """The attacker's check on the step the cache really runs: one step of the head on a
+    batch of cached features and on the same batch minus one row (ordinary and extreme
+    records, wrong labels), identical noise."""
+    recipe = runs.ModelRecipe(dataset="digits", method=method, scattering=True, batch_size=64)
+    prepared = runs.prepare(runs.RunConfig(model=recipe, epochs=1), digits)
+    head, features = runs.feature_head(prepared)
+    front = prepared.model.layers[: prepared.front_end]
+    extreme = apply_front_end(front, _extreme_images())
+    x = np.concatenate([features[:11], extreme])
+    labels = np.concatenate([digits.y_train[:11], [3, 7, 1, 9, 0]])
+    y = runs.one_hot(labels, 10)
+    ratios = remove_one_ratios(head, x, y)
+    assert ratios.max() <= 1 + TOLERANCE
+    assert ratios.max() > 0.5  # the check is not vacuous: some record comes close
+
+
+def test_epsilon_planned_before_fit_is_the_one_reported_after(digits):
+    recipe = runs.ModelRecipe(dataset="digits", scattering=True)
+    prepared = runs.prepare(runs.RunConfig(model=recipe, epochs=2), digits)
+    planned = get_eps_delta(prepared.model, 2)
+    history = runs.fit(prepared)
+    assert prepared.front_end and history.history["epsilon"][-1] == pytest.approx(planned[0])
+    assert get_eps_delta(prepared.model, 2) == pytest.approx(planned)
 
 
 def test_fixed_front_end_is_an_allow_list():
