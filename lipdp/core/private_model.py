@@ -506,7 +506,10 @@ class PrivateModel(keras.Model):
         x, y, finite, ids = self._neutralised_batch(x, y)
         step = self._private_gradients(x, y, kept_rows(finite, ids))
         labelled = self.class_labels_in_range(y, step.predictions)
-        released = self.release_step(step.gradients, self.trainable_variables)
+        # A replica holding the very rows of another (a batch given whole to every replica
+        # by a custom loop) adds nothing: each record counts once (rule S12).
+        gradients = distribute.weighted(step.gradients, distribute.duplicate_part_weight((x, y)))
+        released = self.release_step(gradients, self.trainable_variables)
         self._after_release(released)
         # A label out of range would make a sparse loss or metric fail: logged as class 0.
         y_logged = zero_rows(labelled, y)
@@ -631,6 +634,7 @@ class PrivateModel(keras.Model):
                 "this model after that training (it then shares that ledger)."
             )
         ledger.tag_trained_layers(self.dp_layers, own)
+        distribute.check_steps_per_execution(self.distribute_strategy, self.steps_per_execution)
         configuration = self._step_configuration()
         if configuration != getattr(self, "_traced_configuration", None):
             force = True
@@ -639,7 +643,13 @@ class PrivateModel(keras.Model):
         # every worker in the same order -- not lazily while one replica is traced.
         with self.distribute_strategy.scope():
             noise.noise_generator()
-        return super().make_train_function(force)
+        result = super().make_train_function(force)
+        # Keras 3 hands every replica the whole batch outside fit (train_on_batch, a train
+        # function called on arrays): each replica gets its own rows instead (rule S12).
+        self.train_function = distribute.parts_between_replicas(
+            self.train_function, self.distribute_strategy
+        )
+        return result
 
     def _checked_batch(self, data):
         """``(x, y, batch_rows)`` of a training batch, refusing what changes the
