@@ -50,6 +50,7 @@ costs slightly more in theory (Whitehouse et al., 2023).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian, dynamic_cli
 from lipdp.accounting.plan import GRADIENT_STEPS as STEPS_LABEL
 from lipdp.accounting.tuning_cost import RandomSearch
 from lipdp.core.layer_walk import nested_layers
-from lipdp.core.variables import state_variable
+from lipdp.core.variables import state_variable, variable_key
 
 if TYPE_CHECKING:  # annotations only: TensorFlow is imported on use
     import tensorflow as tf
@@ -329,6 +330,12 @@ class PrivacyLedger:
                 self.record(row, int(count - now))
                 table, counts = self.table.numpy(), self.counts.numpy()
 
+    def add(self, other: PrivacyLedger) -> None:
+        """Record every run ``other`` holds (the composition of both ledgers' releases)."""
+        for row, count in zip(*other.snapshot()):
+            if count > 0:
+                self.record(row, int(count))
+
     def describe(self) -> list[str]:
         return [entry.describe() for entry in self.entries()]
 
@@ -359,22 +366,25 @@ def _entry(row, count) -> LedgerEntry:
 
 
 # ------------------------------------------------------------ layers and their ledger
-#: The ledger of the last private model that trained each layer (in this process; a
-#: layer saved on its own, ``layer.get_weights()``, does not carry it: save the model).
+#: The ledger of the private model each layer with weights belongs to, in this process
+#: (rule S10: the ledger follows the weights). Set when a private model is built -- from
+#: new layers, or from a file, whose weights the loaded ledger priced -- and when it
+#: trains.
 _TRAINED_BY = weakref.WeakKeyDictionary()
 
 
-def tag_trained_layers(layers, ledger: PrivacyLedger) -> None:
-    """Record that ``ledger``'s model trains the layers of ``layers`` that have trainable
-    variables (at any depth)."""
+def tag_layers(layers, ledger: PrivacyLedger) -> None:
+    """Record that the weights of ``layers`` (every layer holding weights, at any depth,
+    trainable or frozen) are priced by ``ledger``: a model built from them later starts
+    from its releases (:func:`inherited_ledger`)."""
     for _, layer in nested_layers(layers):
-        if layer.trainable_variables:
+        if layer.weights:
             _TRAINED_BY[layer] = ledger
 
 
 def ledgers_of(layers) -> dict:
-    """``{path: ledger}`` of the layers of ``layers`` (at any depth) that a private model
-    has trained in this process."""
+    """``{path: ledger}`` of the layers of ``layers`` (at any depth) that belong to a
+    private model of this process (:func:`tag_layers`)."""
     found = {}
     for path, layer in nested_layers(layers):
         ledger = _TRAINED_BY.get(layer)
@@ -384,20 +394,81 @@ def ledgers_of(layers) -> dict:
 
 
 def inherited_ledger(layers) -> PrivacyLedger | None:
-    """The one ledger of the private model(s) that trained some of ``layers``, or
-    ``None``; layers trained under two different ledgers are refused (their releases
-    would have to be composed: train them in one model, or save and reload)."""
+    """The ledger a private model built from ``layers`` starts from, or ``None`` (no
+    layer belongs to a private model):
+
+    * the layers of one private model: *its* ledger, shared (both models then record
+      into the same variables, so each one's epsilon holds the other's steps on the
+      shared weights);
+    * layers of several: a new ledger holding every row of each (the releases compose:
+      ``epsilon`` of the new model is at least that of the composition of the sources'
+      mechanisms -- more than needed if they trained on disjoint data, never less). The
+      layers then belong to the new ledger: their former models can no longer train them
+      (refused in :meth:`~lipdp.core.private_model.PrivateModel.make_train_function`).
+    """
     distinct = {}
-    for path, ledger in ledgers_of(layers).items():
-        distinct.setdefault(id(ledger.table), (path, ledger))
-    if len(distinct) > 1:
-        paths = ", ".join(repr(path) for path, _ in distinct.values())
-        raise ValueError(
-            f"Layers {paths} were trained privately by different models, each with its own "
-            "privacy ledger: a model built from them would under-report epsilon. Train them "
-            "in one model (or one after the other, building each model from the last)."
-        )
-    return next(iter(distinct.values()))[1] if distinct else None
+    for ledger in ledgers_of(layers).values():
+        distinct.setdefault(id(ledger.table), ledger)
+    if len(distinct) <= 1:
+        return next(iter(distinct.values()), None)
+    merged = PrivacyLedger(*PrivacyLedger.create_variables())
+    for source in distinct.values():
+        merged.add(source)
+    logger.info(
+        "The model's layers were trained by %d private models: its ledger starts from the "
+        "composition of their %d releases.",
+        len(distinct),
+        sum(entry.count for entry in merged.entries()),
+    )
+    return merged
+
+
+def copied_ledgers(layers, own: PrivacyLedger | None = None) -> dict:
+    """``{path: ledger}``: the layers of ``layers`` (at any depth) holding, in a variable of
+    their own, exactly the values of a trainable variable of a *different* layer of this
+    process that belongs to another private model whose ledger has released something --
+    weights copied by hand from a private model (``layer.set_weights(private_layer.
+    get_weights())``), which carry no ledger of their own. Variables whose entries are all
+    equal (zero biases, unit scales) are ignored: they match without being copies. A match
+    that is not a copy (equal trained values by chance: not a coincidence of random
+    weights) would only over-state epsilon."""
+    wanted = {}
+    for path, layer in nested_layers(layers):
+        for variable in _own_weights(layer):
+            value = np.asarray(variable.numpy())
+            if value.size > 1 and not np.all(value == value.flat[0]):
+                wanted.setdefault(_digest(value), []).append((path, variable_key(variable)))
+    if not wanted:
+        return {}
+    shapes = {shape for shape, _ in wanted}
+    found = {}
+    for layer, ledger in list(_TRAINED_BY.items()):
+        if own is not None and ledger.table is own.table or not ledger.entries():
+            continue
+        for variable in _own_weights(layer, trainable=True):
+            if tuple(variable.shape) not in shapes:
+                continue
+            for path, key in wanted.get(_digest(np.asarray(variable.numpy())), ()):
+                if key != variable_key(variable):
+                    found.setdefault(path, ledger)
+    return found
+
+
+def _own_weights(layer, trainable=False) -> list:
+    """The variables ``layer`` holds itself (its sublayers' apart): Keras' ``weights`` of a
+    container include its sublayers'."""
+    inner = {
+        variable_key(v)
+        for sub in layer._flatten_layers(include_self=False)  # noqa: SLF001 - Keras' walk
+        for v in sub.weights
+    }
+    weights = layer.trainable_weights if trainable else layer.weights
+    return [v for v in weights if variable_key(v) not in inner]
+
+
+def _digest(value) -> tuple:
+    """A key of an array's shape, dtype and bytes."""
+    return tuple(value.shape), hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
 
 
 def is_non_private(terms) -> bool:
@@ -408,13 +479,14 @@ def is_non_private(terms) -> bool:
 __all__ = [
     "CAPACITY",
     "LABELS",
+    "copied_ledgers",
     "LedgerEntry",
     "PrivacyLedger",
     "inherited_ledger",
     "is_non_private",
     "ledgers_of",
     "placement",
-    "tag_trained_layers",
+    "tag_layers",
     "release_row",
     "search_row",
     "step_row",
