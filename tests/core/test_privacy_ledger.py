@@ -447,9 +447,7 @@ def test_backup_and_restore_into_another_configuration_keeps_the_past_prices(tmp
     done = INTERRUPTED_AFTER * 4
     config = CHANGES[change]
     resumed = _configured(**config, seed=1)
-    history = _run(
-        resumed, EPOCHS, [tf.keras.callbacks.BackupAndRestore(backup), DP_Accountant()]
-    )
+    history = _run(resumed, EPOCHS, [tf.keras.callbacks.BackupAndRestore(backup), DP_Accountant()])
     steps = (EPOCHS - INTERRUPTED_AFTER) * resumed.dataset_metadata.nb_steps_per_epochs
     expected = [_segment(FIRST, done), _segment(config, steps)]
     assert _ran(resumed) == expected

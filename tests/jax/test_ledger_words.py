@@ -12,8 +12,8 @@ import pytest
 from lipdp.clipped.jax import ledger
 from lipdp.clipped.jax.ledger import Float64Words
 from lipdp.core.ledger import CAPACITY, WIDTH, placement, step_row
-from tests.marks import thorough
 from tests.ledger_cases import SPECIAL, expected_after, ledger_cases, same_bits
+from tests.marks import thorough
 
 
 def _values():
@@ -23,7 +23,8 @@ def _values():
     top = np.float64(np.inf).view(np.uint64)
     patterns = rng.integers(0, int(top), size=300, dtype=np.uint64, endpoint=True)
     values = np.concatenate([SPECIAL, [np.inf, 1.0 + 2.0**-20], patterns.view(np.float64)])
-    values = np.concatenate([values, np.nextafter(values[values < np.finfo(np.float64).max], np.inf)])
+    below_max = values[values < np.finfo(np.float64).max]
+    values = np.concatenate([values, np.nextafter(below_max, np.inf)])
     assert not np.isnan(values).any() and (values >= 0).all()
     return values
 
@@ -83,9 +84,7 @@ def test_the_step_places_a_run_as_placement_does_under_jit(cases):
     assert len(chosen) == (len(ledger_cases(seed=1)) if cases is None else len(PATHS))
     for name, table, counts, row in chosen:
         step = jax.jit(lambda t, c, row=row: ledger.recorded(t, c, row))
-        words, runs = step(
-            jnp.asarray(Float64Words.words(table)), jnp.asarray(counts, jnp.int32)
-        )
+        words, runs = step(jnp.asarray(Float64Words.words(table)), jnp.asarray(counts, jnp.int32))
         index, written = placement(table, row)
         want_table, want_counts = expected_after(table, counts, row, index, written)
         got = np.ascontiguousarray(np.asarray(words)).view(np.float64)

@@ -10,7 +10,6 @@ mechanism by mechanism, with lipdp's RDP accountant -- independent of the ledger
 """
 
 import keras
-import numpy as np
 import pytest
 
 import lipdp

@@ -186,9 +186,7 @@ def record_on_host(table_words, counts, row, count=1) -> None:
     ledger that weights loaded from an older state would rewind), by :func:`recorded`."""
     import jax.numpy as jnp
 
-    table, runs = recorded(
-        table_words.numpy(), jnp.asarray(counts.numpy(), jnp.int32), row, count
-    )
+    table, runs = recorded(table_words.numpy(), jnp.asarray(counts.numpy(), jnp.int32), row, count)
     table_words.assign(np.asarray(table))
     counts.assign(np.asarray(runs))
 
