@@ -172,31 +172,30 @@ def release_row(mechanism) -> np.ndarray:
     return row
 
 
+def minimum_columns(kind) -> tuple[int, ...]:
+    """The columns an overflow row of ``kind`` merges by their minimum (every other column
+    by its maximum, ``KIND`` kept, ``MERGED`` set to 1): the row then dominates every
+    mechanism merged into it. A Gaussian's ``sigma`` (``SCALE`` of steps and Gaussian
+    releases) costs more as it falls, as ``N`` does (``SAMPLES``) and shuffled batches do
+    (``POISSON`` 0); a larger rate, batch, number of Gaussians, Laplace ``epsilon``, search
+    mean or shape costs more, and one reproducible step makes the row reproducible. The one
+    statement of the merge, used by :func:`_dominating` (TensorFlow),
+    :func:`_dominating_numpy` and :mod:`lipdp.clipped.jax.ledger` (JAX)."""
+    smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
+    return (SCALE, SAMPLES, POISSON) if smaller_is_worse else (SAMPLES, POISSON)
+
+
 def _dominating(old, new, kind):
     """A row that dominates ``old`` (an overflow row, maybe empty) and ``new``."""
     import tensorflow as tf
 
-    # A Gaussian's sigma: smaller is worse; Laplace's epsilon, a search's mean: larger.
-    smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
-    # (A search's shape, in RATE: a larger eta costs more for the same mean.)
-    scale = (
-        tf.minimum(old[SCALE], new[SCALE])
-        if smaller_is_worse
-        else tf.maximum(old[SCALE], new[SCALE])
-    )
-    merged = tf.stack(
-        [
-            new[KIND],
-            scale,
-            tf.maximum(old[RATE], new[RATE]),
-            tf.maximum(old[BATCH], new[BATCH]),
-            tf.minimum(old[SAMPLES], new[SAMPLES]),
-            tf.minimum(old[POISSON], new[POISSON]),
-            tf.maximum(old[GAUSSIANS], new[GAUSSIANS]),
-            tf.constant(1.0, tf.float64),
-            tf.maximum(old[REPRODUCIBLE], new[REPRODUCIBLE]),
-        ]
-    )
+    low, high = tf.minimum(old, new), tf.maximum(old, new)
+    by_minimum = np.zeros(WIDTH, bool)
+    by_minimum[list(minimum_columns(kind))] = True
+    merged = tf.where(tf.constant(by_minimum), low, high)
+    is_kind, is_merged = np.arange(WIDTH) == KIND, np.arange(WIDTH) == MERGED
+    merged = tf.where(tf.constant(is_kind), new, merged)
+    merged = tf.where(tf.constant(is_merged), tf.ones_like(new), merged)
     return tf.where(tf.equal(old[KIND], 0.0), new, merged)
 
 
@@ -205,8 +204,9 @@ def placement(table, row) -> tuple[int, np.ndarray]:
     that :meth:`PrivacyLedger.record` adds a run of the mechanism ``row`` to, and what it
     writes there -- ``row`` itself in its own row or the first empty regular row, else,
     the regular rows being full, a row that dominates ``row`` and the overflow row of its
-    kind. The same rule as ``record`` in numpy, for a step that writes a row it knows
-    when it is compiled (the JAX backend, :mod:`lipdp.clipped.jax.ledger`)."""
+    kind. The rule of ``record`` in numpy: the reference that ``record`` (TensorFlow) and
+    the JAX step's in-graph placement (:func:`lipdp.clipped.jax.ledger.recorded`) are
+    tested against, on random, full and overflowing tables."""
     table, row = np.asarray(table, np.float64), np.asarray(row, np.float64)
     kind = int(row[KIND])
     regular = table[: CAPACITY - len(KINDS)]
@@ -224,12 +224,10 @@ def _dominating_numpy(old, new, kind) -> np.ndarray:
     """:func:`_dominating` in numpy."""
     if old[KIND] == 0.0:
         return new
-    smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
-    low, high = np.minimum(old, new), np.maximum(old, new)
-    merged = high.copy()
+    merged = np.maximum(old, new)
+    columns = list(minimum_columns(kind))
+    merged[columns] = np.minimum(old, new)[columns]
     merged[KIND] = new[KIND]
-    merged[SCALE] = low[SCALE] if smaller_is_worse else high[SCALE]
-    merged[[SAMPLES, POISSON]] = low[[SAMPLES, POISSON]]
     merged[MERGED] = 1.0
     return merged
 
@@ -485,6 +483,7 @@ __all__ = [
     "inherited_ledger",
     "is_non_private",
     "ledgers_of",
+    "minimum_columns",
     "placement",
     "tag_layers",
     "release_row",
