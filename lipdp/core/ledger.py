@@ -29,8 +29,15 @@ no accountant needs.
 row), saved and restored with the weights in every format that carries the step count:
 ``.keras`` files, ``save_weights`` checkpoints, ``BackupAndRestore``. Its state is the
 lineage of the weights it is saved with: ``model.set_weights(other.get_weights())`` or
-``load_weights`` copy the other model's ledger with its weights (copying weights layer
-by layer does not: use the model-level calls).
+``load_weights`` copy the other model's ledger with its weights.
+
+**Lineage: the ledger follows the weights** (rule S10). A private model tags every layer
+holding weights with its ledger when it is built (:func:`tag_layers`; a model loaded from
+a file: the ledger loaded with its weights) and when it trains. A model built later from
+tagged layers starts from their ledger (:func:`inherited_ledger`: shared with one source,
+the composition of several). Weights copied layer by layer as numpy arrays carry no tag;
+in the same process they are recognised by their values (:func:`copied_ledgers`) and the
+new model's ledger is made to hold at least the source's releases.
 
 **Capacity.** ``CAPACITY`` rows; the last three are overflow rows, one per kind. A new
 mechanism when the regular rows are full is merged into its kind's overflow row as a

@@ -166,3 +166,21 @@ def test_set_weights_never_rewinds_the_privacy_state():
     model.set_weights(saved)  # the step count and the ledger come back as zeros...
     assert int(model.noisy_steps.numpy()) == 4  # ...and are restored
     assert model.privacy_ledger.entries()[0].count == 4
+
+
+def test_set_weights_and_load_weights_keep_the_model_s_own_noise_key(tmp_path):
+    """Rule S8: weights copied from another model (or loaded mid-fit by a callback) never
+    bring that model's key, which would replay its noise; the file holds no key anyway."""
+    x, y = h.data(32)
+    donor = h.private(h.mlp(seed=1), batch_size=B, n=32)
+    donor.fit(lipdp.private_batches(donor, x, y), epochs=1, verbose=0)
+    model = h.private(h.mlp(), batch_size=B, n=32)
+    model.fit(lipdp.private_batches(model, x, y), epochs=1, verbose=0)
+    own = np.array(model.noise_key.numpy())
+    assert np.any(own != donor.noise_key.numpy())
+    model.set_weights(donor.get_weights())
+    np.testing.assert_array_equal(model.noise_key.numpy(), own)
+    path = str(tmp_path / "donor.weights.h5")
+    donor.save_weights(path)
+    model.load_weights(path)
+    np.testing.assert_array_equal(model.noise_key.numpy(), own)

@@ -611,20 +611,29 @@ class DPSGD_JaxModel(keras.Model):
             store[f"{i}"] = np.zeros(keys.KEY_WORDS, np.uint32) if key else variable
 
     def set_weights(self, weights):
-        """Set the weights; the privacy state is never rewound (rule S10)."""
-        snapshot, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        """Set the weights; the privacy state is never rewound (rule S10) and the noise key
+        stays this model's own (rule S8: another model's key would replay its noise)."""
+        state = self._privacy_state()
         super().set_weights(weights)
-        self._keep_privacy_state(snapshot, steps)
+        self._keep_privacy_state(*state)
 
     def load_weights(self, *args, **kwargs):
-        snapshot, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        """Load the weights, keeping the privacy state and the noise key as
+        :meth:`set_weights` does."""
+        state = self._privacy_state()
         status = super().load_weights(*args, **kwargs)
-        self._keep_privacy_state(snapshot, steps)
+        self._keep_privacy_state(*state)
         return status
 
-    def _keep_privacy_state(self, snapshot, steps) -> None:
+    def _privacy_state(self) -> tuple:
+        """``(ledger snapshot, steps, noise key)`` now."""
+        key = np.array(self.noise_key.numpy())
+        return self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy()), key
+
+    def _keep_privacy_state(self, snapshot, steps, key) -> None:
         ledger.keep_at_least(self.privacy_ledger_table, self.privacy_ledger_counts, snapshot)
         self.noisy_steps.assign(max(steps, int(self.noisy_steps.numpy())))
+        self.noise_key.assign(key)
 
     # ------------------------------------------------------- serialisation
     def get_config(self):
