@@ -546,12 +546,14 @@ class PrivateModel(keras.Model):
 
     def _neutralised_batch(self, x, y):
         """``(x, y, finite, ids)``: rule S9 for a batch. ``finite``: the rows without a NaN
-        or an infinity (input or label); ``ids``: the rows whose token ids are in the range
-        of the layer reading them (``None`` when no input is read as ids,
+        or an infinity (in any input, or the label); ``ids``: the rows whose token ids are
+        in the range of the layer reading them (``None`` when no input is read as ids,
         :meth:`input_ids_in_range`, read on the record as given); the other rows made
         harmless by :meth:`_neutralised_rows`. Rows whose class label is out of range need
         the predictions: their loss is 0 (:meth:`per_example_losses`)."""
-        finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
+        finite = finite_rows(y)
+        for inputs in tf.nest.flatten(x):  # every input of a model of several inputs
+            finite &= finite_rows(inputs)
         ids = self.input_ids_in_range(x)
         x, y = self._neutralised_rows(x, y, kept_rows(finite, ids))
         return x, y, finite, ids
