@@ -137,10 +137,16 @@ REMOVE_EACH_ROWS = 8
 #: not probed.
 MAX_PROBE_ROWS = 1024
 
-#: The draws of float inputs: ``N(0, 1)``; uniform in ``[0, 1]`` (non-negative, as pixels);
-#: mixed signs of large magnitude (each row ``N(0, 1)`` times ``10**u``, ``u`` uniform
-#: over the exponents of :data:`LARGE_MAGNITUDES`, so rows differ in scale by up to 100x).
+#: The draws of float inputs: ``"gaussian"``, ``N(0, 1)`` (standardised features);
+#: ``"unit"``, 8-bit pixels scaled to ``[0, 1]`` (``k / 255``, ``k`` uniform, and a share
+#: :data:`PIXEL_ZEROS` of exact zeros: non-negative, as images); ``"large"``, mixed signs
+#: of large magnitude (each row ``N(0, 1)`` times ``10**u``, ``u`` uniform over the
+#: exponents of :data:`LARGE_MAGNITUDES`: unnormalised features, rows differing in scale
+#: by up to 100x).
 DRAWS = ("gaussian", "unit", "large")
+
+#: Share of exact zeros in the ``"unit"`` draw (the background of an image).
+PIXEL_ZEROS = 0.3
 
 #: Range of the row magnitudes of the ``"large"`` draw.
 LARGE_MAGNITUDES = (1e2, 1e4)
@@ -374,8 +380,9 @@ def _probe_shape(shape, rows, fallback) -> list:
 
 def _float_draw(rng, shape, draw):
     """Float values of one of the :data:`DRAWS`."""
-    if draw == "unit":
-        return rng.uniform(0.0, 1.0, shape)
+    if draw == "unit":  # as 8-bit pixels scaled to [0, 1], with a dark background
+        values = rng.integers(0, 256, shape) / 255.0
+        return np.where(rng.uniform(size=shape) < PIXEL_ZEROS, 0.0, values)
     values = rng.standard_normal(shape)
     if draw == "large":
         low, high = np.log10(LARGE_MAGNITUDES)
@@ -1119,7 +1126,7 @@ class _Probe:
                 self.check_removed_sets(x, labels, forward)
             if large:
                 self.check_prefix(x, labels, forward)
-                self.check_large(x, labels, forward)
+                self.check_large(x, labels, forward, remove_last=first)
             return len(replay.keras) + len(replay.tensorflow)
 
     # --------------------------------------------------------------------- passes
@@ -1313,12 +1320,13 @@ class _Probe:
             fewer = self.rows_pass(x, labels, kept)
             self.refuse_changes(full, kept, fewer, how, how_variables)
 
-    def check_large(self, x, labels, full) -> None:
+    def check_large(self, x, labels, full, remove_last=False) -> None:
         """The batches of the model's size (``batch``) and larger (``large``), no
         gradient: their first rows, and the variables after them, must be as in the
         smaller batch (``full``, then ``batch``). A coupling switched on from some number
         of rows below ``large`` changes the first rows' outputs across two of these
-        sizes; one on at every size is found in the full batch."""
+        sizes; one on at every size is found in the full batch. With ``remove_last``, the
+        model-size batch minus its last row too (the remove-one relation at ``b``)."""
         smaller, before = self.full, full
         for rows in sorted({self.batch, self.large} - {self.full}):
             where = self.where(rows)
@@ -1331,6 +1339,16 @@ class _Probe:
                 f"change when other rows join the batch ({smaller} rows, then {rows}){where}",
                 f"changes with the number of rows in the batch{where}",
             )
+            if remove_last and rows == self.batch:
+                fewer = self.rows_pass(x, labels, list(range(rows - 1)))
+                self.refuse_changes(
+                    everything,
+                    slice(0, rows - 1),
+                    fewer,
+                    lambda what, where=where: f"the other rows' {what} change when one row "
+                    f"is removed from the batch{where}",
+                    f"changes when one row is removed from the batch{where}",
+                )
             smaller, before = rows, everything
 
 
@@ -1697,6 +1715,7 @@ __all__ = [
     "LARGE_MAGNITUDES",
     "MAX_PROBE_ROWS",
     "MIN_GROUP_VALUES",
+    "PIXEL_ZEROS",
     "PROBE_ROWS",
     "PROBE_SEED",
     "PROBE_TOLERANCE",
