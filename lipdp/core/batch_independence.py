@@ -26,62 +26,99 @@ it, for both families:
    1 (a ``keepdims`` batch mean, under Poisson sampling's batches of unknown size) is
    refused.
 3. **A numerical probe** (:func:`probe`), once per model and input spec, when the step is
-   first traced (``fit``, ``train_on_batch``, a custom loop calling ``train_step``): on a
-   probe batch of :data:`PROBE_ROWS` rows built from the real input spec (shapes and
-   dtypes; values from a local generator seeded with :data:`PROBE_SEED`), in training
-   mode, every forward pass replayed from the same state (the non-trainable variables;
-   every random generator of the model -- Keras' ``RandomGenerator`` of ``Dropout``,
-   ``GaussianNoise`` and the random preprocessing layers, switched to stateless ops with
-   fixed seeds (Keras 3: their ``SeedGenerator``, whose state seeds stateless ops, put
-   back), ``tf.random.Generator`` objects of the layers, the global generators;
-   TensorFlow's op seeds; numpy's and Python's random states), so that random layers
-   draw the same numbers in every pass and, in a batch minus its last row, the same
-   numbers for the other rows; the user's state is put back afterwards, the global
-   seed's sequence and the generators not advanced:
+   first traced (``fit``, ``train_on_batch``, a custom loop calling ``train_step``), in
+   training mode, eagerly. It runs :data:`SCENARIOS`, each a *weight point* and a
+   *draw*: every draw of :data:`DRAWS` -- ``N(0, 1)``; 8-bit pixels in ``[0, 1]`` with a
+   dark background (non-negative); mixed signs of magnitude ``1e2``-``1e4``, rows of
+   different scales -- at the model's weights, then the weights scaled by
+   :data:`WEIGHT_SCALE` (``N(0, 1)`` draw) and perturbed by Gaussian noise of each
+   variable's own size (pixel draw), every variable put back exactly afterwards. Inputs
+   follow the real input spec (shapes and dtypes; integer inputs are token ids, in a
+   range valid for every ``Embedding``), labels are valid for the predictions, all from
+   a local generator seeded with :data:`PROBE_SEED`. Batch sizes (:func:`probe_sizes`):
+   :data:`PROBE_ROWS` = 4; the *full* batch, ``min(b, 8)`` rows (``b``: the metadata's
+   rows per batch), on which the gradient checks run and every row is removed in turn;
+   ``b`` itself and ``b + max(4, ceil(4 sqrt(b)))`` (more rows than a Poisson batch of
+   expected size ``b`` holds but with probability ``< 1e-4``), both capped at
+   :data:`MAX_PROBE_ROWS`. Every forward pass is replayed from the same state (the
+   variables; every random generator of the model -- Keras' ``RandomGenerator`` of
+   ``Dropout``, ``GaussianNoise`` and the random preprocessing layers, switched to
+   stateless ops with fixed seeds (Keras 3: their ``SeedGenerator``, whose state seeds
+   stateless ops, put back), ``tf.random.Generator`` objects of the layers, the global
+   generators; TensorFlow's op seeds; numpy's and Python's random states), so that random
+   layers draw the same numbers in every pass, and a row the same numbers at the same
+   position of a batch; the user's state is put back afterwards, the global seed's
+   sequence and the generators not advanced. In every scenario:
 
    * *inputs*: the Jacobian of the per-row losses with respect to the inputs and to the
-     output of every top-level layer must be block-diagonal: ``d loss_i / d h_j = 0``
-     for ``j != i``. Integer inputs (token ids, drawn in a range valid for every
-     ``Embedding`` of the model) are covered through the first float outputs; stages
-     before an op without a gradient (``RandomContrast``) are left to the comparisons
-     below. The last stage whose Jacobian has off-diagonal blocks is followed by the
-     coupling layer (or by the loss);
-   * *labels*: on the predictions of that pass, changing row ``j``'s label must leave
-     every other row's loss unchanged (per-batch class weights, as deel-lip's KR losses);
+     output of every top-level layer must be block-diagonal, ``d loss_i / d h_j = 0`` for
+     ``j != i``: the gradient of the (randomly weighted) loss sum of each of the row sets
+     of :func:`row_sets` must vanish on the rows outside the set (5 backward passes for
+     the 8 rows of the full batch; the old probe took one per row). Integer inputs are
+     covered through the first float outputs; stages before an op without a gradient
+     (``RandomContrast``) are left to the comparisons below. The last stage whose
+     Jacobian has off-diagonal blocks is followed by the coupling layer (or by the loss);
+   * *labels*: on the predictions of that pass, changing the labels of each row set must
+     leave the other rows' losses unchanged (per-batch class weights, as deel-lip's KR
+     losses);
    * *extra losses*: ``add_loss`` terms must not depend on the inputs (one number for the
      whole batch is not a per-example loss);
-   * *replay*: a second pass on the same batch must give the same outputs, losses and
-     variables; randomness the probe cannot reset (a generator it does not find) is
-     refused, naming the layer (the escape hatch below), rather than certified;
-   * *inputs, without gradients*: rows ``1..B-1`` redrawn, row 0's outputs after every
-     top-level layer and its loss must not move -- couplings gradients do not see
-     (``tf.stop_gradient`` of a batch statistic, integer operations);
-   * *remove one*: the batch minus its last row must leave every other row's outputs
-     and loss unchanged -- what depends on the number of rows (a loss divided by
-     ``tf.shape(y)[0]``);
-   * *variables*: no non-trainable variable may end up different after the pass on the
-     redrawn batch or on the batch minus a row (a random generator's state, advanced by
-     the number of values drawn, excepted): a layer keeping statistics of the private
-     batch (as batch normalisation's moving statistics) saves them with the model,
-     never noised; refused, naming the layer's path and the variable.
+   * *removal*, no gradient: in the first scenario every row of the full batch removed in
+     turn (the remove-one relation), elsewhere each row set removed: every other row's
+     outputs after every top-level layer and its loss must not move -- couplings
+     gradients do not see (``tf.stop_gradient`` of a batch statistic, integer
+     operations, a sort over the batch, the batch's largest logit), what depends on the
+     number of rows or on a row's position in the batch;
+   * *sizes*, at the model's weights: the first rows of the full batch alone
+     (:data:`PROBE_ROWS`), and the first rows of the model-size batch and of the larger
+     one, must give the same outputs and losses as in the next smaller batch, and the
+     model-size batch minus its last row must leave the others unchanged (first
+     scenario) -- a coupling switched on above some batch size;
+   * *variables*: after each of these passes, no variable -- non-trainable, and trainable
+     when a pass assigns one (the scenario then runs again with them put back before
+     every pass) -- may differ from the pass it is compared with (a random generator's
+     state, advanced by the number of values drawn, excepted): a layer keeping
+     statistics of the private batch (as batch normalisation's moving statistics) saves
+     them with the model, never noised; refused, naming the layer's path and the
+     variable;
+   * *replay*, first scenario: a second pass on the same batch must give the same
+     outputs, losses and variables; randomness the probe cannot reset (a generator it
+     does not find) is refused, naming the layer (the escape hatch below), rather than
+     certified.
 
-   Cost: four forward passes of :data:`PROBE_ROWS` rows (one taped) and
-   :data:`PROBE_ROWS` backward passes, run eagerly once -- twice, TensorFlow's kernel
-   cache cleared before every pass the second time, when a layer calls ``tf.random``
-   ops directly (stateful kernels keep their state in that cache). Measured (best of 8
-   runs, two CPU cores shared with other jobs): 0.23 s on the digits CNN of ``lipdp
-   train`` (0.06 s when TensorFlow's kernels are warm; 0.16 s and 0.04 s before the
-   replayed passes), whose first step, traced, takes 2.5 s and later steps 0.02 s; 0.14
-   s on the small Keras CNN of ``lipdp train --method dp-sgd`` (0.035 s warm; 0.11 s
-   and 0.025 s before; first step 1.5 s, later 0.012 s), 0.18 s (0.045 s warm) with
-   ``RandomFlip`` and ``Dropout`` added, 0.27 s (0.2 s warm) with a layer calling
-   ``tf.random.normal``. The model argument
-   ``independence_probe=False`` skips it (the structural walk and the per-example check
-   still run); :func:`lipdp.core.report.privacy_report` then says so.
+   When the model draws random numbers (a generator found, or a global one used), a row's
+   numbers depend on its position in the batch -- independent of the data, whatever the
+   position, so no coupling -- and rows are compared at the same positions only: the row
+   sets are redrawn (same shapes) instead of removed, the last row is removed as it is
+   and the first with the batch rotated so that it is last; a deterministic output that
+   depends on a row's position is refused only for models without randomness.
+   *Non-finite values* (a draw or a weight point overflowing a legitimate model, e.g. a
+   softmax of logits of ``1e4``): a row's values compare equal when the same entries are
+   non-finite in both passes (a row that overflows does so in every pass) and the others
+   agree; the Jacobian counts non-finite entries 0 (``0 * inf = nan`` in a row's own
+   operations, even from a zero cotangent, says nothing about the other rows). A
+   scenario on which an operation fails (an assertion on the inputs' range) is skipped
+   and listed in :class:`ProbeResult` (``skipped``), never a refusal; the first one must
+   run.
 
-The probe is a test at one point, not a proof: a coupling that vanishes on its batch
-(e.g. only beyond some batch size) escapes it; the walk and the per-example contract of
-the documentation remain the rule.
+   Cost (``benchmarks/probe_cost.py``; two CPU cores shared with other jobs, best of 5
+   warm runs, the probe of issue 26 side by side): COST_PLACEHOLDER
+   The model argument ``independence_probe=False`` skips it (the structural walk and the
+   per-example check still run); :func:`lipdp.core.report.privacy_report` then says so.
+
+**What the probe cannot prove.** It tests points, not every batch: a coupling that is
+inactive on every pass it runs escapes it, whatever it draws -- gated on a band of
+activations, of batch sizes or of input statistics it does not visit (e.g. batches of
+9 to ``b - 1`` rows, features between 20 and 100, pixels in ``[0, 255]``), on the
+weights reaching values training reaches and its three points do not, on the step
+count, or on being traced (``tf.executing_eagerly()``: the probe runs eagerly, training
+steps are usually traced). A layer can always be written to pass it. The guarantee that
+cannot be outwitted is structural: each example's loss computed in isolation, as the
+JAX backend's row-wise ``vmap`` does (issue 37 builds the same for the TensorFlow
+step). The probe catches couplings that real data switches on by accident --
+the red team's six constructions of issue 37 (``tests/couplings.py``) are refused at
+every one of 20 weight initialisations (``benchmarks/probe_detection.py``) -- and the
+walk and the per-example contract of the documentation remain the rule.
 
 :func:`fix_batch_coupling` returns a copy of a model (``Sequential``, functional, nested
 sub-models, or a list of layers) with every trainable ``BatchNormalization`` replaced by
