@@ -179,8 +179,9 @@ MAX_PROBE_ROWS = 1024
 #: :data:`PIXEL_ZEROS` of exact zeros: non-negative, as images); ``"large"``, mixed signs
 #: of large magnitude (each row ``N(0, 1)`` times ``10**u``, ``u`` uniform over the
 #: exponents of :data:`LARGE_MAGNITUDES`: unnormalised features, rows differing in scale
-#: by up to 100x).
-DRAWS = ("gaussian", "unit", "large")
+#: by up to 100x); ``"bytes"``, the pixels of ``"unit"`` not scaled (``0..255``, images
+#: fed as they are stored).
+DRAWS = ("gaussian", "unit", "large", "bytes")
 
 #: Share of exact zeros in the ``"unit"`` draw (the background of an image).
 PIXEL_ZEROS = 0.3
@@ -196,15 +197,15 @@ WEIGHT_POINTS = ("current", "scaled", "perturbed")
 #: Factor of the ``"scaled"`` weight point (large activations behind a normalisation).
 WEIGHT_SCALE = 3.0
 
-#: The probe's scenarios, ``(weight point, draw)``: every draw at the model's weights
-#: (with the large batch, and every row of the full batch removed in turn), and one draw
-#: at each other weight point.
+#: The probe's scenarios, ``(weight point, draw)``: three draws at the model's weights
+#: (with the batches of the model's size and larger; in the first, every row of the full
+#: batch removed in turn and the traced passes), and one draw at each other weight point.
 SCENARIOS = (
     ("current", "gaussian"),
     ("current", "unit"),
     ("current", "large"),
     ("scaled", "gaussian"),
-    ("perturbed", "unit"),
+    ("perturbed", "bytes"),
 )
 
 #: Seed of the probe's local generator (its inputs, labels and weight perturbations).
@@ -417,8 +418,8 @@ def _probe_shape(shape, rows, fallback) -> list:
 
 def _float_draw(rng, shape, draw):
     """Float values of one of the :data:`DRAWS`."""
-    if draw == "unit":  # as 8-bit pixels scaled to [0, 1], with a dark background
-        values = rng.integers(0, 256, shape) / 255.0
+    if draw in ("unit", "bytes"):  # 8-bit pixels with a dark background, scaled or not
+        values = rng.integers(0, 256, shape) / (255.0 if draw == "unit" else 1.0)
         return np.where(rng.uniform(size=shape) < PIXEL_ZEROS, 0.0, values)
     values = rng.standard_normal(shape)
     if draw == "large":
@@ -1060,6 +1061,8 @@ class _Probe:
         self.first = None  # (the first scenario's taped pass, whether labels were checked)
         self.replay = self.point = self.draw = None
         self.checked_variables = 0
+        self.size_passes = {}
+        self.traced_skipped = None
 
     def where(self, rows) -> str:
         return f" (probe batch of {rows} rows, {self.draw} inputs, {self.point} weights)"
@@ -1083,6 +1086,8 @@ class _Probe:
                 continue
             ran.append(name)
         forward, labels = self.first
+        if self.traced_skipped:
+            skipped.append(self.traced_skipped)
         return ProbeResult(
             stages=len(forward.watched),
             labels=labels,
@@ -1164,6 +1169,8 @@ class _Probe:
             if large:
                 self.check_prefix(x, labels, forward)
                 self.check_large(x, labels, forward, remove_last=first)
+            if first:
+                self.check_traced(x, labels)
             return len(replay.keras) + len(replay.tensorflow)
 
     # --------------------------------------------------------------------- passes
@@ -1357,6 +1364,56 @@ class _Probe:
             fewer = self.rows_pass(x, labels, kept)
             self.refuse_changes(full, kept, fewer, how, how_variables)
 
+    def check_traced(self, x, labels) -> None:
+        """Training steps usually run traced (in a ``tf.function``), the probe's passes
+        eagerly: the full and the model-size batches run once more traced must give the
+        same outputs, losses and variables, else what the probe checked is not what
+        trains (a layer gated on ``tf.executing_eagerly()``). One trace, for any number of
+        rows. Skipped for models that draw random numbers (traced random ops need not
+        draw the eager ones) and, logged in ``skipped``, for a model the probe cannot
+        trace so (a layer needing a static number of rows)."""
+        if self.positional:
+            return
+        sizes = sorted(self.size_passes)
+        try:
+            traced = _traced_forward(self.model, _take(x, [0]), _take(labels, [0]))
+            results = {}
+            for rows in sizes:
+                kept = list(range(rows))
+                self.replay.reset()
+                self.passes += 1
+                arguments = [_take(x, kept)] + ([] if labels is None else [_take(labels, kept)])
+                stages, losses = traced(*arguments)
+                results[rows] = _Outputs(stages, losses, self.replay.variable_values())
+        except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            self.traced_skipped = f"traced: {type(error).__name__}: {first_line}"[:200]
+            logger.info("batch-independence probe: traced passes skipped: %s", error)
+            return
+        model = self.model
+        for rows in sizes:
+            eager, traced_pass = self.size_passes[rows], results[rows]
+            moved = self.difference(eager, slice(None), traced_pass)
+            if moved == "loss":
+                subject = _describe_stage(model, len(model.layers_forward_order()) - 1)
+            elif moved is not None:
+                subject = _describe_stage(model, moved - 1)
+            else:
+                variables = _moved_variables(
+                    self.replay, eager.variables, traced_pass.variables
+                )
+                if not variables:
+                    continue
+                path, layer, name = _describe_variable(model, variables[0])
+                subject = f"layer {path!r} ({type(layer).__name__}, variable {name!r})"
+            raise _probe_error(
+                subject,
+                "computes other values in a traced training pass (a tf.function, as "
+                "training steps run) than in an eager one, where the probe checks that the "
+                f"examples of a batch do not interact{self.where(rows)} (rule S2)",
+                "Make its training call compute the same traced and eager",
+            )
+
     def check_large(self, x, labels, full, remove_last=False) -> None:
         """The batches of the model's size (``batch``) and larger (``large``), no
         gradient: their first rows, and the variables after them, must be as in the
@@ -1365,9 +1422,11 @@ class _Probe:
         sizes; one on at every size is found in the full batch. With ``remove_last``, the
         model-size batch minus its last row too (the remove-one relation at ``b``)."""
         smaller, before = self.full, full
+        self.size_passes = {self.full: full}
         for rows in sorted({self.batch, self.large} - {self.full}):
             where = self.where(rows)
             everything = self.rows_pass(x, labels, list(range(rows)))
+            self.size_passes[rows] = everything
             self.refuse_changes(
                 everything,
                 slice(0, smaller),
@@ -1387,6 +1446,43 @@ class _Probe:
                     f"changes when one row is removed from the batch{where}",
                 )
             smaller, before = rows, everything
+
+
+class _Outputs:
+    """What a traced pass returns, shaped as a :class:`_Forward` for the comparisons."""
+
+    def __init__(self, stages, losses, variables):
+        self.stages = dict(enumerate(stages))
+        self.losses, self.variables = losses.numpy(), variables
+
+    def arrays(self, stage) -> list:
+        return [t.numpy() for t in self.stages[stage]]
+
+    def loss_values(self) -> np.ndarray:
+        return self.losses
+
+
+def _traced_forward(model, x, labels):
+    """``tf.function`` of one training pass returning every top-level stage's float
+    outputs and the per-row losses, traced once for any number of rows."""
+
+    def unknown_rows(t):
+        return tf.TensorSpec([None, *t.shape[1:]], t.dtype)
+
+    def run(x, labels=None):
+        stages = []
+
+        def observe(index, h):
+            stages.append(_float_tensors(h))
+            return h
+
+        y_pred = model.forward(x, training=True, observe=observe)
+        return stages, model.per_example_losses(labels, y_pred)
+
+    signature = [tf.nest.map_structure(unknown_rows, x)]
+    if labels is not None:
+        signature.append(tf.nest.map_structure(unknown_rows, labels))
+    return tf.function(run, input_signature=signature)
 
 
 def probe(model, x_spec, y_spec, seed=PROBE_SEED, batch_size=None) -> ProbeResult:

@@ -1065,6 +1065,23 @@ def test_the_probe_refuses_couplings_the_last_row_does_not_show(layers, name, fr
     _assert_one_line_refusal(error.value, repr(name), fragment)
 
 
+class _TracedOnlyMean(K.Layer):
+    """Subtracts the batch mean only when traced (training steps run in a tf.function,
+    the probe's passes eagerly): the cheapest way past an eager probe."""
+
+    def call(self, h):
+        if tf.executing_eagerly():
+            return h
+        return h - tf.reduce_mean(h, axis=0)
+
+
+def test_a_coupling_only_when_traced_is_refused(rng):
+    model = _dpsgd([K.Dense(8, input_shape=(FEATURES,)), _TracedOnlyMean(name="traced_mean")])
+    with pytest.raises(ValueError) as error:
+        model.train_on_batch(*_data(rng))
+    _assert_one_line_refusal(error.value, "'traced_mean'", "traced training pass")
+
+
 class _TrainableStatistic(K.Layer):
     """The identity, writing the batch mean into a trainable variable it does not use:
     not in any gradient, saved with the model, never noised."""
@@ -1129,7 +1146,7 @@ def test_large_draws_that_overflow_or_fail_are_no_false_refusals(rng):
         batch_independence.probe(_dpsgd([*layers, K.Dense(3)]), *spec)
     checked = _dpsgd([_RangeChecked(input_shape=(FEATURES,)), K.Dense(CLASSES)], debug=True)
     result = batch_independence.probe(checked, *spec)
-    assert [s.split(":")[0] for s in result.skipped] == ["current/large"]
+    assert [s.split(":")[0] for s in result.skipped] == ["current/large", "perturbed/bytes"]
     assert "InvalidArgumentError" in result.skipped[0]
 
 
