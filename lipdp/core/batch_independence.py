@@ -1168,7 +1168,7 @@ class _Probe:
                 self.check_removed_sets(x, labels, forward)
             if large:
                 self.check_prefix(x, labels, forward)
-                self.check_large(x, labels, forward, remove_last=first)
+                self.check_large(x, labels, forward, first=first)
             if first:
                 self.check_traced(x, labels)
             return len(replay.keras) + len(replay.tensorflow)
@@ -1374,21 +1374,20 @@ class _Probe:
         trace so (a layer needing a static number of rows)."""
         if self.positional:
             return
-        sizes = sorted(self.size_passes)
-        try:
-            traced = _traced_forward(self.model, _take(x, [0]), _take(labels, [0]))
-            results = {}
-            for rows in sizes:
-                kept = list(range(rows))
-                self.replay.reset()
-                self.passes += 1
-                arguments = [_take(x, kept)] + ([] if labels is None else [_take(labels, kept)])
-                stages, losses = traced(*arguments)
-                results[rows] = _Outputs(stages, losses, self.replay.variable_values())
-        except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            self.traced_skipped = f"traced: {type(error).__name__}: {first_line}"[:200]
-            logger.info("batch-independence probe: traced passes skipped: %s", error)
+        sizes = sorted({self.full, self.batch})
+        results, failure = None, None
+        # Without autograph first (a tenth of the time to trace); with it if the code
+        # needs it (Python control flow on tensors), as training steps trace.
+        for autograph in (False, True):
+            try:
+                results = self.traced_passes(x, labels, sizes, autograph)
+                break
+            except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as error:
+                failure = error
+        if results is None:
+            first_line = (str(failure).strip().splitlines() or [""])[0]
+            self.traced_skipped = f"traced: {type(failure).__name__}: {first_line}"[:200]
+            logger.info("batch-independence probe: traced passes skipped: %s", failure)
             return
         model = self.model
         for rows in sizes:
@@ -1414,16 +1413,32 @@ class _Probe:
                 "Make its training call compute the same traced and eager",
             )
 
-    def check_large(self, x, labels, full, remove_last=False) -> None:
-        """The batches of the model's size (``batch``) and larger (``large``), no
-        gradient: their first rows, and the variables after them, must be as in the
-        smaller batch (``full``, then ``batch``). A coupling switched on from some number
-        of rows below ``large`` changes the first rows' outputs across two of these
-        sizes; one on at every size is found in the full batch. With ``remove_last``, the
-        model-size batch minus its last row too (the remove-one relation at ``b``)."""
+    def traced_passes(self, x, labels, sizes, autograph) -> dict:
+        """``{rows: _Outputs}``: the first ``rows`` rows run by one traced function."""
+        traced = _traced_forward(self.model, _take(x, [0]), _take(labels, [0]), autograph)
+        results = {}
+        for rows in sizes:
+            kept = list(range(rows))
+            self.replay.reset()
+            self.passes += 1
+            arguments = [_take(x, kept)] + ([] if labels is None else [_take(labels, kept)])
+            stages, losses = traced(*arguments)
+            results[rows] = _Outputs(stages, losses, self.replay.variable_values())
+        return results
+
+    def check_large(self, x, labels, full, first=False) -> None:
+        """The batches of the model's size (``batch``; first scenario) and larger
+        (``large``), no gradient: their first rows, and the variables after them, must be
+        as in the next smaller batch (``full``, ``batch``). A coupling switched on from
+        some number of rows below ``large`` changes the first rows' outputs across two of
+        these sizes; one on at every size is found in the full batch. In the first
+        scenario, the model-size batch minus its last row too (the remove-one relation at
+        ``b``, and the batch size of a fixed-size pipeline)."""
         smaller, before = self.full, full
         self.size_passes = {self.full: full}
-        for rows in sorted({self.batch, self.large} - {self.full}):
+        sizes = {self.batch, self.large} if first else {self.large}
+        remove_last = first
+        for rows in sorted(sizes - {self.full}):
             where = self.where(rows)
             everything = self.rows_pass(x, labels, list(range(rows)))
             self.size_passes[rows] = everything
@@ -1462,7 +1477,7 @@ class _Outputs:
         return self.losses
 
 
-def _traced_forward(model, x, labels):
+def _traced_forward(model, x, labels, autograph):
     """``tf.function`` of one training pass returning every top-level stage's float
     outputs and the per-row losses, traced once for any number of rows."""
 
@@ -1482,7 +1497,7 @@ def _traced_forward(model, x, labels):
     signature = [tf.nest.map_structure(unknown_rows, x)]
     if labels is not None:
         signature.append(tf.nest.map_structure(unknown_rows, labels))
-    return tf.function(run, input_signature=signature)
+    return tf.function(run, input_signature=signature, autograph=autograph)
 
 
 def probe(model, x_spec, y_spec, seed=PROBE_SEED, batch_size=None) -> ProbeResult:
