@@ -97,7 +97,9 @@ def main():
                 if args.baseline:
                     command += ["--baseline", args.baseline]
                 out = subprocess.run(command, capture_output=True, text=True, check=True)
-                results.setdefault((method, version), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+                results.setdefault((method, version), []).append(
+                    json.loads(out.stdout.strip().splitlines()[-1])
+                )
     import numpy as np
 
     print(
