@@ -1178,7 +1178,7 @@ class _Probe:
             )
             if first:
                 self.first = (forward, checked_labels)
-            if first:  # randomness it cannot replay: found at once, or not at all
+                # Randomness it cannot replay shows at once, or not at all.
                 self.check_replayed(_take(x, head), forward)
             if self.positional:
                 self.check_replaced(_take(x, head), forward, rng)
