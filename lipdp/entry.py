@@ -77,8 +77,11 @@ def make_private(
     Args:
         model_or_layers: a list of Keras layers (the first with an ``input_shape``, or an
             ``InputLayer``), a ``keras.Sequential`` (its layers are used, which then
-            train in place), or any other Keras model (nested as one layer: the clipped
-            family only).
+            train in place), or any other Keras model, nested as one layer (the clipped
+            family only): functional, of several inputs (TensorFlow backend: feed one
+            array per input, a dict or a tuple, to :func:`private_batches`), subclassed
+            (built: called once on a batch, or ``build``). A model already private is
+            refused: it is trained as it is.
         epsilon, delta: the target; ``epsilon`` of the whole training.
         epochs: the number of epochs the budget is planned for.
         batch_size: the (expected, under Poisson sampling) batch size ``b``.
@@ -111,12 +114,15 @@ def make_private(
         return _calibrated(model, epsilon, delta, epochs, accountant, "clipped")
     from lipdp.clipless.model import DP_Sequential
     from lipdp.clipped.model import DPSGD_Sequential
+    from lipdp.core.private_model import PrivateModel
 
+    _refuse_private(model_or_layers, PrivateModel)
     layers = _layers_of(model_or_layers)
     method = _family(method, layers)
+    input_shape = _input_shape(layers)
     metadata = DatasetMetadata(
-        input_shape=_input_shape(layers),
-        nb_classes=_output_units(layers),
+        input_shape=input_shape,
+        nb_classes=_output_units(layers, input_shape),
         nb_samples_train=validation.count("dataset_size", dataset_size, minimum=1),
         batch_size=validation.count("batch_size", batch_size, minimum=1),
         sampling=sampling,
@@ -141,6 +147,8 @@ def make_private(
             dataset_metadata=metadata,
             **model_options,
         )
+        if _several(input_shape) and not model.built:  # no InputLayer declares them
+            model.build([(None, *shape) for shape in input_shape])
     return _calibrated(model, epsilon, delta, epochs, accountant, method)
 
 
@@ -159,16 +167,22 @@ def _calibrated(model, epsilon, delta, epochs, accountant, method):
 
 
 def private_batches(model, x, y, seed=None):
-    """One epoch of Poisson batches of ``(x, y)`` at the model's rate ``q = b / N`` and
+    """One epoch of Poisson batches of ``(x, y)`` (``x``: for a model of several inputs,
+    one array per input, a dict or a list or tuple) at the model's rate ``q = b / N`` and
     steps per epoch (:func:`lipdp.pipeline.poisson_batches`, a ``tf.data.Dataset``; on the
     JAX backend padded numpy batches with a row mask,
     :class:`~lipdp.clipped.jax.batches.PoissonBatches`); pass it to ``fit`` with
     ``epochs=E`` (fresh draws every epoch). ``seed=None``: drawn from the operating
     system, as amplification by subsampling assumes (rule S8)."""
     metadata = model.dataset_metadata
-    if len(x) != metadata.nb_samples_train:
+    if _several(metadata.input_shape):  # one array per input: a dict, list or tuple
+        x = dict(x) if isinstance(x, dict) else tuple(x)
+        records = len(compat.tf_nest_flatten(x)[0])
+    else:
+        records = len(x)
+    if records != metadata.nb_samples_train:
         raise ValueError(
-            f"x has {len(x)} records but the model was made private for dataset_size="
+            f"x has {records} records but the model was made private for dataset_size="
             f"{metadata.nb_samples_train}: the sampling rate, and epsilon, come from it."
         )
     rate, steps = metadata.sampling_rate, metadata.nb_steps_per_epochs
@@ -204,10 +218,17 @@ def _jax_model(
         raise ValueError("input_bound is for method='clipless'; clipping bounds the rest.")
     from lipdp.clipped.jax.model import DPSGD_JaxModel
 
+    _refuse_private(model_or_layers, DPSGD_JaxModel)
     network = _network(model_or_layers)
+    input_shape = _model_input_shape(network)
+    if _several(input_shape):
+        raise ValueError(
+            f"Model {network.name!r} has several inputs: the JAX backend trains models of "
+            "one input; set KERAS_BACKEND=tensorflow, or concatenate the inputs."
+        )
     metadata = DatasetMetadata(
-        input_shape=tuple(network.input_shape[1:]),
-        nb_classes=_classes(network.output_shape),
+        input_shape=input_shape,
+        nb_classes=_classes(_output_shape(network, (None, *input_shape))),
         nb_samples_train=validation.count("dataset_size", dataset_size, minimum=1),
         batch_size=validation.count("batch_size", batch_size, minimum=1),
         sampling=sampling,
@@ -234,8 +255,9 @@ def _network(model_or_layers):
         )
     if not network.built:
         raise ValueError(
-            "The model has no input shape: start it with keras.Input(shape=...) (or give "
-            "the first layer an InputLayer)."
+            f"Model {network.name!r} has no input shape: start it with "
+            "keras.Input(shape=...) (or give the first layer an InputLayer), or call it once "
+            "on a batch of inputs."
         )
     return network
 
@@ -248,6 +270,45 @@ def _classes(output_shape) -> int:
 
 
 # ------------------------------------------------------------------------------ helpers
+def _refuse_private(model_or_layers, private_class) -> None:
+    """Refuse a model that is already private (``private_class``: lipdp's private models
+    on this backend): it has its noise multiplier and its privacy ledger; wrapping it in
+    another private model would train it by a step that is not its own."""
+    if isinstance(model_or_layers, private_class):
+        raise ValueError(
+            f"Model {model_or_layers.name!r} is already private "
+            f"({type(model_or_layers).__name__}): compile and fit it as it is, or call "
+            "make_private on the layers or the model it was made from."
+        )
+
+
+def _model_input_shape(model):
+    """One example's input shape of a Keras model (no batch axis); for a model of several
+    inputs, a tuple of them (the order of ``model.inputs``, or of the list a subclassed
+    model was built for). A functional model declares it; a subclassed model knows it
+    once built (by a call, or ``build``)."""
+    if compat.is_graph_model(model):
+        shapes = [tuple(t.shape)[1:] for t in model.inputs]
+    else:
+        shape = compat.build_input_shape(model)
+        if shape is None:
+            raise ValueError(
+                f"Model {model.name!r} has no input shape (a subclassed model learns it when "
+                "built): call it once on a batch of inputs, or model.build((None, ...)), "
+                "before make_private."
+            )
+        # One shape starts with its batch axis (a number or None), a list of them with a
+        # shape (a tuple; Keras 2: a TensorShape).
+        several = not isinstance(tuple(shape)[0], (int, type(None)))
+        shapes = [tuple(s)[1:] for s in shape] if several else [tuple(shape)[1:]]
+    return shapes[0] if len(shapes) == 1 else tuple(shapes)
+
+
+def _several(input_shape) -> bool:
+    """Is ``input_shape`` (of one example) that of several inputs, a tuple of shapes?"""
+    return bool(input_shape) and all(isinstance(s, tuple) for s in input_shape)
+
+
 def _layers_of(model_or_layers) -> list:
     if isinstance(model_or_layers, keras.Sequential):
         layers = list(model_or_layers.layers)
@@ -256,7 +317,10 @@ def _layers_of(model_or_layers) -> list:
             layers.insert(0, compat.input_layer(model_or_layers.input_shape[1:]))
         return layers
     if isinstance(model_or_layers, keras.Model):
-        return [compat.input_layer(model_or_layers.input_shape[1:]), model_or_layers]
+        shape = _model_input_shape(model_or_layers)
+        if _several(shape):
+            return [model_or_layers]  # reads the inputs itself: the model's first layer
+        return [compat.input_layer(shape), model_or_layers]
     if isinstance(model_or_layers, (list, tuple)) and model_or_layers:
         return [compat.as_layer(item) for item in model_or_layers]
     raise TypeError(
@@ -282,7 +346,13 @@ def _family(method, layers) -> str:
 
 
 def _input_shape(layers) -> tuple:
+    """One example's input shape (a tuple of shapes when the first layer is a model of
+    several inputs)."""
     first = layers[0]
+    if isinstance(first, keras.Model) and not isinstance(first, keras.Sequential):
+        shape = _model_input_shape(first)
+        if _several(shape):
+            return shape
     shape = compat.declared_batch_shape(first)
     if shape is None:
         raise ValueError(
@@ -296,18 +366,35 @@ def _is_input_layer(layer) -> bool:
     return isinstance(layer, keras.layers.InputLayer)
 
 
-def _output_units(layers) -> int:
-    """The last dimension of the output (the classes), layer by layer."""
-    import tensorflow as tf
-
-    shape = tf.TensorShape((None, *_input_shape(layers)))
+def _output_units(layers, input_shape) -> int:
+    """The last dimension of the output (the classes), layer by layer from one example's
+    ``input_shape``."""
+    if _several(input_shape):
+        shape = [(None, *s) for s in input_shape]
+    else:
+        shape = (None, *input_shape)
     for layer in layers:
         if not _is_input_layer(layer):
-            shape = tf.TensorShape(layer.compute_output_shape(shape))
+            shape = _output_shape(layer, shape)
     units = shape[-1]
     if units is None:
         raise ValueError("The model's output has no static last dimension (its classes).")
     return int(units)
+
+
+def _output_shape(layer, shape) -> tuple:
+    """``layer``'s output shape (batch axis included) for inputs of ``shape``: a graph
+    model's own (Keras 2 cannot recompute every layer's from one input:
+    ``MultiHeadAttention`` needs its two); on Keras 3 a subclassed model's from a symbolic
+    call (Keras 3 gives models no ``compute_output_shape``); else the layer's."""
+    if compat.is_graph_model(layer):
+        return tuple(layer.outputs[0].shape)
+    if compat.keras_3() and isinstance(layer, keras.Model):
+        inputs = keras.tree.map_shape_structure(lambda s: keras.KerasTensor(tuple(s)), shape)
+        return tuple(compat.symbolic_call(layer, inputs).shape)
+    import tensorflow as tf
+
+    return tuple(tf.TensorShape(layer.compute_output_shape(tf.TensorShape(shape))))
 
 
 def _bounded(layers, input_bound, input_shape) -> list:

@@ -36,7 +36,16 @@ def metadata(batch_size, sampling="shuffle"):
     )
 
 
-def build(family, sigma, batch_size, sampling="shuffle", optimizer=None, jit_compile=False, **kw):
+def build(
+    family,
+    sigma,
+    batch_size,
+    sampling="shuffle",
+    optimizer=None,
+    jit_compile=False,
+    steps_per_execution=1,
+    **kw,
+):
     """A small bias-free model of ``family``, compiled; ``sigma = 0``: non-private; ``kw``:
     options of the model (``adversarial``; DP-SGD's ``ascent``, ``gradient_method``). Its
     initial weights depend only on the Keras seed (set it before calling)."""
@@ -60,6 +69,7 @@ def build(family, sigma, batch_size, sampling="shuffle", optimizer=None, jit_com
             loss=losses.DP_TauCategoricalCrossentropy(4.0),
             optimizer=optimizer,
             jit_compile=jit_compile,
+            steps_per_execution=steps_per_execution,
         )
         return model
     model = DPSGD_Sequential(
@@ -76,6 +86,7 @@ def build(family, sigma, batch_size, sampling="shuffle", optimizer=None, jit_com
         loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True),
         optimizer=optimizer,
         jit_compile=jit_compile,
+        steps_per_execution=steps_per_execution,
     )
     return model
 

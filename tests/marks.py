@@ -185,7 +185,6 @@ THOROUGH_TESTS = {
     # the plan, non-private steps; the 34-s chain of freezes, reloads and rebuilds is thorough.
     "tests/core/test_privacy_ledger.py::test_a_step_records_the_mechanism_it_was_traced_with[clipless]",
     "tests/core/test_privacy_ledger.py::test_epsilon_never_decreases_through_changes_reloads_and_rebuilds",
-    "tests/core/test_privacy_ledger.py::test_layers_trained_under_two_ledgers_are_refused",
     # test_privacy_state.py: by default, the .keras round trip.
     "tests/core/test_privacy_state.py::test_weights_checkpoint_and_a_fresh_optimizer_keep_the_count",
     # test_weight_penalties.py: by default, the refusals of data-dependent losses.

@@ -127,15 +127,15 @@ def remove_one_ratios(model, x, y, rows=None) -> np.ndarray:
     the difference of released gradients over its sensitivity (module docstring)."""
     if not model.poisson_sampling:
         raise ValueError("remove-one needs a model with DatasetMetadata(sampling='poisson')")
-    x, y = np.asarray(x), np.asarray(y)
-    rows = range(len(x)) if rows is None else rows
+    x, y = tf.nest.map_structure(np.asarray, x), np.asarray(y)  # x: one array per input
+    rows = range(len(y)) if rows is None else rows
     groups = mechanism_groups(model)
     ratios = []
     with _recorded_steps(model) as step:
         full = step(x, y)
         for i in rows:
-            keep = np.arange(len(x)) != i
-            without = step(x[keep], y[keep])
+            keep = np.arange(len(y)) != i
+            without = step(tf.nest.map_structure(lambda a, keep=keep: a[keep], x), y[keep])
             ratios.append(
                 [
                     np.sqrt(sum(np.sum((full[j] - without[j]) ** 2) for j in indices)) / delta

@@ -19,7 +19,11 @@ from lipdp.clipless import layers as DL
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential
 from lipdp.clipped.model import DPSGD_Sequential
+from lipdp.clipped.per_example import per_example_gradients
+from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
+from tests.marks import representatives
+from tests.remove_one import TOLERANCE, released_gradient, remove_one_ratios
 
 L = tf.keras.layers
 D, K, N, B, EPOCHS, DELTA, TARGET = 6, 3, 64, 16, 2, 1e-5, 3.0
@@ -152,3 +156,105 @@ def test_batches_of_another_data_set_size_are_refused(rng):
     x, y = _data(rng)
     with pytest.raises(ValueError, match="made private for dataset_size=64"):
         lipdp.private_batches(model, x[:32], y[:32])
+
+
+class _Subclassed(tf.keras.Model):
+    """A model written by subclassing: it declares no input and learns its shape when built."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = L.Dense(5, activation="tanh")
+        self.head = L.Dense(K)
+
+    def call(self, inputs):
+        return self.head(self.hidden(inputs))
+
+
+def _subclassed():
+    model = _Subclassed(name="subclassed")
+    model(np.zeros((1, D), "float32"))  # built by a first call, as a user's is
+    return model
+
+
+def _several_inputs():
+    values, extra = tf.keras.Input((D - 2,), name="values"), tf.keras.Input((2,), name="extra")
+    hidden = L.Dense(5, activation="tanh")(values)
+    outputs = L.Dense(K)(L.Concatenate()([hidden, extra]))
+    return tf.keras.Model([values, extra], outputs, name="several_inputs")
+
+
+#: name -> (the user's model, its inputs from the (N, D) records).
+USER_MODELS = {
+    "subclassed": (_subclassed, lambda x: x),
+    "several-inputs": (_several_inputs, lambda x: (x[:, : D - 2], x[:, D - 2 :])),
+}
+
+
+def _naive_sq_norms(model, x, y):
+    """One tape per row: ``[rows, weighted layers]`` squared norms (float64)."""
+    loss_fn = tf.keras.losses.CategoricalCrossentropy(from_logits=True)
+    result = []
+    for i in range(len(y)):
+        row = tf.nest.map_structure(lambda a, i=i: a[i : i + 1], x)
+        with tf.GradientTape(persistent=True) as tape:
+            loss = loss_fn(y[i : i + 1], model(row, training=True))
+        norms = []
+        for layer in model.weighted_layers():
+            grads = tape.gradient(loss, layer.trainable_variables)
+            norms.append(sum(np.sum(g.numpy().astype("float64") ** 2) for g in grads))
+        result.append(norms)
+    return np.array(result)
+
+
+@pytest.mark.parametrize("kind", representatives(USER_MODELS, default={"several-inputs"}))
+def test_a_subclassed_model_or_one_of_several_inputs_trains_exactly(kind, rng):
+    """Nested as one layer (the fallback): per-example norms equal one tape per row; a
+    real step moves by the clip norm when a row is removed (every row clipped); Poisson
+    batches of its inputs train the planned steps."""
+    build, inputs_of = USER_MODELS[kind]
+    model = _make(build(), clip_norm=1e-3)
+    model.compile(optimizer="sgd", loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True))
+    metadata = model.dataset_metadata
+    assert DatasetMetadata.from_config(metadata.to_config()) == metadata  # saved as it is
+    records, y = _data(rng)
+    x = inputs_of(records)
+    batch_x, batch_y = tf.nest.map_structure(lambda a: a[:B], x), y[:B]
+    facts = per_example_gradients(
+        model,
+        tf.nest.map_structure(tf.constant, batch_x),
+        lambda y_pred: model.per_example_losses(batch_y, y_pred),
+    )
+    ours = np.stack([sq.numpy() for sq in facts.sq_norms], axis=1)
+    np.testing.assert_allclose(ours, _naive_sq_norms(model, batch_x, batch_y), rtol=1e-4)
+    ratios = remove_one_ratios(model, batch_x, batch_y, rows=[0, 5])
+    assert 0.99 < ratios.min() and ratios.max() <= 1 + TOLERANCE
+    model.fit(lipdp.private_batches(model, x, y), epochs=1, verbose=0)
+    assert int(model.noisy_steps.numpy()) == N // B
+
+
+def test_a_non_finite_value_in_a_second_input_is_counted_and_contributes_nothing(rng):
+    """Rule S9 reads every input: the row is counted and left out of the release."""
+    model = _make(_several_inputs(), clip_norm=1e-3)
+    model.compile(optimizer="sgd", loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True))
+    records, y = _data(rng)
+    values, extra = (a[:B].copy() for a in USER_MODELS["several-inputs"][1](records))
+    extra[2, 0] = np.nan
+    logs = model.train_on_batch((values, extra), y[:B], return_dict=True)
+    assert logs["non_finite_examples"] == 1 and np.isfinite(logs["loss"])
+    keep = np.arange(B) != 2
+    released = released_gradient(model, (values, extra), y[:B])
+    without = released_gradient(model, (values[keep], extra[keep]), y[:B][keep])
+    for ours, expected in zip(released, without):
+        np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_private_model_or_a_model_without_an_input_shape_is_refused_with_one_line():
+    clipped = _make(_clipped_layers())
+    clipless = _make(_clipless_layers(), input_bound=2.0)
+    for private in (clipped, clipless):
+        with pytest.raises(ValueError, match="is already private .*compile and fit it") as error:
+            _make(private)
+        assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="has no input shape .*call it once on a batch") as error:
+        _make(_Subclassed(name="never_called"))
+    assert "\n" not in str(error.value)

@@ -49,6 +49,7 @@ mechanism the accountant analyses.
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from lipdp.core import compat
@@ -195,6 +196,160 @@ def reducible_logs(logs: dict) -> dict:
     }
 
 
+# ------------------------------------------------ one record on one replica, every path
+def parts_between_replicas(function, strategy):
+    """Keras 3's compiled train function made to hand each replica its own rows.
+
+    Why: Keras 3 (3.15) gives ``strategy.run`` whatever its iterator yields. ``fit``
+    iterates a distributed dataset (each replica receives its part of the global batch),
+    but ``train_on_batch`` iterates a Python generator of the whole batch, and so does a
+    custom loop that calls ``model.train_function`` on arrays or on a plain ``tf.data``
+    iterator: every replica then receives *every* row, and the sum over replicas counts
+    each record ``R`` times (remove-one ratio 2.0 with two replicas) while the noise is
+    that of one step. Here every element that is not already distributed is split into
+    ``R`` parts of nearly equal rows (:func:`split_between_replicas`), the split ``fit``
+    makes; a distributed iterator (``fit``'s) is passed on. Several workers each hold
+    their own arrays, which may hold the same record: refused there (use ``fit`` with
+    :func:`lipdp.data.sampling.distributed_poisson_batches`). Keras 2's ``train_on_batch``
+    distributes its batch itself: ``function`` is returned unchanged, as with one replica.
+    """
+    if not compat.keras_3() or strategy.num_replicas_in_sync == 1:
+        return function
+    if getattr(function, "lipdp_splits_batches", False):
+        return function
+
+    def train_function(iterator):
+        if isinstance(iterator, tf.distribute.DistributedIterator):
+            return function(iterator)
+        if worker_count(strategy) > 1:
+            raise ValueError(
+                "train_on_batch (or a train function called on undistributed data) on several "
+                "workers: each worker's batch may hold the records of another's. Train with "
+                "fit(lipdp.pipeline.distributed_poisson_batches(strategy, x, y, ...))."
+            )
+        return function(split_between_replicas(strategy, data) for data in iterator)
+
+    train_function.lipdp_splits_batches = True
+    return train_function
+
+
+def check_steps_per_execution(strategy, steps_per_execution) -> None:
+    """Keras 3 (3.15) cannot run ``steps_per_execution > 1`` under a strategy of several
+    replicas (its loop over steps fails with "You must feed a value for placeholder
+    tensor", plain Keras models too): refused before anything runs, with the fix."""
+    if compat.keras_3() and strategy.num_replicas_in_sync > 1 and (steps_per_execution or 1) > 1:
+        raise ValueError(
+            f"compile(steps_per_execution={steps_per_execution}) does not run under a "
+            f"distribution strategy of {strategy.num_replicas_in_sync} replicas on Keras 3 "
+            "(Keras' loop over steps fails there, plain models too): compile with "
+            "steps_per_execution=1."
+        )
+
+
+def split_between_replicas(strategy, data):
+    """``data`` (a batch: ``(x, y)``, ``(x, y, sample_weight)`` or ``x``, arrays or tensors
+    whose first axis is the rows) as distributed values: replica ``r`` receives rows
+    ``[start_r, end_r)`` of ``R`` nearly equal consecutive parts (sizes differ by one at
+    most; a part may be empty). Already distributed values are returned as they are."""
+    if isinstance(data, tf.distribute.DistributedValues):
+        return data
+    if isinstance(data, tuple):  # Keras' (x, y, None): a trailing None is no value
+        while len(data) > 1 and data[-1] is None:
+            data = data[:-1]
+    leaves = [leaf for leaf in tf.nest.flatten(data) if leaf is not None]
+    if any(isinstance(leaf, tf.distribute.DistributedValues) for leaf in leaves):
+        return data
+    rows = int(leaves[0].shape[0]) if leaves else 0
+    sizes = [len(part) for part in np.array_split(np.arange(rows), strategy.num_replicas_in_sync)]
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+
+    def part(context):
+        replica = context.replica_id_in_sync_group
+        start, end = int(bounds[replica]), int(bounds[replica + 1])
+        return tf.nest.map_structure(
+            lambda leaf: None if leaf is None else tf.convert_to_tensor(leaf[start:end]), data
+        )
+
+    return strategy.experimental_distribute_values_from_function(part)
+
+
+def duplicate_part_weight(batch):
+    """``0.`` on a replica whose part of the step holds exactly the rows of a replica of
+    lower id, ``1.`` elsewhere (``None`` without several replicas): what multiplies the
+    replica's local gradient before the sum.
+
+    Why: the last line of defence of "each record counts once" (rule S12) for a path that
+    hands every replica the same batch -- a custom loop calling ``strategy.run(
+    model.train_step, args=(batch,))`` on an undistributed batch, as Keras 3's own
+    ``train_on_batch`` does (:func:`parts_between_replicas` fixes the paths lipdp owns).
+    Each replica reduces its part (inputs and labels, non-finite values read as 0) to four
+    numbers: its rows and three sums of a fixed projection of each row (plain, squared,
+    weighted by position). Equal parts give equal numbers on every device; the numbers of
+    the ``R`` replicas are shared by one all-reduce of ``R x 4`` floats. A replica whose
+    numbers equal those of a lower replica drops its contribution, so a batch given whole
+    to every replica releases exactly the single-device sum. Two different parts with
+    equal numbers (not a coincidence that occurs outside a constructed example) would
+    drop one part's rows: fewer rows released, never a record counted twice. Works under
+    XLA (no assertion: arithmetic only)."""
+    context = replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    replicas = context.num_replicas_in_sync
+    prints = _row_prints(batch)
+    if prints is None:
+        return None
+    positions = tf.cast(tf.range(tf.shape(prints)[0]) + 1, tf.float64)
+    mine = tf.stack(
+        [
+            tf.cast(tf.shape(prints)[0], tf.float64),
+            tf.reduce_sum(prints),
+            tf.reduce_sum(tf.square(prints)),
+            tf.reduce_sum(prints * positions),
+        ]
+    )
+    replica = context.replica_id_in_sync_group
+    slot = tf.one_hot(replica, replicas, dtype=tf.float64)
+    table = context.all_reduce(tf.distribute.ReduceOp.SUM, slot[:, None] * mine[None])
+    same = tf.reduce_all(tf.equal(table, mine[None]), axis=1)
+    lower = tf.range(replicas) < tf.cast(replica, tf.int32)
+    return tf.where(tf.reduce_any(same & lower), 0.0, 1.0)
+
+
+def _row_prints(batch):
+    """``(rows,)`` float64: each row's dense inputs and labels projected on a fixed
+    pattern (non-finite values as 0), or ``None`` when no leaf is a dense tensor."""
+    prints = None
+    for leaf in tf.nest.flatten(batch):
+        if not isinstance(leaf, tf.Tensor) or leaf.shape.rank is None or leaf.shape.rank == 0:
+            continue
+        if not (leaf.dtype.is_floating or leaf.dtype.is_integer or leaf.dtype.is_bool):
+            continue
+        values = tf.reshape(tf.cast(leaf, tf.float64), tf.stack([tf.shape(leaf)[0], -1]))
+        values = tf.where(tf.math.is_finite(values), values, tf.zeros_like(values))
+        columns = tf.cast(tf.range(tf.shape(values)[1]) + 1, tf.float64)
+        pattern = 1.5 + tf.sin(0.618034 * columns)
+        projected = tf.linalg.matvec(values, pattern)
+        prints = projected if prints is None else prints + projected
+    return prints
+
+
+def weighted(gradients, weight) -> list:
+    """``gradients`` times the scalar ``weight`` (``None``: unchanged), ``IndexedSlices``
+    kept sparse."""
+    if weight is None:
+        return list(gradients)
+    weight = tf.cast(weight, tf.float32)
+
+    def scale(g):
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(
+                g.values * tf.cast(weight, g.values.dtype), g.indices, g.dense_shape
+            )
+        return g * tf.cast(weight, g.dtype)
+
+    return [scale(g) for g in gradients]
+
+
 _MIRRORED = {}
 
 
@@ -225,6 +380,11 @@ def check_replica_batches(rows_per_batch) -> None:
 
 __all__ = [
     "apply_released",
+    "check_steps_per_execution",
+    "duplicate_part_weight",
+    "parts_between_replicas",
+    "split_between_replicas",
+    "weighted",
     "check_replica_batches",
     "draws_noise",
     "logs_across_replicas",

@@ -29,8 +29,15 @@ no accountant needs.
 row), saved and restored with the weights in every format that carries the step count:
 ``.keras`` files, ``save_weights`` checkpoints, ``BackupAndRestore``. Its state is the
 lineage of the weights it is saved with: ``model.set_weights(other.get_weights())`` or
-``load_weights`` copy the other model's ledger with its weights (copying weights layer
-by layer does not: use the model-level calls).
+``load_weights`` copy the other model's ledger with its weights.
+
+**Lineage: the ledger follows the weights** (rule S10). A private model tags every layer
+holding weights with its ledger when it is built (:func:`tag_layers`; a model loaded from
+a file: the ledger loaded with its weights) and when it trains. A model built later from
+tagged layers starts from their ledger (:func:`inherited_ledger`: shared with one source,
+the composition of several). Weights copied layer by layer as numpy arrays carry no tag;
+in the same process they are recognised by their values (:func:`copied_ledgers`) and the
+new model's ledger is made to hold at least the source's releases.
 
 **Capacity.** ``CAPACITY`` rows; the last three are overflow rows, one per kind. A new
 mechanism when the regular rows are full is merged into its kind's overflow row as a
@@ -50,6 +57,7 @@ costs slightly more in theory (Whitehouse et al., 2023).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -61,7 +69,7 @@ from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian, dynamic_cli
 from lipdp.accounting.plan import GRADIENT_STEPS as STEPS_LABEL
 from lipdp.accounting.tuning_cost import RandomSearch
 from lipdp.core.layer_walk import nested_layers
-from lipdp.core.variables import state_variable
+from lipdp.core.variables import state_variable, variable_key
 
 if TYPE_CHECKING:  # annotations only: TensorFlow is imported on use
     import tensorflow as tf
@@ -171,31 +179,30 @@ def release_row(mechanism) -> np.ndarray:
     return row
 
 
+def minimum_columns(kind) -> tuple[int, ...]:
+    """The columns an overflow row of ``kind`` merges by their minimum (every other column
+    by its maximum, ``KIND`` kept, ``MERGED`` set to 1): the row then dominates every
+    mechanism merged into it. A Gaussian's ``sigma`` (``SCALE`` of steps and Gaussian
+    releases) costs more as it falls, as ``N`` does (``SAMPLES``) and shuffled batches do
+    (``POISSON`` 0); a larger rate, batch, number of Gaussians, Laplace ``epsilon``, search
+    mean or shape costs more, and one reproducible step makes the row reproducible. The one
+    statement of the merge, used by :func:`_dominating` (TensorFlow),
+    :func:`_dominating_numpy` and :mod:`lipdp.clipped.jax.ledger` (JAX)."""
+    smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
+    return (SCALE, SAMPLES, POISSON) if smaller_is_worse else (SAMPLES, POISSON)
+
+
 def _dominating(old, new, kind):
     """A row that dominates ``old`` (an overflow row, maybe empty) and ``new``."""
     import tensorflow as tf
 
-    # A Gaussian's sigma: smaller is worse; Laplace's epsilon, a search's mean: larger.
-    smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
-    # (A search's shape, in RATE: a larger eta costs more for the same mean.)
-    scale = (
-        tf.minimum(old[SCALE], new[SCALE])
-        if smaller_is_worse
-        else tf.maximum(old[SCALE], new[SCALE])
-    )
-    merged = tf.stack(
-        [
-            new[KIND],
-            scale,
-            tf.maximum(old[RATE], new[RATE]),
-            tf.maximum(old[BATCH], new[BATCH]),
-            tf.minimum(old[SAMPLES], new[SAMPLES]),
-            tf.minimum(old[POISSON], new[POISSON]),
-            tf.maximum(old[GAUSSIANS], new[GAUSSIANS]),
-            tf.constant(1.0, tf.float64),
-            tf.maximum(old[REPRODUCIBLE], new[REPRODUCIBLE]),
-        ]
-    )
+    low, high = tf.minimum(old, new), tf.maximum(old, new)
+    by_minimum = np.zeros(WIDTH, bool)
+    by_minimum[list(minimum_columns(kind))] = True
+    merged = tf.where(tf.constant(by_minimum), low, high)
+    is_kind, is_merged = np.arange(WIDTH) == KIND, np.arange(WIDTH) == MERGED
+    merged = tf.where(tf.constant(is_kind), new, merged)
+    merged = tf.where(tf.constant(is_merged), tf.ones_like(new), merged)
     return tf.where(tf.equal(old[KIND], 0.0), new, merged)
 
 
@@ -204,8 +211,9 @@ def placement(table, row) -> tuple[int, np.ndarray]:
     that :meth:`PrivacyLedger.record` adds a run of the mechanism ``row`` to, and what it
     writes there -- ``row`` itself in its own row or the first empty regular row, else,
     the regular rows being full, a row that dominates ``row`` and the overflow row of its
-    kind. The same rule as ``record`` in numpy, for a step that writes a row it knows
-    when it is compiled (the JAX backend, :mod:`lipdp.clipped.jax.ledger`)."""
+    kind. The rule of ``record`` in numpy: the reference that ``record`` (TensorFlow) and
+    the JAX step's in-graph placement (:func:`lipdp.clipped.jax.ledger.recorded`) are
+    tested against, on random, full and overflowing tables."""
     table, row = np.asarray(table, np.float64), np.asarray(row, np.float64)
     kind = int(row[KIND])
     regular = table[: CAPACITY - len(KINDS)]
@@ -223,12 +231,10 @@ def _dominating_numpy(old, new, kind) -> np.ndarray:
     """:func:`_dominating` in numpy."""
     if old[KIND] == 0.0:
         return new
-    smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
-    low, high = np.minimum(old, new), np.maximum(old, new)
-    merged = high.copy()
+    merged = np.maximum(old, new)
+    columns = list(minimum_columns(kind))
+    merged[columns] = np.minimum(old, new)[columns]
     merged[KIND] = new[KIND]
-    merged[SCALE] = low[SCALE] if smaller_is_worse else high[SCALE]
-    merged[[SAMPLES, POISSON]] = low[[SAMPLES, POISSON]]
     merged[MERGED] = 1.0
     return merged
 
@@ -329,6 +335,12 @@ class PrivacyLedger:
                 self.record(row, int(count - now))
                 table, counts = self.table.numpy(), self.counts.numpy()
 
+    def add(self, other: PrivacyLedger) -> None:
+        """Record every run ``other`` holds (the composition of both ledgers' releases)."""
+        for row, count in zip(*other.snapshot()):
+            if count > 0:
+                self.record(row, int(count))
+
     def describe(self) -> list[str]:
         return [entry.describe() for entry in self.entries()]
 
@@ -359,22 +371,25 @@ def _entry(row, count) -> LedgerEntry:
 
 
 # ------------------------------------------------------------ layers and their ledger
-#: The ledger of the last private model that trained each layer (in this process; a
-#: layer saved on its own, ``layer.get_weights()``, does not carry it: save the model).
+#: The ledger of the private model each layer with weights belongs to, in this process
+#: (rule S10: the ledger follows the weights). Set when a private model is built -- from
+#: new layers, or from a file, whose weights the loaded ledger priced -- and when it
+#: trains.
 _TRAINED_BY = weakref.WeakKeyDictionary()
 
 
-def tag_trained_layers(layers, ledger: PrivacyLedger) -> None:
-    """Record that ``ledger``'s model trains the layers of ``layers`` that have trainable
-    variables (at any depth)."""
+def tag_layers(layers, ledger: PrivacyLedger) -> None:
+    """Record that the weights of ``layers`` (every layer holding weights, at any depth,
+    trainable or frozen) are priced by ``ledger``: a model built from them later starts
+    from its releases (:func:`inherited_ledger`)."""
     for _, layer in nested_layers(layers):
-        if layer.trainable_variables:
+        if layer.weights:
             _TRAINED_BY[layer] = ledger
 
 
 def ledgers_of(layers) -> dict:
-    """``{path: ledger}`` of the layers of ``layers`` (at any depth) that a private model
-    has trained in this process."""
+    """``{path: ledger}`` of the layers of ``layers`` (at any depth) that belong to a
+    private model of this process (:func:`tag_layers`)."""
     found = {}
     for path, layer in nested_layers(layers):
         ledger = _TRAINED_BY.get(layer)
@@ -384,20 +399,81 @@ def ledgers_of(layers) -> dict:
 
 
 def inherited_ledger(layers) -> PrivacyLedger | None:
-    """The one ledger of the private model(s) that trained some of ``layers``, or
-    ``None``; layers trained under two different ledgers are refused (their releases
-    would have to be composed: train them in one model, or save and reload)."""
+    """The ledger a private model built from ``layers`` starts from, or ``None`` (no
+    layer belongs to a private model):
+
+    * the layers of one private model: *its* ledger, shared (both models then record
+      into the same variables, so each one's epsilon holds the other's steps on the
+      shared weights);
+    * layers of several: a new ledger holding every row of each (the releases compose:
+      ``epsilon`` of the new model is at least that of the composition of the sources'
+      mechanisms -- more than needed if they trained on disjoint data, never less). The
+      layers then belong to the new ledger: their former models can no longer train them
+      (refused in :meth:`~lipdp.core.private_model.PrivateModel.make_train_function`).
+    """
     distinct = {}
-    for path, ledger in ledgers_of(layers).items():
-        distinct.setdefault(id(ledger.table), (path, ledger))
-    if len(distinct) > 1:
-        paths = ", ".join(repr(path) for path, _ in distinct.values())
-        raise ValueError(
-            f"Layers {paths} were trained privately by different models, each with its own "
-            "privacy ledger: a model built from them would under-report epsilon. Train them "
-            "in one model (or one after the other, building each model from the last)."
-        )
-    return next(iter(distinct.values()))[1] if distinct else None
+    for ledger in ledgers_of(layers).values():
+        distinct.setdefault(id(ledger.table), ledger)
+    if len(distinct) <= 1:
+        return next(iter(distinct.values()), None)
+    merged = PrivacyLedger(*PrivacyLedger.create_variables())
+    for source in distinct.values():
+        merged.add(source)
+    logger.info(
+        "The model's layers were trained by %d private models: its ledger starts from the "
+        "composition of their %d releases.",
+        len(distinct),
+        sum(entry.count for entry in merged.entries()),
+    )
+    return merged
+
+
+def copied_ledgers(layers, own: PrivacyLedger | None = None) -> dict:
+    """``{path: ledger}``: the layers of ``layers`` (at any depth) holding, in a variable of
+    their own, exactly the values of a trainable variable of a *different* layer of this
+    process that belongs to another private model whose ledger has released something --
+    weights copied by hand from a private model (``layer.set_weights(private_layer.
+    get_weights())``), which carry no ledger of their own. Variables whose entries are all
+    equal (zero biases, unit scales) are ignored: they match without being copies. A match
+    that is not a copy (equal trained values by chance: not a coincidence of random
+    weights) would only over-state epsilon."""
+    wanted = {}
+    for path, layer in nested_layers(layers):
+        for variable in _own_weights(layer):
+            value = np.asarray(variable.numpy())
+            if value.size > 1 and not np.all(value == value.flat[0]):
+                wanted.setdefault(_digest(value), []).append((path, variable_key(variable)))
+    if not wanted:
+        return {}
+    shapes = {shape for shape, _ in wanted}
+    found = {}
+    for layer, ledger in list(_TRAINED_BY.items()):
+        if own is not None and ledger.table is own.table or not ledger.entries():
+            continue
+        for variable in _own_weights(layer, trainable=True):
+            if tuple(variable.shape) not in shapes:
+                continue
+            for path, key in wanted.get(_digest(np.asarray(variable.numpy())), ()):
+                if key != variable_key(variable):
+                    found.setdefault(path, ledger)
+    return found
+
+
+def _own_weights(layer, trainable=False) -> list:
+    """The variables ``layer`` holds itself (its sublayers' apart): Keras' ``weights`` of a
+    container include its sublayers'."""
+    inner = {
+        variable_key(v)
+        for sub in layer._flatten_layers(include_self=False)  # noqa: SLF001 - Keras' walk
+        for v in sub.weights
+    }
+    weights = layer.trainable_weights if trainable else layer.weights
+    return [v for v in weights if variable_key(v) not in inner]
+
+
+def _digest(value) -> tuple:
+    """A key of an array's shape, dtype and bytes."""
+    return tuple(value.shape), hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
 
 
 def is_non_private(terms) -> bool:
@@ -408,13 +484,15 @@ def is_non_private(terms) -> bool:
 __all__ = [
     "CAPACITY",
     "LABELS",
+    "copied_ledgers",
     "LedgerEntry",
     "PrivacyLedger",
     "inherited_ledger",
     "is_non_private",
     "ledgers_of",
+    "minimum_columns",
     "placement",
-    "tag_trained_layers",
+    "tag_layers",
     "release_row",
     "search_row",
     "step_row",

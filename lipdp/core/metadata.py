@@ -40,6 +40,14 @@ def _whole(name, value, minimum) -> int:
     return int(value)
 
 
+def _example_shape(shape) -> tuple:
+    """``shape`` as a tuple of ints, or (several inputs) a tuple of such tuples."""
+    shape = tuple(shape)
+    if shape and all(isinstance(s, (tuple, list)) for s in shape):
+        return tuple(tuple(int(d) for d in s) for s in shape)
+    return tuple(int(d) for d in shape)
+
+
 def steps_per_epoch(nb_samples: int, batch_size: int, partial_last_batch: bool = False) -> int:
     """Steps of one epoch: ``N // b`` when the partial last batch is dropped (every DP
     run), ``ceil(N / b)`` when it is kept (``partial_last_batch``, non-private use)."""
@@ -55,7 +63,8 @@ class DatasetMetadata(Config):
     """Public description of a training set.
 
     Attributes:
-        input_shape: shape of one example.
+        input_shape: shape of one example; for a model of several inputs, a tuple of
+            shapes, one per input (in the order of the model's ``inputs``).
         nb_classes: number of classes (outputs of the classifier).
         nb_samples_train: ``N``, size of the private training set.
         nb_samples_test: size of the test set.
@@ -98,7 +107,7 @@ class DatasetMetadata(Config):
     def __post_init__(self):
         if self.sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {self.sampling!r}.")
-        self._set("input_shape", tuple(int(d) for d in self.input_shape))
+        self._set("input_shape", _example_shape(self.input_shape))
         self._set("batch_size", _whole("batch_size", self.batch_size, 1))
         self._set("nb_samples_train", _whole("nb_samples_train", self.nb_samples_train, 1))
         if self.batch_size > self.nb_samples_train:

@@ -138,8 +138,10 @@ class PrivateModel(keras.Model):
         self.noisy_steps = state_variable(0, "int64", "noisy_steps")
         #: What the steps released, mechanism by mechanism (rule S10, :mod:`lipdp.core.ledger`):
         #: model variables too, saved wherever the step count is.
-        #: Layers another private model trained in this process bring its ledger: the
-        #: two models then share it (the lineage of those weights).
+        #: Layers of another private model of this process (trained here, or loaded from
+        #: a file) bring its ledger: the two models then share it; layers of several
+        #: bring the composition of theirs (the lineage of those weights,
+        #: :func:`lipdp.core.ledger.inherited_ledger`).
         inherited = ledger.inherited_ledger(self.dp_layers)
         if inherited is None:
             table, counts = PrivacyLedger.create_variables()
@@ -155,6 +157,10 @@ class PrivateModel(keras.Model):
         input_shape = compat.declared_batch_shape(self.dp_layers[0])
         if input_shape is not None:
             self.build(input_shape)
+        # From now on the layers' weights are priced by this ledger (a model loaded from a
+        # file: the ledger loaded with them), wherever they are reused (rule S10).
+        self._add_copied_spending()
+        ledger.tag_layers(self.dp_layers, self.privacy_ledger)
 
     # ----------------------------------------------------------------- structure
     def build(self, input_shape):
@@ -506,7 +512,10 @@ class PrivateModel(keras.Model):
         x, y, finite, ids = self._neutralised_batch(x, y)
         step = self._private_gradients(x, y, kept_rows(finite, ids))
         labelled = self.class_labels_in_range(y, step.predictions)
-        released = self.release_step(step.gradients, self.trainable_variables)
+        # A replica holding the very rows of another (a batch given whole to every replica
+        # by a custom loop) adds nothing: each record counts once (rule S12).
+        gradients = distribute.weighted(step.gradients, distribute.duplicate_part_weight((x, y)))
+        released = self.release_step(gradients, self.trainable_variables)
         self._after_release(released)
         # A label out of range would make a sparse loss or metric fail: logged as class 0.
         y_logged = zero_rows(labelled, y)
@@ -537,12 +546,14 @@ class PrivateModel(keras.Model):
 
     def _neutralised_batch(self, x, y):
         """``(x, y, finite, ids)``: rule S9 for a batch. ``finite``: the rows without a NaN
-        or an infinity (input or label); ``ids``: the rows whose token ids are in the range
-        of the layer reading them (``None`` when no input is read as ids,
+        or an infinity (in any input, or the label); ``ids``: the rows whose token ids are
+        in the range of the layer reading them (``None`` when no input is read as ids,
         :meth:`input_ids_in_range`, read on the record as given); the other rows made
         harmless by :meth:`_neutralised_rows`. Rows whose class label is out of range need
         the predictions: their loss is 0 (:meth:`per_example_losses`)."""
-        finite = finite_rows(tf.nest.flatten(x)[0]) & finite_rows(y)
+        finite = finite_rows(y)
+        for inputs in tf.nest.flatten(x):  # every input of a model of several inputs
+            finite &= finite_rows(inputs)
         ids = self.input_ids_in_range(x)
         x, y = self._neutralised_rows(x, y, kept_rows(finite, ids))
         return x, y, finite, ids
@@ -626,11 +637,14 @@ class PrivateModel(keras.Model):
         }
         if others:
             raise ValueError(
-                f"Layer(s) {', '.join(map(repr, others))} were trained privately by another "
-                "model after this one was built, with that model's privacy ledger: build "
-                "this model after that training (it then shares that ledger)."
+                f"Layer(s) {', '.join(map(repr, others))} belong to another private model "
+                "built on them after this one (its ledger holds this model's releases and "
+                "prices those weights): train that model, or build a new one from them."
             )
-        ledger.tag_trained_layers(self.dp_layers, own)
+        if self.train_function is None or force:  # a new step: weights may have been copied
+            self._add_copied_spending()
+        ledger.tag_layers(self.dp_layers, own)
+        distribute.check_steps_per_execution(self.distribute_strategy, self.steps_per_execution)
         configuration = self._step_configuration()
         if configuration != getattr(self, "_traced_configuration", None):
             force = True
@@ -639,7 +653,43 @@ class PrivateModel(keras.Model):
         # every worker in the same order -- not lazily while one replica is traced.
         with self.distribute_strategy.scope():
             noise.noise_generator()
-        return super().make_train_function(force)
+        result = super().make_train_function(force)
+        # Keras 3 hands every replica the whole batch outside fit (train_on_batch, a train
+        # function called on arrays): each replica gets its own rows instead (rule S12).
+        self.train_function = distribute.parts_between_replicas(
+            self.train_function, self.distribute_strategy
+        )
+        return result
+
+    def _add_copied_spending(self) -> None:
+        """Rule S10 for weights copied by hand (``layer.set_weights(private_layer.
+        get_weights())``: numpy arrays, no ledger): when a layer of this model holds the
+        trained weights of another private model of this process
+        (:func:`lipdp.core.ledger.copied_ledgers`), this model's ledger is made to hold at
+        least every release of that model's ledger, row by row
+        (:meth:`~lipdp.core.ledger.PrivacyLedger.keep_at_least`): a fresh model starts
+        from the source's spending; a model loaded from the source's file, which holds it
+        already, adds nothing. Checked when the model is built, at every ``fit`` and when
+        a training step is traced. Limit (``docs/soundness.md``): a model that has itself
+        run the very same mechanism at least as often before receiving the copy is not
+        charged again."""
+        copies = ledger.copied_ledgers(self.dp_layers, self.privacy_ledger)
+        by_source = {}
+        for path, source in copies.items():
+            by_source.setdefault(id(source.table), (source, []))[1].append(path)
+        for source, paths in by_source.values():
+            before = int(self.privacy_ledger.counts.numpy().sum())
+            self.privacy_ledger.keep_at_least(source.snapshot())
+            added = int(self.privacy_ledger.counts.numpy().sum()) - before
+            if added:
+                logger.warning(
+                    "Layer(s) %s hold weights copied from a model trained privately: %d of "
+                    "its releases are added to this model's privacy ledger (rule S10). Copy "
+                    "whole models (set_weights, load_weights, .keras files) to carry the "
+                    "ledger with the weights.",
+                    ", ".join(repr(p) for p in paths),
+                    added,
+                )
 
     def _checked_batch(self, data):
         """``(x, y, batch_rows)`` of a training batch, refusing what changes the
@@ -754,8 +804,9 @@ class PrivateModel(keras.Model):
             # at every fit that its default shuffle=True does not apply to a dataset.
             kwargs.setdefault("shuffle", False)
         # Weights set by hand (load_weights, set_weights) are brought back in the
-        # feasible set before the first bound is trusted.
+        # feasible set before the first bound is trusted, and bring their spending.
         self.project()
+        self._add_copied_spending()
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):

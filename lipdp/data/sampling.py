@@ -36,7 +36,8 @@ def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.
     metadata (keep the dataset returned here; ``map``/``prefetch`` return new datasets
     without them). ``seed=None`` draws the seed from the operating system, not from
     TensorFlow's global seed: amplification by subsampling assumes nobody can
-    reproduce which examples were sampled (rule S8).
+    reproduce which examples were sampled (rule S8). For a model of several inputs ``x``
+    is a dict or a tuple of arrays, one per input, with the same number of examples.
     """
     sampling_rate = probability("sampling_rate", sampling_rate)
     steps = count("steps_per_epoch", steps_per_epoch, minimum=1)
@@ -45,18 +46,32 @@ def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.
 
 
 def _poisson_stream(x, y, sampling_rate, seed=None) -> tf.data.Dataset:
-    """An endless sequence of Poisson batches of ``(x, y)`` (fresh randomness each)."""
-    x = tf.convert_to_tensor(x)
+    """An endless sequence of Poisson batches of ``(x, y)`` (fresh randomness each; ``x``
+    may hold one array per input of a model of several inputs: :func:`_inputs`)."""
+    x = _inputs(x)
     y = tf.convert_to_tensor(y)
-    n = int(x.shape[0])
-    if int(y.shape[0]) != n:
-        raise ValueError(f"x has {n} examples but y has {int(y.shape[0])}.")
+    first, *others = tf.nest.flatten(x)
+    n = int(first.shape[0])
+    for name, t in [*(("another input of x", t) for t in others), ("y", y)]:
+        if int(t.shape[0]) != n:
+            raise ValueError(f"x has {n} examples but {name} has {int(t.shape[0])}.")
 
     def draw(step_seed):
         indices = poisson_indices(n, sampling_rate, step_seed)
-        return tf.gather(x, indices), tf.gather(y, indices)
+        return tf.nest.map_structure(lambda t: tf.gather(t, indices), x), tf.gather(y, indices)
 
     return _step_seeds(seed).map(draw)
+
+
+def _inputs(x):
+    """``x`` as a tensor; for a model of several inputs, a dict or a tuple of arrays (one
+    per input: Keras matches them to the model's inputs) as a dict or tuple of tensors. A
+    list is one array, as ``tf.convert_to_tensor`` reads it."""
+    if isinstance(x, dict):
+        return {key: tf.convert_to_tensor(value) for key, value in x.items()}
+    if isinstance(x, tuple) and x and all(isinstance(v, np.ndarray) or tf.is_tensor(v) for v in x):
+        return tuple(tf.convert_to_tensor(value) for value in x)
+    return tf.convert_to_tensor(x)
 
 
 def distributed_poisson_batches(strategy, x, y, sampling_rate, steps_per_epoch):

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from lipdp.accounting import get_eps_delta
 from lipdp.clipped.model import SharpnessAscent
-from lipdp.core import noise
+from lipdp.core import compat, noise
 from lipdp.core.adversarial import PGD
 from lipdp.core.callbacks import DP_Accountant
 from lipdp.core.distribute import mirrored_strategy
@@ -263,3 +263,106 @@ def test_dynamic_clipping_under_mirrored_updates_every_copy_once(kind):
     assert float(copies[0]) == pytest.approx(history.history["clip_value"][-1])
     assert float(copies[0]) != 1.0  # updated from the initial clip value
     assert model.privacy_plan().releases[1].count(3) == callback.releases >= 1
+
+
+def _step_paths():
+    """Every way into the compiled private step besides fit's distributed dataset, with the
+    sampling it runs under (issue 37: Keras 3's train_on_batch handed each replica the
+    whole batch, so every record counted twice)."""
+    paths = [
+        ("train_on_batch-poisson", "poisson"),
+        ("train_on_batch-fixed", "shuffle"),
+        ("strategy.run-train_step", "poisson"),
+    ]
+    if compat.keras_3():  # Keras 2's train_function takes its own data handler's iterator
+        paths += [("train_function-arrays", "poisson"), ("train_function-tf.data", "poisson")]
+    else:  # Keras 3 refuses steps_per_execution > 1 under a strategy (below)
+        paths.append(("fit-steps_per_execution", "shuffle"))
+    cases = []
+    for family in h.FAMILIES:
+        for path, sampling in paths:
+            default = path.startswith("train_on_batch-poisson") or (
+                family == "dp-sgd" and path == "strategy.run-train_step"
+            )
+            marks = [] if default else [pytest.mark.thorough]
+            cases.append(pytest.param(family, path, sampling, marks=marks, id=f"{family}-{path}"))
+    return cases
+
+
+def _run_path(model, path, x, y, strategy):
+    if path.startswith("train_on_batch"):
+        model.train_on_batch(x, y)
+    elif path == "fit-steps_per_execution":
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    elif path == "strategy.run-train_step":  # a custom loop on an undistributed batch
+
+        @tf.function
+        def step(batch):
+            return strategy.run(model.train_step, args=(batch,))
+
+        model.optimizer.build(model.trainable_variables)
+        step((tf.constant(x), tf.constant(y)))
+    else:
+        model.make_train_function()
+        if path == "train_function-arrays":
+            model.train_function(iter([(x, y)]))
+        else:
+            model.train_function(iter(tf.data.Dataset.from_tensors((x, y))))
+
+
+@pytest.mark.parametrize("family, path, sampling", _step_paths())
+def test_every_path_into_the_step_counts_each_record_once_under_mirrored(family, path, sampling):
+    """No noise, SGD(1), the same initial weights: one step on two replicas moves the
+    weights exactly as one step on one device, whatever the path into the step -- not
+    twice as far (every replica holding every row). Poisson batches of 21 rows split 11/10;
+    fixed batches of 32 rows 16/16."""
+    x, y = h.data()
+    rows = 64 if path == "fit-steps_per_execution" else (21 if sampling == "poisson" else 32)
+    x, y = x[:rows], y[:rows]
+    options = {"steps_per_execution": 2} if path == "fit-steps_per_execution" else {}
+    tf.keras.utils.set_random_seed(3)
+    single = h.build(family, 0.0, 32, sampling, optimizer=tf.keras.optimizers.SGD(1.0), **options)
+    initial = single.get_weights()
+    before = h.flat_weights(single)
+    strategy = mirrored()
+    with strategy.scope():
+        replicated = h.build(
+            family, 0.0, 32, sampling, optimizer=tf.keras.optimizers.SGD(1.0), **options
+        )
+    replicated.set_weights(initial)
+    _run_path(single, path, x, y, tf.distribute.get_strategy())
+    _run_path(replicated, path, x, y, strategy)
+    moved = h.flat_weights(single) - before
+    assert np.abs(moved).max() > 1e-3
+    ratio = np.linalg.norm(h.flat_weights(replicated) - before) / np.linalg.norm(moved)
+    assert ratio == pytest.approx(1.0, abs=1e-5), f"the replicas moved the weights {ratio:.4f}x"
+    np.testing.assert_allclose(h.flat_weights(replicated), h.flat_weights(single), atol=2e-6)
+    assert int(replicated.noisy_steps.numpy()) == int(single.noisy_steps.numpy())
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3])
+def test_train_on_batch_under_mirrored_takes_batches_smaller_than_the_replicas(rows):
+    """Poisson batches may be empty or hold fewer rows than replicas: some parts are empty."""
+    x, y = h.data()
+    tf.keras.utils.set_random_seed(3)
+    single = h.build("dp-sgd", 0.0, 32, "poisson", optimizer=tf.keras.optimizers.SGD(1.0))
+    initial = single.get_weights()
+    strategy = mirrored()
+    with strategy.scope():
+        replicated = h.build("dp-sgd", 0.0, 32, "poisson", optimizer=tf.keras.optimizers.SGD(1.0))
+    replicated.set_weights(initial)
+    single.train_on_batch(x[:rows], y[:rows])
+    replicated.train_on_batch(x[:rows], y[:rows])
+    np.testing.assert_allclose(h.flat_weights(replicated), h.flat_weights(single), atol=2e-6)
+
+
+@pytest.mark.skipif(not compat.keras_3(), reason="Keras 2 runs steps_per_execution > 1 there")
+def test_steps_per_execution_under_a_strategy_is_refused_on_keras_3():
+    """Keras 3.15's loop over several steps fails under MirroredStrategy (plain models too):
+    refused in one line before any step."""
+    x, y = h.data()
+    with mirrored().scope():
+        model = h.build("dp-sgd", 1.0, 32, steps_per_execution=2)
+    with pytest.raises(ValueError, match="steps_per_execution=1"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert int(model.noisy_steps.numpy()) == 0

@@ -16,7 +16,7 @@ import tensorflow as tf
 from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 
-from lipdp.accounting import get_eps_delta
+from lipdp.accounting import get_accountant, get_eps_delta
 from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
@@ -27,6 +27,8 @@ from lipdp.core.ledger import CAPACITY, KINDS, PrivacyLedger, placement, release
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
 from lipdp.pipeline import poisson_batches
+from tests.ledger_cases import expected_after, ledger_cases, same_bits
+from tests.marks import representatives
 
 D, K, N, DELTA = 6, 3, 64, 1e-5
 FAMILIES = ("clipless", "dp-sgd")
@@ -251,6 +253,36 @@ def test_placement_is_the_rule_record_applies():
         np.testing.assert_array_equal(ledger.table.numpy()[index], written)
 
 
+def test_record_placement_and_the_jax_step_place_a_run_alike():
+    """The three implementations of the placement rule -- ``record`` (TensorFlow, float64),
+    ``placement`` (numpy) and the JAX step's ``recorded`` (int32 words, eager here; under
+    ``jit`` in tests/jax/test_ledger_words.py) -- put a run in the same row and write the
+    same bits there, on empty, random (with holes), full and overflowing tables of every
+    kind (tests/ledger_cases.py). TensorFlow's CPU kernels flush denormal float64 values to
+    zero (no ledger holds one: ``q = b / N`` is far above, and a sigma that small is a
+    non-private step), so it is compared on tables without them; numpy and JAX on both."""
+    jnp = pytest.importorskip("jax.numpy")
+    from lipdp.clipped.jax.ledger import Float64Words, recorded
+
+    ledger = PrivacyLedger(*PrivacyLedger.create_variables())
+    normal = [(case, True) for case in ledger_cases(seed=2, denormals=False)]
+    for (name, table, counts, row), with_tf in normal + [(c, False) for c in ledger_cases(3)]:
+        index, written = placement(table, row)
+        want_table, want_counts = expected_after(table, counts, row, index, written)
+        words, runs = recorded(
+            jnp.asarray(Float64Words.words(table)), jnp.asarray(counts, jnp.int32), row
+        )
+        got = np.ascontiguousarray(np.asarray(words)).view(np.float64)
+        assert same_bits(got, want_table), name
+        np.testing.assert_array_equal(np.asarray(runs), want_counts, err_msg=name)
+        if with_tf:
+            ledger.table.assign(table)
+            ledger.counts.assign(counts)
+            ledger.record(row)
+            assert same_bits(ledger.table.numpy(), want_table), name
+            np.testing.assert_array_equal(ledger.counts.numpy(), want_counts, err_msg=name)
+
+
 def test_dynamic_clipping_releases_are_recorded_as_they_happen():
     from lipdp.clipless.dynamic import LaplaceAdaptiveLossGradientClipping
 
@@ -287,39 +319,129 @@ def test_a_model_with_every_layer_frozen_is_refused_with_the_fix():
         model.train_on_batch(x[:8], y[:8])
 
 
-def test_layers_trained_under_two_ledgers_are_refused():
-    """A layer carries the ledger of the model that trained it (in this process): a model
-    built from layers trained by two different models, or built before another model
-    trained its layers, is refused -- either would under-report epsilon."""
-    x, y = _data()
-    first, second = (tf.keras.layers.Dense(8, activation="tanh", input_shape=(D,)) for _ in "ab")
-    for layer in (first, second):
-        model = DPSGD_Sequential(
-            [layer, tf.keras.layers.Dense(K)],
-            dp_parameters=DPParameters("global", 2.0, DELTA),
-            dataset_metadata=_metadata(8),
-        )
-        _compile(model)
-        model.train_on_batch(x[:8], y[:8])
-    with pytest.raises(ValueError, match="trained privately by different models"):
-        DPSGD_Sequential(
-            [first, second, tf.keras.layers.Dense(K)],
-            dp_parameters=DPParameters("global", 2.0, DELTA),
-            dataset_metadata=_metadata(8),
-        )
-    head = tf.keras.layers.Dense(K)
-    early = DPSGD_Sequential(
-        [tf.keras.layers.Dense(8, input_shape=(D,)), head],
-        dp_parameters=DPParameters("global", 2.0, DELTA),
-        dataset_metadata=_metadata(8),
+# --------------------------------------------------- resumes into another configuration
+# The scenarios of tests/jax/test_resume.py, on TensorFlow: a restored ledger (Keras'
+# BackupAndRestore, load_weights, set_weights from a callback between two epochs) is never
+# re-priced by the steps that follow. The reference epsilon is composed from the segments
+# the test ran, written by hand, with lipdp's RDP accountant.
+
+#: The first run: sigma 1, b = 8, N = 32 (4 steps per epoch), interrupted after 2 epochs;
+#: the resumed run changes one of sigma, b or N.
+FIRST = {"sigma": 1.0, "batch_size": 8, "n": 32}
+CHANGES = {
+    "sigma": {"sigma": 2.0, "batch_size": 8, "n": 32},
+    "batch": {"sigma": 1.0, "batch_size": 16, "n": 32},
+    "dataset": {"sigma": 1.0, "batch_size": 8, "n": 64},
+}
+EPOCHS, INTERRUPTED_AFTER = 3, 2
+
+
+class _Interrupt(tf.keras.callbacks.Callback):
+    """Raises at the end of epoch ``after`` (as Keras' own BackupAndRestore tests do)."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.after = after
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.after:
+            raise RuntimeError("interrupted")
+
+
+class _AtEpoch1(tf.keras.callbacks.Callback):
+    """Calls ``action(model)`` at the beginning of the second epoch."""
+
+    def __init__(self, action):
+        super().__init__()
+        self.action = action
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            self.action(self.model)
+
+
+def _configured(sigma, batch_size, n, seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    metadata = DatasetMetadata(
+        input_shape=(D,), nb_classes=K, nb_samples_train=n, batch_size=batch_size,
+        sampling="poisson",
+    )  # fmt: skip
+    model = DPSGD_Sequential(
+        [tf.keras.layers.Dense(8, activation="tanh", input_shape=(D,)), tf.keras.layers.Dense(K)],
+        dp_parameters=DPParameters("global", sigma, DELTA),
+        dataset_metadata=metadata,
     )
-    _compile(early)
-    other = DPSGD_Sequential(
-        [tf.keras.layers.Dense(8, input_shape=(D,)), head],
-        dp_parameters=DPParameters("global", 2.0, DELTA),
-        dataset_metadata=_metadata(8),
-    )
-    _compile(other)
-    other.train_on_batch(x[:8], y[:8])
-    with pytest.raises(ValueError, match="trained privately by another model"):
-        early.train_on_batch(x[:8], y[:8])
+    _compile(model)
+    return model
+
+
+def _run(model, epochs, callbacks=()):
+    meta = model.dataset_metadata
+    rng = np.random.default_rng(meta.nb_samples_train)
+    x = rng.normal(size=(meta.nb_samples_train, D)).astype("float32")
+    y = np.eye(K, dtype="float32")[rng.integers(0, K, meta.nb_samples_train)]
+    batches = poisson_batches(x, y, meta.sampling_rate, meta.nb_steps_per_epochs, seed=1)
+    return model.fit(batches, epochs=epochs, verbose=0, callbacks=list(callbacks))
+
+
+def _segment(config, steps):
+    """``(mechanism, count)`` of ``steps`` steps of a configuration, written by hand."""
+    return SubsampledGaussian(config["sigma"], config["batch_size"] / config["n"]), steps
+
+
+def _composed(terms):
+    return get_accountant("rdp").epsilon(tuple(terms), DELTA)
+
+
+def _ran(model):
+    return [(e.mechanism, e.count) for e in model.privacy_ledger.entries()]
+
+
+@pytest.mark.parametrize("change", representatives(CHANGES, default={"sigma"}))
+def test_backup_and_restore_into_another_configuration_keeps_the_past_prices(tmp_path, change):
+    """Two epochs at sigma 1 (b 8, N 32), interrupted; resumed by BackupAndRestore into a
+    model of another sigma, b or N: the ledger lists both segments with their counts and
+    the logged epsilon is their composition."""
+    backup = str(tmp_path / "backup")
+    first = _configured(**FIRST)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _run(first, EPOCHS, [tf.keras.callbacks.BackupAndRestore(backup), _Interrupt(2)])
+    done = INTERRUPTED_AFTER * 4
+    config = CHANGES[change]
+    resumed = _configured(**config, seed=1)
+    history = _run(resumed, EPOCHS, [tf.keras.callbacks.BackupAndRestore(backup), DP_Accountant()])
+    steps = (EPOCHS - INTERRUPTED_AFTER) * resumed.dataset_metadata.nb_steps_per_epochs
+    expected = [_segment(FIRST, done), _segment(config, steps)]
+    assert _ran(resumed) == expected
+    assert int(resumed.noisy_steps.numpy()) == done + steps
+    assert history.history["epsilon"][-1] == _composed(expected)
+
+
+def test_loading_an_older_checkpoint_between_and_during_fits_keeps_the_past_prices(tmp_path):
+    """A checkpoint of a model trained at sigma 1 is loaded into a model that has trained
+    at sigma 2 since: between two fits, and from a callback between two epochs of a fit.
+    Then weights set from a callback. Every step keeps its own price."""
+    old = _configured(**FIRST)
+    _run(old, 1)
+    checkpoint = str(tmp_path / "old.weights.h5")
+    old.save_weights(checkpoint)
+    at_sigma_1 = _segment(FIRST, 4)
+    config = CHANGES["sigma"]
+
+    model = _configured(**config, seed=1)
+    _run(model, 1)
+    model.load_weights(checkpoint)  # between fits
+    _run(model, 1)
+    assert _ran(model) == [at_sigma_1, _segment(config, 8)]
+
+    other = _configured(**config, seed=2)
+    _run(other, 1)
+    history = _run(other, 2, [_AtEpoch1(lambda m: m.load_weights(checkpoint)), DP_Accountant()])
+    expected = [at_sigma_1, _segment(config, 12)]
+    assert _ran(other) == expected
+    assert history.history["epsilon"][-1] == _composed(expected)
+
+    weights = old.get_weights()
+    third = _configured(**config, seed=3)
+    _run(third, 2, [_AtEpoch1(lambda m: m.set_weights(weights))])
+    assert _ran(third) == [at_sigma_1, _segment(config, 8)]

@@ -97,3 +97,15 @@ def test_mixed_precision_is_refused():
             h.private(h.mlp())
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_private_model_and_a_model_of_several_inputs_are_refused_by_make_private():
+    budget = dict(epsilon=1.0, delta=1e-5, epochs=1, batch_size=8, dataset_size=32)
+    private = lipdp.make_private(h.mlp(), **budget)
+    with pytest.raises(ValueError, match="is already private .*compile and fit it") as error:
+        lipdp.make_private(private, **budget)
+    assert "\n" not in str(error.value)
+    values, extra = keras.Input((h.FEATURES,)), keras.Input((2,))
+    outputs = keras.layers.Dense(h.CLASSES)(keras.layers.Concatenate()([values, extra]))
+    with pytest.raises(ValueError, match="several inputs: the JAX backend trains models of one"):
+        lipdp.make_private(keras.Model([values, extra], outputs), **budget)

@@ -34,6 +34,41 @@ def test_removing_one_record_moves_the_update_by_at_most_r_over_b(reproducible_n
         assert 0.9 * R / B <= moved <= R / B * (1 + ROUNDOFF_SLACK) + 1e-6
 
 
+class _Subclassed(keras.Model):
+    """A model written by subclassing: it learns its input shape when first called."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh", kernel_initializer=h._init(0, 0))
+        self.head = keras.layers.Dense(h.CLASSES, kernel_initializer=h._init(0, 1))
+
+    def call(self, inputs):
+        return self.head(self.hidden(inputs))
+
+
+def test_a_subclassed_model_made_private_moves_by_at_most_r_over_b(reproducible_noise):
+    """``make_private`` on a subclassed model (built by a call): the remove-one check of
+    the test above, on three identical models."""
+
+    def made():
+        network = _Subclassed()
+        network(np.zeros((1, h.FEATURES), np.float32))
+        model = lipdp.make_private(
+            network, epsilon=3.0, delta=1e-5, epochs=1, batch_size=B, dataset_size=64,
+            clip_norm=R,
+        )  # fmt: skip
+        model.compile(
+            optimizer=keras.optimizers.SGD(1.0),
+            loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    reproducible_noise(11)
+    x, y = h.data(12, scale=20.0)
+    for moved in h.remove_one_moves(made(), made(), made(), x, y, row=3):
+        assert 0.9 * R / B <= moved <= R / B * (1 + ROUNDOFF_SLACK) + 1e-6
+
+
 def test_noise_standard_deviation_is_sigma_r_over_b():
     """Zero learning signal (every row masked out): the update is the noise alone, whose
     standard deviation is ``sigma R (1 + slack) / b`` on every coordinate; each step draws
@@ -166,3 +201,21 @@ def test_set_weights_never_rewinds_the_privacy_state():
     model.set_weights(saved)  # the step count and the ledger come back as zeros...
     assert int(model.noisy_steps.numpy()) == 4  # ...and are restored
     assert model.privacy_ledger.entries()[0].count == 4
+
+
+def test_set_weights_and_load_weights_keep_the_model_s_own_noise_key(tmp_path):
+    """Rule S8: weights copied from another model (or loaded mid-fit by a callback) never
+    bring that model's key, which would replay its noise; the file holds no key anyway."""
+    x, y = h.data(32)
+    donor = h.private(h.mlp(seed=1), batch_size=B, n=32)
+    donor.fit(lipdp.private_batches(donor, x, y), epochs=1, verbose=0)
+    model = h.private(h.mlp(), batch_size=B, n=32)
+    model.fit(lipdp.private_batches(model, x, y), epochs=1, verbose=0)
+    own = np.array(model.noise_key.numpy())
+    assert np.any(own != donor.noise_key.numpy())
+    model.set_weights(donor.get_weights())
+    np.testing.assert_array_equal(model.noise_key.numpy(), own)
+    path = str(tmp_path / "donor.weights.h5")
+    donor.save_weights(path)
+    model.load_weights(path)
+    np.testing.assert_array_equal(model.noise_key.numpy(), own)

@@ -130,8 +130,9 @@ class _StepPlan:
     stddev: float  # of the noise on the averaged gradient
     normalizer: float  # b
     rows: int | None  # the rows of a fixed-size batch (None: Poisson, padded)
-    ledger_index: int
-    ledger_words: tuple
+    #: The ledger row of the mechanism the step releases (float64 values); where its run
+    #: is counted is decided in the step, from the table it gets (ledger.recorded).
+    ledger_row: tuple
 
 
 class DPSGD_JaxModel(keras.Model):
@@ -279,8 +280,11 @@ class DPSGD_JaxModel(keras.Model):
 
     # ------------------------------------------------------------ training
     def make_train_function(self, force=False):
-        """Before every ``fit``/``train_on_batch``: the noise key (rule S8), where the
-        ledger counts the steps, the step's constants; traced again when they changed."""
+        """Before every ``fit``/``train_on_batch``: the noise key (rule S8) and the step's
+        constants (the noise, the normaliser, the ledger row of its mechanism); traced
+        again when they changed. Keras' JAX ``fit`` calls it before ``on_train_begin``
+        (where ``BackupAndRestore`` restores the ledger), so nothing here may depend on
+        the ledger's contents: the step places its run itself (``ledger.recorded``)."""
         if not self.trainable_variables:
             raise ValueError(
                 "DPSGD_JaxModel has no trainable variables (every layer is frozen): a private "
@@ -307,13 +311,11 @@ class DPSGD_JaxModel(keras.Model):
 
     def _plan_step(self) -> _StepPlan:
         metadata = self._metadata_for("training")
-        index, words = ledger.planned_write(self.privacy_ledger_table, self._step_row())
         return _StepPlan(
             stddev=float(self.noise_stddev()),
             normalizer=float(metadata.loss_normalizer),
             rows=None if metadata.sampling == "poisson" else metadata.rows_per_batch,
-            ledger_index=index,
-            ledger_words=tuple(int(w) for w in words),
+            ledger_row=tuple(float(v) for v in self._step_row()),
         )
 
     def train_step(self, state, data):
@@ -506,13 +508,15 @@ class DPSGD_JaxModel(keras.Model):
         return next(i for i, v in enumerate(self.non_trainable_variables) if v is variable)
 
     def _after_step(self, non_trainable, next_key):
-        """The state after one step: the next key, one more step, the ledger row."""
+        """The state after one step: the next key, one more step, one more run of the
+        step's mechanism in the ledger, placed from the table the step was given (which
+        a restore or a callback may have changed since the step was compiled)."""
         plan = self._step_plan
         non_trainable = list(non_trainable)
         table_at = self._index(self.privacy_ledger_table)
         counts_at = self._index(self.privacy_ledger_counts)
         non_trainable[table_at], non_trainable[counts_at] = ledger.recorded(
-            non_trainable[table_at], non_trainable[counts_at], plan.ledger_index, plan.ledger_words
+            non_trainable[table_at], non_trainable[counts_at], np.asarray(plan.ledger_row)
         )
         non_trainable[self._index(self.noise_key)] = next_key
         steps_at = self._index(self.noisy_steps)
@@ -607,20 +611,29 @@ class DPSGD_JaxModel(keras.Model):
             store[f"{i}"] = np.zeros(keys.KEY_WORDS, np.uint32) if key else variable
 
     def set_weights(self, weights):
-        """Set the weights; the privacy state is never rewound (rule S10)."""
-        snapshot, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        """Set the weights; the privacy state is never rewound (rule S10) and the noise key
+        stays this model's own (rule S8: another model's key would replay its noise)."""
+        state = self._privacy_state()
         super().set_weights(weights)
-        self._keep_privacy_state(snapshot, steps)
+        self._keep_privacy_state(*state)
 
     def load_weights(self, *args, **kwargs):
-        snapshot, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        """Load the weights, keeping the privacy state and the noise key as
+        :meth:`set_weights` does."""
+        state = self._privacy_state()
         status = super().load_weights(*args, **kwargs)
-        self._keep_privacy_state(snapshot, steps)
+        self._keep_privacy_state(*state)
         return status
 
-    def _keep_privacy_state(self, snapshot, steps) -> None:
+    def _privacy_state(self) -> tuple:
+        """``(ledger snapshot, steps, noise key)`` now."""
+        key = np.array(self.noise_key.numpy())
+        return self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy()), key
+
+    def _keep_privacy_state(self, snapshot, steps, key) -> None:
         ledger.keep_at_least(self.privacy_ledger_table, self.privacy_ledger_counts, snapshot)
         self.noisy_steps.assign(max(steps, int(self.noisy_steps.numpy())))
+        self.noise_key.assign(key)
 
     # ------------------------------------------------------- serialisation
     def get_config(self):

@@ -34,7 +34,11 @@ Goodfellow 2015 and Li et al. 2022)
       ``Dense``, ``Conv2D``, ``Embedding``): its per-example gradients from a vectorised
       map of the layer's own vector-Jacobian product ``(a_i, g_i) -> grad`` (each row with
       its Keras mask); materialised for that layer only (:func:`row_loop_layers` names the
-      layers whose ops ``pfor`` cannot vectorise: they run the same map as a loop).
+      layers whose ops ``pfor`` cannot vectorise: they run the same map as a loop). Under
+      the vectorised map each row runs as a batch of two copies of itself, the second
+      with cotangent 0 (:func:`_row_copies`): a batch of one feeds oneDNN's matmul the
+      shapes it corrupts memory on (attention layers: the process aborted, or norms came
+      out wrong).
     * a nested model that is a chain -- a ``Sequential``, or a functional model whose
       layers each take the previous layer's output alone, at any depth: how pretrained
       backbones arrive -- is run layer by layer, each layer inside treated by the rules
@@ -114,6 +118,7 @@ rows sampled; a ``kernel_regularizer`` is added outside the clipped sum instead)
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import keras
@@ -635,11 +640,51 @@ def _row_inputs(h, **per_row):
 
 
 def _one_row_call(layer, row):
-    """``layer`` on ``row["inputs"]`` as a batch of one, with its mask."""
-    a = row["inputs"][None]
+    """``layer`` on ``row["inputs"]`` (a nest of tensors for a model of several inputs;
+    with its mask) as a batch of :func:`_row_copies` copies of the row: the output of the
+    first copy. The other copies' outputs are not used, so their cotangent is 0 and the
+    gradient of the layer is the row's own (the rows of a batch do not interact: rule S2)."""
+    copies = _row_copies(layer)
+    a = tf.nest.map_structure(lambda t: tf.stack([t] * copies), row["inputs"])
     if "mask" in row:
-        a._keras_mask = row["mask"][None]  # noqa: SLF001 - Keras 2's mask convention
+        a._keras_mask = tf.stack([row["mask"]] * copies)  # noqa: SLF001 - Keras 2's mask
     return layer(a, training=True)[0]
+
+
+def _row_copies(layer) -> int:
+    """How many copies of a row the fallback runs ``layer`` on: 2 under
+    ``tf.vectorized_map`` where TensorFlow's oneDNN kernels are on, else 1.
+
+    Why not one: ``pfor`` turns a per-row tensor ``(1, T, d)`` into ``(b, 1, T, d)``, so a
+    per-row product with a weight ``(1, T, d) @ (d, p)`` -- the projections of Keras'
+    ``EinsumDense`` and ``MultiHeadAttention`` (Keras' ``einsum`` calls ``tf.matmul``
+    there), a user's attention written with ``tf.matmul`` -- becomes a ``BatchMatMulV2``
+    of ``(b, 1, T, d)`` and a ``(d, p)`` broadcast over the batch axes. oneDNN's matmul
+    (TensorFlow 2.21 on CPU; not 2.15) mishandles a rank-4 left operand whose second axis
+    is 1 against a right operand broadcast over both batch axes (tensorflow/tensorflow
+    issues 117700 and 123109): it writes out of bounds -- the process aborts or segfaults
+    (``MultiHeadAttention``, a keras-hub ViT) -- or returns wrong numbers without a word
+    (per-row squared norms 5 and 32 times too small on batches of 4 and 6). With two copies that
+    axis is 2, which oneDNN computes right, at the cost of running the layer's per-row
+    pass on two rows. A loop over rows (:func:`_needs_row_loop`) runs each row in the
+    shapes of a plain call on a batch of one and needs no copy; nor does TensorFlow
+    without oneDNN (``TF_ENABLE_ONEDNN_OPTS=0``, which TensorFlow reads at start; lipdp
+    sets no variable). Still exposed: a layer whose per-row computation itself puts a
+    leading axis of size 1 (other than the batch) in front of such a product."""
+    if _needs_row_loop(layer) or not _onednn_enabled():
+        return 1
+    return 2
+
+
+@functools.cache
+def _onednn_enabled() -> bool:
+    """Are TensorFlow's oneDNN kernels on? TensorFlow's own report (``True`` where it
+    gives none)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port  # no public name
+    except ImportError:  # pragma: no cover - a TensorFlow without the report
+        return True
+    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def _row_call(layer, slots, row, weights):
