@@ -383,7 +383,7 @@ def tag_layers(layers, ledger: PrivacyLedger) -> None:
     trainable or frozen) are priced by ``ledger``: a model built from them later starts
     from its releases (:func:`inherited_ledger`)."""
     for _, layer in nested_layers(layers):
-        if layer.weights:
+        if _weights(layer):
             _TRAINED_BY[layer] = ledger
 
 
@@ -465,10 +465,18 @@ def _own_weights(layer, trainable=False) -> list:
     inner = {
         variable_key(v)
         for sub in layer._flatten_layers(include_self=False)  # noqa: SLF001 - Keras' walk
-        for v in sub.weights
+        for v in _weights(sub)
     }
-    weights = layer.trainable_weights if trainable else layer.weights
-    return [v for v in weights if variable_key(v) not in inner]
+    return [v for v in _weights(layer, trainable) if variable_key(v) not in inner]
+
+
+def _weights(layer, trainable=False) -> list:
+    """``layer``'s (trainable) weights; none for a Keras 2 model not built yet (whose
+    ``weights`` raise)."""
+    try:
+        return list(layer.trainable_weights if trainable else layer.weights)
+    except ValueError:
+        return []
 
 
 def _digest(value) -> tuple:
