@@ -61,6 +61,7 @@ from lipdp.clipped.per_example import (
     GRADIENT_METHODS,
     Ascent,
     per_example_gradients,
+    row_loop_layers,
     weighted_layers,
 )
 from lipdp.clipped.sharpness import ASCENT_MODES, SharpnessAscent
@@ -165,6 +166,11 @@ class DPSGD_Model(PrivateModel):
                 "DPSGD_Sequential(..., gradient_method='jacobian'); ghost norms cover losses "
                 "of one row."
             )
+
+    def _row_loop(self, layer) -> bool:
+        """Layers ``pfor`` cannot vectorise run as a row loop under row isolation too
+        (:func:`lipdp.clipped.per_example.row_loop_layers`)."""
+        return bool(row_loop_layers([layer]))
 
     def _refuse_loss_reads(self, read) -> None:
         """A loss reading a weight itself: ghost norms refuse it, the Jacobian method clips

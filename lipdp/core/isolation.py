@@ -1,0 +1,437 @@
+r"""Row isolation: every piece of code lipdp does not own sees one example at a time.
+
+Both families release ``sum_i g_i / n`` with noise calibrated to one row's share, which is
+sound only if row ``i``'s loss depends on row ``i`` alone (rule S2). The structural walk
+and the numerical probe of :mod:`lipdp.core.batch_independence` *check* that; a probe is a
+test at some points, and a coupling that is inactive on every batch it draws (gated on
+large activations, on non-negative inputs, on batches larger than the probe's, ...)
+passes it. With ``row_isolation=True`` (an argument of both private models) the training
+step instead *cannot* couple rows, whatever the layers and the loss compute:
+
+* every call of code lipdp does not own -- a Keras layer, an activation, the loss, a
+  user's layer or ``DP_Lambda`` function -- runs on **a batch of one row**, once per row,
+  under ``tf.vectorized_map`` (a row loop, ``tf.map_fn``, for the layers ``pfor`` cannot
+  vectorise): its code only ever receives one example, so no statistic of the batch, no
+  batch size, no sort over rows exists for it to read (:func:`isolated_call`);
+* its backward pass is per row too: the call is one ``tf.custom_gradient`` op whose
+  gradient is the vectorised map of each row's own vector-Jacobian product (the row's
+  forward run again under a ``GradientTape``), so a layer's own ``tf.custom_gradient``
+  keeps its meaning (the gradient of a ``pfor``-converted graph taken from outside
+  drops it: an identity instead of a per-row clip, measured) and the cotangent of row
+  ``i``'s input is a function of row ``i`` and its own cotangent;
+* what runs on the batch is lipdp's own code, which reduces over non-batch axes only: the
+  model's forward loop, its records and the per-row bookkeeping of the step (S9's
+  neutralisation, clipping factors, sums), the linear parts of lipdp's own ghost rules
+  (Dense, Conv2D, Embedding: exact classes) and, in the clipless family, lipdp's own DP
+  layers (exact classes; ``DP_Lambda`` and subclasses are isolated).
+
+**State.** A row can still reach another through state the code keeps between calls.
+Inside an isolated call (Keras 3) every write to a Keras variable is confined to the row
+by a ``keras.StatelessScope`` and the values the layer reads are the ones before the
+call, so a running statistic never mixes rows; such a write is then refused, naming the
+variable (a statistic of the private batch would be saved without noise), except the
+states of Keras' random seed generators, which advance as in a batched step (the value
+every row computed, checked equal across rows). Any other stateful operation in the
+isolated graph -- a write to a ``tf.Variable`` (Keras 2, or one a Keras 3 layer holds
+itself), a ``tf.py_function`` (whose Python state a row loop would carry from row to
+row), a lookup table insert, a queue -- is refused at trace time
+(:func:`refuse_stateful_ops`); variable reads and random draws are allowed. So the
+probe's check of non-trainable variables is not needed under isolation, and the
+structural walk still refuses batch normalisation (its moving statistics).
+
+**What isolation changes.** A layer's code sees a batch of one: code reading the batch
+size reads 1, and a loss that averages over the batch axis gives each row its own loss
+(its value on a batch of one). Random layers drawing from a Keras 3 ``SeedGenerator``
+(``Dropout``, ``GaussianNoise``, random augmentation) draw each row's numbers from the
+generator's seed moved by the row's index -- every row its own draw, as in a batched
+call, the draws independent of the data -- and the generator advances once per call as
+in a batched step (``pfor`` has no converter for these per-row stateless draws: it loops
+over the rows for that op). The Keras mask of a layer's output is computed per row with
+it.
+
+**Cost.** The forward pass of an isolated layer runs twice (once forward, once in its
+per-row backward pass) and ``pfor`` has to convert its graph when the step is traced:
+``benchmarks/row_isolation_cost.py`` measures it against the batched step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
+
+from lipdp.core import compat
+
+#: Stateful operations an isolated call may run: variable reads (weights, frozen
+#: statistics) and random draws (state advanced by the amount drawn), asserts and prints.
+#: Any other stateful op is refused (:func:`refuse_stateful_ops`).
+ALLOWED_STATEFUL_OPS = frozenset(
+    {
+        # reading variables
+        "ReadVariableOp",
+        "ResourceGather",
+        "ResourceGatherNd",
+        "VarIsInitializedOp",
+        "VariableShape",
+        # random draws (stateful kernels and generators)
+        "RandomUniform",
+        "RandomUniformInt",
+        "RandomStandardNormal",
+        "TruncatedNormal",
+        "ParameterizedTruncatedNormal",
+        "RandomGamma",
+        "RandomPoisson",
+        "RandomPoissonV2",
+        "RandomShuffle",
+        "Multinomial",
+        "StatefulUniform",
+        "StatefulUniformInt",
+        "StatefulUniformFullInt",
+        "StatefulStandardNormal",
+        "StatefulStandardNormalV2",
+        "StatefulTruncatedNormal",
+        "StatefulRandomBinomial",
+        "RngReadAndSkip",
+        "RngSkip",
+        # checks and logs
+        "Assert",
+        "Print",
+        "PrintV2",
+        "CheckNumerics",
+        "CheckNumericsV2",
+    }
+)
+
+#: Operations that call functions (their bodies are scanned).
+_CALLS = frozenset(
+    {
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+        "While",
+        "StatelessWhile",
+        "If",
+        "StatelessIf",
+        "Case",
+        "StatelessCase",
+    }
+)
+
+
+class RowIsolationError(ValueError):
+    """What an isolated call cannot run (one line naming it and the fix)."""
+
+
+# ------------------------------------------------------------------ stateful ops
+def _function_def(graph, name):
+    """The ``FunctionDef`` called ``name`` in ``graph``'s library (or an outer graph's)."""
+    while graph is not None:
+        function = graph._get_function(name)  # noqa: SLF001 - the graph's function library
+        if function is not None:
+            definition = getattr(function, "definition", None)
+            return definition if definition is not None else function.cached_definition
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def _called_functions(node_def) -> list:
+    """Names of the functions a ``NodeDef`` calls through its attributes."""
+    names = []
+    for attr in node_def.attr.values():
+        if attr.HasField("func"):
+            names.append(attr.func.name)
+        names += [f.name for f in attr.list.func]
+    return names
+
+
+def _stateful_ops(graph, node_defs, seen) -> list:
+    """Types of the stateful ops among ``node_defs`` and in the functions they call
+    (recursively), except :data:`ALLOWED_STATEFUL_OPS` and the calls themselves."""
+    found = []
+    for node in node_defs:
+        callees = _called_functions(node)
+        body = _function_def(graph, node.op)  # a node may call a function by its name
+        if body is not None:
+            callees.append(node.op)
+        for name in callees:
+            if name in seen:
+                continue
+            seen.add(name)
+            definition = _function_def(graph, name)
+            if definition is None:
+                found.append(f"a call of function {name!r} that cannot be inspected")
+                continue
+            found += _stateful_ops(graph, definition.node_def, seen)
+        if body is not None or node.op in _CALLS or node.op in ALLOWED_STATEFUL_OPS:
+            continue
+        op_def = op_def_registry.get(node.op)
+        if op_def is None or op_def.is_stateful:
+            found.append(node.op)
+    return found
+
+
+def refuse_stateful_ops(graph, operations, what) -> None:
+    """Refuse ``operations`` (created in ``graph`` by the isolated call of ``what``) if one
+    of them, or of the functions they call, is a stateful op other than a variable read or
+    a random draw (module docstring): state kept between rows would couple them."""
+    found = _stateful_ops(graph, [op.node_def for op in operations], set())
+    if found:
+        names = ", ".join(sorted(set(found)))
+        raise RowIsolationError(
+            f"{what} runs stateful operations ({names}) in training: under row_isolation "
+            "state kept from one row to the next could carry data between examples. "
+            "Remove them from the training call, or use row_isolation=False (the "
+            "batch-independence probe then checks the model)."
+        )
+
+
+# ----------------------------------------------------------------------- state
+def _seed_states(layers) -> list:
+    """Keras 3: the state variables of the ``SeedGenerator`` objects ``layers`` hold (at any
+    depth) and of Keras' global one (its random ops called without a seed), if it exists."""
+    if not compat.keras_3():
+        return []
+    from lipdp.core.batch_independence import random_sources
+
+    generators = [g for _, g in random_sources(layers)[0]]
+    global_generator = compat.keras_global_seed_generator()
+    if global_generator is not None:
+        generators.append(global_generator)
+    states, seen = [], set()
+    for generator in generators:
+        if id(generator.state) not in seen:
+            seen.add(id(generator.state))
+            states.append(generator.state)
+    return states
+
+
+def _row_seeds(seed_values, index):
+    """Row ``index``'s values of the seed states: the seed component moved by ``index``,
+    so that every row draws its own numbers (as rows of a batched draw do) and no two
+    (row, step) pairs share a seed (the counter component moves with every draw)."""
+    rows = []
+    for value in seed_values:
+        offset = tf.one_hot(0, tf.size(value), dtype=value.dtype) * tf.cast(index, value.dtype)
+        rows.append(value + tf.reshape(offset, tf.shape(value)))
+    return rows
+
+
+@contextlib.contextmanager
+def _confined(seed_states, seed_values):
+    """Keras 3: a ``StatelessScope`` in which the seed states read ``seed_values`` and every
+    write to a Keras variable stays in the scope (module docstring); Keras 2: nothing (its
+    writes are stateful ops, refused)."""
+    if not compat.keras_3():
+        yield None
+        return
+    import keras
+
+    mapping = list(zip(seed_states, seed_values))
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+        yield scope
+
+
+def _written(scope, seed_states, seed_values) -> tuple[list, list]:
+    """``(seed states written with their new values, ids of other variables written)`` in
+    a scope of :func:`_confined`."""
+    if scope is None:
+        return [], []
+    initial = {id(v): value for v, value in zip(seed_states, seed_values)}
+    seeds, others = [], []
+    for key, value in scope.state_mapping.items():
+        if key in initial:
+            if value is not initial[key]:
+                seeds.append((key, value))
+        else:
+            others.append(key)
+    return seeds, others
+
+
+def _variable_named(key, candidates) -> str:
+    for v in candidates:
+        if id(v) == key:
+            return repr(compat.variable_path(v))
+    return "a variable"
+
+
+# ---------------------------------------------------------------------- the call
+def _is_float(t) -> bool:
+    return t.dtype.is_floating or t.dtype.is_complex
+
+
+def _as_batch(row, masks):
+    """One row's tensors as a batch of one, with their Keras masks (``None``: none)."""
+    batch = [t[None] for t in row]
+    for t, mask in zip(batch, masks):
+        if mask is not None:
+            t._keras_mask = mask[None]  # noqa: SLF001 - Keras' mask convention
+    return batch
+
+
+def _row_spec(elems):
+    """The ``tf.TensorSpec`` nest of one row of ``elems`` (a nest of batch tensors)."""
+    return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), elems)
+
+
+def rows_index(tensors):
+    """``[0, 1, ..., b - 1]`` for the rows of ``tensors``."""
+    return tf.range(tf.shape(tensors[0])[0])
+
+
+def _map(fn, elems, loop):
+    """``fn`` over the rows of ``elems``: ``tf.vectorized_map``, or with ``loop`` a row loop
+    (``tf.map_fn``, its output signature from a trace of ``fn`` on one row's spec)."""
+    if not loop:
+        return tf.vectorized_map(fn, elems)
+    traced = tf.function(fn, autograph=False).get_concrete_function(_row_spec(elems))
+    signature = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs
+    )
+    return tf.map_fn(fn, elems, fn_output_signature=signature)
+
+
+def _seed_updates(states, keys, rows):
+    """Assign each written seed state the value every row computed for it (the rows must
+    agree: a seed state is advanced independently of the data; an empty batch leaves it)."""
+    by_key = {id(s): s for s in states}
+    for key, values in zip(keys, rows):
+        state = by_key[key]
+        count = tf.shape(values)[0]
+        first = values[tf.minimum(0, count - 1) :][:1]
+        tf.debugging.assert_equal(
+            values,
+            tf.broadcast_to(first, tf.shape(values)),
+            message="A random seed state was advanced differently for two rows.",
+        )
+        new = tf.cond(count > 0, lambda f=first: f[0], lambda s=state: tf.convert_to_tensor(s.value))
+        state.assign(tf.cast(new, state.dtype))
+
+
+def isolated_call(fn, inputs, *, what, layers=(), loop=False):
+    """``fn(inputs)`` computed one row at a time, forward and backward (module docstring).
+
+    Args:
+        fn: maps a nest like ``inputs`` whose tensors hold one row (a batch of one) to a
+            nest of tensors with a batch axis of one (a layer's call).
+        inputs: a nest of tensors whose first axis is the batch; their Keras masks are
+            handed to ``fn`` row by row.
+        what: how messages name the call (``"Layer 'dense'"``).
+        layers: the layers ``fn`` runs: their random seed generators (Keras 3) advance as
+            in a batched call; a variable of theirs written in training is named.
+        loop: a row loop (``tf.map_fn``) instead of ``tf.vectorized_map``.
+
+    Returns:
+        A nest like ``fn``'s output whose first axis holds every row, with the Keras masks
+        ``fn`` put on its outputs (computed row by row).
+    """
+    nest = tf.nest.flatten(inputs)
+    flat = [tf.convert_to_tensor(t) for t in nest]
+    in_masks = [getattr(t, "_keras_mask", None) for t in nest]
+    masks = [m for m in in_masks if m is not None]
+    layers = list(layers)
+    seed_states = _seed_states(layers)
+    seed_values = [tf.convert_to_tensor(s.value) for s in seed_states]
+    known = [v for layer in layers for v in layer.variables]
+    structure = {}  # the output's structure, its masks and the seeds written: from the trace
+
+    def call_row(row, row_masks):
+        given = iter(row_masks)
+        full = [next(given) if m is not None else None for m in in_masks]
+        return fn(tf.nest.pack_sequence_as(inputs, _as_batch(row, full)))
+
+    def forward_row(elems):
+        row, row_masks, index = elems
+        row_seeds = _row_seeds(seed_values, index)
+        with _confined(seed_states, row_seeds) as scope:
+            out = call_row(row, row_masks)
+        seeds, others = _written(scope, seed_states, row_seeds)
+        if others:
+            names = ", ".join(sorted({_variable_named(k, known) for k in others}))
+            raise RowIsolationError(
+                f"{what} writes {names} in its training call: under row_isolation a "
+                "statistic of the private batch would be saved without noise. Keep no state "
+                "in the training call (or freeze the layer), or use row_isolation=False."
+            )
+        if scope is not None and scope.losses:
+            raise RowIsolationError(
+                f"{what} adds a loss computed in its call (add_loss of a tensor or an "
+                "activity regulariser), outside the per-example losses the sensitivity "
+                "covers: remove it."
+            )
+        flat_out = tf.nest.flatten(out)
+        out_masks = [getattr(o, "_keras_mask", None) for o in flat_out]
+        structure.update(out=out, masks=out_masks, seeds=[k for k, _ in seeds])
+        rows = [o[0] for o in flat_out] + [m[0] for m in out_masks if m is not None]
+        # the seeds' new values without the row's offset: the same for every row
+        start = dict(zip([id(v) for v in seed_states], zip(row_seeds, seed_values)))
+        return rows + [
+            tf.convert_to_tensor(value) - (start[key][0] - start[key][1]) for key, value in seeds
+        ]
+
+    def forward(*tensors):
+        graph = tf.compat.v1.get_default_graph()
+        start = len(graph.get_operations())
+        result = _map(forward_row, (list(tensors), masks, rows_index(tensors)), loop)
+        refuse_stateful_ops(graph, graph.get_operations()[start:], what)
+        return result
+
+    @tf.custom_gradient
+    def op(*tensors):
+        if tf.executing_eagerly():  # traced, so that its operations can be scanned
+            result = tf.function(forward, autograph=False)(*tensors)
+        else:
+            result = forward(*tensors)
+        count = len(tf.nest.flatten(structure["out"]))
+        mask_count = sum(m is not None for m in structure["masks"])
+        outputs = list(result[:count])
+        structure["out_masks"] = list(result[count : count + mask_count])
+        structure["seed_rows"] = list(result[count + mask_count :])
+
+        def grad(*dys, variables=None):
+            sources = list(variables or [])
+
+            def backward_row(elems):
+                row, row_masks, index, row_dys = elems
+                floats = [t for t in row if _is_float(t)]
+                with tf.GradientTape() as tape:
+                    tape.watch(floats)
+                    with _confined(seed_states, _row_seeds(seed_values, index)):
+                        out = tf.nest.flatten(call_row(row, row_masks))
+                pairs = [(o, dy) for o, dy in zip(out, row_dys) if _is_float(o)]
+                grads = tape.gradient(
+                    [o for o, _ in pairs],
+                    floats + sources,
+                    output_gradients=[dy[None] for _, dy in pairs],
+                    unconnected_gradients="zero",
+                )
+                return [tf.convert_to_tensor(g) for g in grads]
+
+            cotangents = [
+                tf.zeros_like(o) if dy is None else tf.convert_to_tensor(dy)
+                for o, dy in zip(outputs, dys)
+            ]
+            elems = (list(tensors), masks, rows_index(tensors), cotangents)
+            per_row = _map(backward_row, elems, loop)
+            per_row = iter(per_row)
+            input_grads = [next(per_row) if _is_float(t) else None for t in tensors]
+            variable_grads = [tf.reduce_sum(g, axis=0) for g in per_row]
+            return input_grads, variable_grads
+
+        return outputs, grad
+
+    outputs = list(tf.nest.flatten(op(*flat)))
+    mask_rows = iter(structure["out_masks"])
+    for o, mask in zip(outputs, structure["masks"]):
+        if mask is not None:
+            o._keras_mask = next(mask_rows)  # noqa: SLF001 - Keras' mask convention
+    if structure["seeds"]:
+        _seed_updates(seed_states, structure["seeds"], structure["seed_rows"])
+    return tf.nest.pack_sequence_as(structure["out"], outputs)
+
+
+__all__ = [
+    "ALLOWED_STATEFUL_OPS",
+    "RowIsolationError",
+    "isolated_call",
+    "refuse_stateful_ops",
+]
