@@ -94,7 +94,9 @@ def make_private(
         sampling: ``"poisson"`` (what the accountant analyses; feed
             :func:`private_batches`) or ``"shuffle"``.
         accountant: ``"rdp"``, ``"pld"`` or ``"gdp"``, for the calibration.
-        **model_options: passed to the model class (``gradient_method``, ``ascent``, ...).
+        **model_options: passed to the model class (``gradient_method``, ``ascent``,
+            ``row_isolation`` -- each example's loss computed on its own, forward and
+            backward, :mod:`lipdp.core.isolation`; the JAX step always does --, ...).
 
     Returns:
         A ``DP_Sequential`` or ``DPSGD_Sequential`` (a ``DPSGD_JaxModel`` wrapping the
@@ -204,6 +206,11 @@ def _jax_model(
         raise ValueError("input_bound is for method='clipless'; clipping bounds the rest.")
     from lipdp.clipped.jax.model import DPSGD_JaxModel
 
+    if model_options.pop("row_isolation", True) is not True:
+        raise ValueError(
+            "row_isolation=False is not available on the JAX backend: its step always "
+            "computes each example's loss on its own (jax.vmap over the rows)."
+        )
     network = _network(model_or_layers)
     metadata = DatasetMetadata(
         input_shape=tuple(network.input_shape[1:]),
