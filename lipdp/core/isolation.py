@@ -118,10 +118,6 @@ _CALLS = frozenset(
 )
 
 
-class RowIsolationError(ValueError):
-    """What an isolated call cannot run (one line naming it and the fix)."""
-
-
 # ------------------------------------------------------------------ stateful ops
 def _function_def(graph, name):
     """The ``FunctionDef`` called ``name`` in ``graph``'s library (or an outer graph's)."""
@@ -170,14 +166,32 @@ def _stateful_ops(graph, node_defs, seen) -> list:
     return found
 
 
-def refuse_stateful_ops(graph, operations, what) -> None:
+def _written_variables(graph, operations, variables) -> list:
+    """Paths of ``variables`` whose resource is an input of one of ``operations`` (the
+    stateful ops found at the top level of ``graph``), for the message."""
+    captured = {id(internal): external for external, internal in graph.captures}
+    handles = {id(compat.tape_variable(v).handle): v for v in variables}
+    names = []
+    for op in operations:
+        for t in op.inputs:
+            variable = handles.get(id(captured.get(id(t), t)))
+            if variable is not None:
+                names.append(repr(compat.variable_path(variable)))
+    return sorted(set(names))
+
+
+def refuse_stateful_ops(graph, operations, what, variables=()) -> None:
     """Refuse ``operations`` (created in ``graph`` by the isolated call of ``what``) if one
     of them, or of the functions they call, is a stateful op other than a variable read or
-    a random draw (module docstring): state kept between rows would couple them."""
+    a random draw (module docstring): state kept between rows would couple them.
+    ``variables``: the variables the call may write, named when an op writes one."""
     found = _stateful_ops(graph, [op.node_def for op in operations], set())
     if found:
         names = ", ".join(sorted(set(found)))
-        raise RowIsolationError(
+        stateful = [op for op in operations if op.type in found]
+        written = _written_variables(graph, stateful, variables)
+        names += f" on {', '.join(written)}" if written else ""
+        raise ValueError(
             f"{what} runs stateful operations ({names}) in training: under row_isolation "
             "state kept from one row to the next could carry data between examples. "
             "Remove them from the training call, or use row_isolation=False (the "
@@ -347,13 +361,13 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
         seeds, others = _written(scope, seed_states, row_seeds)
         if others:
             names = ", ".join(sorted({_variable_named(k, known) for k in others}))
-            raise RowIsolationError(
+            raise ValueError(
                 f"{what} writes {names} in its training call: under row_isolation a "
                 "statistic of the private batch would be saved without noise. Keep no state "
                 "in the training call (or freeze the layer), or use row_isolation=False."
             )
         if scope is not None and scope.losses:
-            raise RowIsolationError(
+            raise ValueError(
                 f"{what} adds a loss computed in its call (add_loss of a tensor or an "
                 "activity regulariser), outside the per-example losses the sensitivity "
                 "covers: remove it."
@@ -372,7 +386,7 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
         graph = tf.compat.v1.get_default_graph()
         start = len(graph.get_operations())
         result = _map(forward_row, (list(tensors), masks, rows_index(tensors)), loop)
-        refuse_stateful_ops(graph, graph.get_operations()[start:], what)
+        refuse_stateful_ops(graph, graph.get_operations()[start:], what, known)
         return result
 
     @tf.custom_gradient
@@ -431,7 +445,6 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
 
 __all__ = [
     "ALLOWED_STATEFUL_OPS",
-    "RowIsolationError",
     "isolated_call",
     "refuse_stateful_ops",
 ]

@@ -25,7 +25,7 @@ from lipdp.clipless.model import DP_Sequential
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.clipped.per_example import per_example_gradients
 from lipdp.core import compat, noise
-from lipdp.core.isolation import RowIsolationError, isolated_call
+from lipdp.core.isolation import isolated_call
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
 from lipdp.core.report import privacy_report
@@ -238,9 +238,9 @@ def test_a_running_statistic_leaks_without_isolation_and_is_refused_with_it():
     leaked = remove_one_ratios(couplings.model("running-mean", row_isolation=False), x, y)
     assert leaked.max() > 1.4
     model = couplings.model("running-mean", row_isolation=True)
-    with pytest.raises(RowIsolationError) as error:
+    with pytest.raises(ValueError) as error:
         model.train_on_batch(x, y)
-    _assert_refusal(error, "'coupling'", "running_mean")
+    _assert_refusal(error, "'coupling'", "running_mean")  # Keras 3: a write; Keras 2: an op
 
 
 def _assert_refusal(error, *fragments):
@@ -299,12 +299,14 @@ def test_state_and_side_channels_in_an_isolated_call_are_refused(layer, fragment
 
 
 def test_random_layers_draw_per_row_and_advance_once_per_step():
-    """A Dropout under isolation: rows get their own masks, a second step other masks."""
+    """A Dropout under isolation in a traced step: rows get their own masks, the next step
+    other masks."""
     dropout = K.Dropout(0.5)
     ones = tf.ones((6, 40))
-    first = isolated_call(lambda b: dropout(b, training=True), ones, what="d", layers=[dropout])
-    second = isolated_call(lambda b: dropout(b, training=True), ones, what="d", layers=[dropout])
-    first, second = first.numpy(), second.numpy()
+    step = tf.function(
+        lambda: isolated_call(lambda b: dropout(b, training=True), ones, what="d", layers=[dropout])
+    )
+    first, second = step().numpy(), step().numpy()
     assert len({row.tobytes() for row in first}) == len(first)  # every row its own mask
     assert not np.array_equal(first, second)
     assert 0.3 < np.mean(first == 0) < 0.7
