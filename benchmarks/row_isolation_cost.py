@@ -23,9 +23,9 @@ cost, the batched model's including the batch-independence probe, which an isola
 does not need). A ratio is the median over rounds of the per-round ratio of wall times
 (and of CPU times): the machine is shared, so only ratios measured side by side are quoted.
 
-**Memory.** Peak resident memory (``ru_maxrss``) of one subprocess per network and variant
-after its first step and ``--steps`` more, minus a baseline subprocess that imports the same
-modules and builds the same data.
+**Memory.** One subprocess per network and variant: the peak resident memory (polled every
+millisecond) while the model is built, traces its step and takes ``--steps`` more, above
+the memory once the modules are imported and the data built.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -147,38 +146,52 @@ def time_network(name, rounds, steps) -> dict:
     }
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def memory_worker(name, variant, steps) -> None:
-    """Subprocess: peak RSS (MB) after the step runs (``variant``: batched, isolated, or
-    baseline: the imports and the data only)."""
+    """Subprocess: the peak resident memory (MB) while the model is built and steps,
+    above the memory after the imports and the data (``variant``: batched or isolated),
+    polled every millisecond."""
+    import threading
+
     import keras  # noqa: F401
     import tensorflow as tf  # noqa: F401
 
     import lipdp.clipless.model  # noqa: F401
     import lipdp.clipped.model  # noqa: F401
 
-    if variant == "baseline":
-        data(name)
-    else:
-        model, x, y = build(name, variant == "isolated")
-        for _ in range(steps + 1):
-            model.train_on_batch(x, y)
-    print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    data(name)
+    start, peak, done = _rss_mb(), [0.0], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.001)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    model, x, y = build(name, variant == "isolated")
+    for _ in range(steps + 1):
+        model.train_on_batch(x, y)
+    done.set()
+    poller.join()
+    print(json.dumps({"peak_mb": max(peak[0], _rss_mb()) - start}))
 
 
 def memory(name, steps) -> dict:
     result = {}
-    for variant in ("baseline", "batched", "isolated"):
+    for variant in ("batched", "isolated"):
         out = subprocess.run(
             [sys.executable, __file__, "--worker", name, variant, "--steps", str(steps)],
             capture_output=True,
             text=True,
             check=True,
         )
-        result[variant] = json.loads(out.stdout.strip().splitlines()[-1])["maxrss_mb"]
-    return {
-        "peak_mb_batched": result["batched"] - result["baseline"],
-        "peak_mb_isolated": result["isolated"] - result["baseline"],
-    }
+        result[variant] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
+    return {"peak_mb_batched": result["batched"], "peak_mb_isolated": result["isolated"]}
 
 
 def main():

@@ -35,7 +35,7 @@ every row computed, checked equal across rows). Any other stateful operation in 
 isolated graph -- a write to a ``tf.Variable`` (Keras 2, or one a Keras 3 layer holds
 itself), a ``tf.py_function`` (whose Python state a row loop would carry from row to
 row), a lookup table insert, a queue -- is refused at trace time
-(:func:`refuse_stateful_ops`); variable reads and random draws are allowed. So the
+(:func:`inspect_row_call`); variable reads and random draws are allowed. So the
 probe's check of non-trainable variables is not needed under isolation, and the
 structural walk still refuses batch normalisation (its moving statistics).
 
@@ -65,7 +65,7 @@ from lipdp.core import compat
 
 #: Stateful operations an isolated call may run: variable reads (weights, frozen
 #: statistics) and random draws (state advanced by the amount drawn), asserts and prints.
-#: Any other stateful op is refused (:func:`refuse_stateful_ops`).
+#: Any other stateful op is refused (:func:`inspect_row_call`).
 ALLOWED_STATEFUL_OPS = frozenset(
     {
         # reading variables
@@ -102,6 +102,9 @@ ALLOWED_STATEFUL_OPS = frozenset(
         "CheckNumericsV2",
     }
 )
+
+#: The node attribute of an op whose gradient function is overridden (graph mode).
+_GRADIENT_OVERRIDE = "_gradient_op_type"
 
 #: Operations that call functions (their bodies are scanned).
 _CALLS = frozenset(
@@ -140,11 +143,14 @@ def _called_functions(node_def) -> list:
     return names
 
 
-def _stateful_ops(graph, node_defs, seen) -> list:
-    """Types of the stateful ops among ``node_defs`` and in the functions they call
-    (recursively), except :data:`ALLOWED_STATEFUL_OPS` and the calls themselves."""
-    found = []
+def _inspect(graph, node_defs, seen, found) -> bool:
+    """Add to ``found`` the types of the stateful ops among ``node_defs`` and in the
+    functions they call (recursively), except :data:`ALLOWED_STATEFUL_OPS` and the calls
+    themselves; return whether one of them has its gradient overridden (a
+    ``tf.custom_gradient``, ``tf.RegisterGradient`` through ``gradient_override_map``)."""
+    overrides = False
     for node in node_defs:
+        overrides |= _GRADIENT_OVERRIDE in node.attr
         callees = _called_functions(node)
         body = _function_def(graph, node.op)  # a node may call a function by its name
         if body is not None:
@@ -157,38 +163,50 @@ def _stateful_ops(graph, node_defs, seen) -> list:
             if definition is None:
                 found.append(f"a call of function {name!r} that cannot be inspected")
                 continue
-            found += _stateful_ops(graph, definition.node_def, seen)
+            overrides |= _inspect(graph, definition.node_def, seen, found)
         if body is not None or node.op in _CALLS or node.op in ALLOWED_STATEFUL_OPS:
             continue
         op_def = op_def_registry.get(node.op)
         if op_def is None or op_def.is_stateful:
             found.append(node.op)
-    return found
+    return overrides
+
+
+def _origin(tensor, graph):
+    """The tensor ``tensor`` of ``graph`` was captured from, through the outer graphs."""
+    while graph is not None:
+        captures = getattr(graph, "captures", ())  # a FuncGraph's; none for a tf.Graph
+        captured = {id(internal): external for external, internal in captures}
+        if id(tensor) not in captured:
+            return tensor
+        tensor, graph = captured[id(tensor)], getattr(graph, "outer_graph", None)
+    return tensor
 
 
 def _written_variables(graph, operations, variables) -> list:
     """Paths of ``variables`` whose resource is an input of one of ``operations`` (the
     stateful ops found at the top level of ``graph``), for the message."""
-    captured = {id(internal): external for external, internal in graph.captures}
     handles = {id(compat.tape_variable(v).handle): v for v in variables}
     names = []
     for op in operations:
         for t in op.inputs:
-            variable = handles.get(id(captured.get(id(t), t)))
+            variable = handles.get(id(_origin(t, graph)))
             if variable is not None:
                 names.append(repr(compat.variable_path(variable)))
     return sorted(set(names))
 
 
-def refuse_stateful_ops(graph, operations, what, variables=()) -> None:
-    """Refuse ``operations`` (created in ``graph`` by the isolated call of ``what``) if one
-    of them, or of the functions they call, is a stateful op other than a variable read or
-    a random draw (module docstring): state kept between rows would couple them.
-    ``variables``: the variables the call may write, named when an op writes one."""
-    found = _stateful_ops(graph, [op.node_def for op in operations], set())
+def inspect_row_call(graph, what, variables=()) -> bool:
+    """Check the graph of one row's call (``graph``: of ``what``): refuse it if it runs a
+    stateful op other than a variable read or a random draw, here or in a function it
+    calls (module docstring: state kept between rows would couple them; ``variables``:
+    those it may write, named in the message). Returns whether an op's gradient is
+    overridden (:func:`isolated_call` then differentiates each row inside the map)."""
+    found = []
+    overrides = _inspect(graph, [op.node_def for op in graph.get_operations()], set(), found)
     if found:
         names = ", ".join(sorted(set(found)))
-        stateful = [op for op in operations if op.type in found]
+        stateful = [op for op in graph.get_operations() if op.type in found]
         written = _written_variables(graph, stateful, variables)
         names += f" on {', '.join(written)}" if written else ""
         raise ValueError(
@@ -197,6 +215,7 @@ def refuse_stateful_ops(graph, operations, what, variables=()) -> None:
             "Remove them from the training call, or use row_isolation=False (the "
             "batch-independence probe then checks the model)."
         )
+    return overrides
 
 
 # ----------------------------------------------------------------------- state
@@ -292,16 +311,22 @@ def rows_index(tensors):
     return tf.range(tf.shape(tensors[0])[0])
 
 
-def _map(fn, elems, loop):
+def _map(fn, elems, loop, signature=None):
     """``fn`` over the rows of ``elems``: ``tf.vectorized_map``, or with ``loop`` a row loop
-    (``tf.map_fn``, its output signature from a trace of ``fn`` on one row's spec)."""
+    (``tf.map_fn``; its output ``signature``, else from a trace of ``fn`` on one row)."""
     if not loop:
         return tf.vectorized_map(fn, elems)
-    traced = tf.function(fn, autograph=False).get_concrete_function(_row_spec(elems))
-    signature = tf.nest.map_structure(
-        lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs
-    )
+    if signature is None:
+        traced = tf.function(fn, autograph=False).get_concrete_function(_row_spec(elems))
+        signature = _signature(traced)
     return tf.map_fn(fn, elems, fn_output_signature=signature)
+
+
+def _signature(concrete):
+    """The ``tf.TensorSpec`` nest of a concrete function's outputs."""
+    return tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype), concrete.structured_outputs
+    )
 
 
 def _seed_updates(states, keys, rows):
@@ -382,24 +407,24 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
             tf.convert_to_tensor(value) - (start[key][0] - start[key][1]) for key, value in seeds
         ]
 
-    def forward(*tensors):
-        graph = tf.compat.v1.get_default_graph()
-        start = len(graph.get_operations())
-        result = _map(forward_row, (list(tensors), masks, rows_index(tensors)), loop)
-        refuse_stateful_ops(graph, graph.get_operations()[start:], what, known)
-        return result
+    elems = (flat, masks, rows_index(flat))
+    # One row traced on its own: what the call runs (refused if it keeps state) and
+    # whether it overrides a gradient. Not: the gradient of the map is TensorFlow's
+    # gradient of its row-wise vectorised graph (no second forward pass). Else: each row
+    # is differentiated inside the map, where the overriding gradient applies.
+    def scoped_row(elems):  # a root name scope: a layer's own may start with "_"
+        with tf.name_scope("row"):
+            return forward_row(elems)
+
+    traced = tf.function(scoped_row, autograph=False).get_concrete_function(_row_spec(elems))
+    overrides = inspect_row_call(traced.graph, what, known)
+    signature = _signature(traced) if loop else None
 
     @tf.custom_gradient
     def op(*tensors):
-        if tf.executing_eagerly():  # traced, so that its operations can be scanned
-            result = tf.function(forward, autograph=False)(*tensors)
-        else:
-            result = forward(*tensors)
-        count = len(tf.nest.flatten(structure["out"]))
-        mask_count = sum(m is not None for m in structure["masks"])
-        outputs = list(result[:count])
-        structure["out_masks"] = list(result[count : count + mask_count])
-        structure["seed_rows"] = list(result[count + mask_count :])
+        result = _map(forward_row, (list(tensors), masks, rows_index(tensors)), loop, signature)
+        outputs = list(result[: len(tf.nest.flatten(structure["out"]))])
+        structure["result"] = result
 
         def grad(*dys, variables=None):
             sources = list(variables or [])
@@ -425,15 +450,23 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
                 for o, dy in zip(outputs, dys)
             ]
             elems = (list(tensors), masks, rows_index(tensors), cotangents)
-            per_row = _map(backward_row, elems, loop)
-            per_row = iter(per_row)
+            per_row = iter(_map(backward_row, elems, loop))
             input_grads = [next(per_row) if _is_float(t) else None for t in tensors]
             variable_grads = [tf.reduce_sum(g, axis=0) for g in per_row]
             return input_grads, variable_grads
 
         return outputs, grad
 
-    outputs = list(tf.nest.flatten(op(*flat)))
+    if overrides:
+        outputs = list(tf.nest.flatten(op(*flat)))
+        result = structure["result"]
+    else:
+        result = _map(forward_row, elems, loop, signature)
+        outputs = list(result[: len(tf.nest.flatten(structure["out"]))])
+    count = len(outputs)
+    mask_count = sum(m is not None for m in structure["masks"])
+    structure["out_masks"] = list(result[count : count + mask_count])
+    structure["seed_rows"] = list(result[count + mask_count :])
     mask_rows = iter(structure["out_masks"])
     for o, mask in zip(outputs, structure["masks"]):
         if mask is not None:
@@ -445,6 +478,6 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
 
 __all__ = [
     "ALLOWED_STATEFUL_OPS",
+    "inspect_row_call",
     "isolated_call",
-    "refuse_stateful_ops",
 ]
