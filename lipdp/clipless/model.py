@@ -171,6 +171,10 @@ class DP_Model(PrivateModel):
         dataset_metadata: :class:`lipdp.core.metadata.DatasetMetadata` (the batch size
             ``b`` and ``N``); required for training.
         debug: run eagerly and log every step's sensitivities and noise levels.
+        row_isolation: ``DP_Lambda`` functions, DP layers that are not lipdp's own and the
+            loss computed one row at a time, forward and backward (lipdp's own DP layers,
+            :func:`runs_per_example`, run on the batch; :mod:`lipdp.core.isolation`).
+            Other arguments: :class:`~lipdp.core.private_model.PrivateModel`.
     """
 
     _layers_key = "dp_layers"

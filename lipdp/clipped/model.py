@@ -120,6 +120,10 @@ class DPSGD_Model(PrivateModel):
             norms are computed (:mod:`lipdp.clipped.per_example`; the same numbers).
         ascent: a :class:`SharpnessAscent` (BAM or DP-SAT), or ``None``.
         debug: run eagerly and log every step's noise level.
+        row_isolation: every layer, activation and the loss computed one row at a time,
+            forward and backward (:mod:`lipdp.core.isolation`; the linear parts of lipdp's
+            own ghost rules run on the batch, a layer with a user's rule takes the per-row
+            fallback): rule S2 by construction. Other arguments: :class:`PrivateModel`.
     """
 
     def __init__(

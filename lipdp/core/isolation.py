@@ -13,12 +13,17 @@ step instead *cannot* couple rows, whatever the layers and the loss compute:
   under ``tf.vectorized_map`` (a row loop, ``tf.map_fn``, for the layers ``pfor`` cannot
   vectorise): its code only ever receives one example, so no statistic of the batch, no
   batch size, no sort over rows exists for it to read (:func:`isolated_call`);
-* its backward pass is per row too: the call is one ``tf.custom_gradient`` op whose
-  gradient is the vectorised map of each row's own vector-Jacobian product (the row's
-  forward run again under a ``GradientTape``), so a layer's own ``tf.custom_gradient``
-  keeps its meaning (the gradient of a ``pfor``-converted graph taken from outside
-  drops it: an identity instead of a per-row clip, measured) and the cotangent of row
-  ``i``'s input is a function of row ``i`` and its own cotangent;
+* its backward pass is per row too. One row's call is first traced on its own (what it
+  runs is inspected there, below). Without an overridden gradient in it, the gradient of
+  the map is TensorFlow's gradient of the vectorised graph: row ``i`` of the outputs is a
+  function of row ``i`` of the inputs alone, so the Jacobian is block-diagonal and each
+  row's input cotangent comes from its own output cotangent. With one (a
+  ``tf.custom_gradient``, ``gradient_override_map``), the call is one
+  ``tf.custom_gradient`` op whose gradient is the vectorised map of each row's own
+  vector-Jacobian product (the row's forward run again under a ``GradientTape``): the
+  gradient of a ``pfor``-converted graph taken from outside drops the override (measured:
+  an identity instead of a halved cotangent, ``tests/core/test_row_isolation.py``), while
+  inside the map it applies;
 * what runs on the batch is lipdp's own code, which reduces over non-batch axes only: the
   model's forward loop, its records and the per-row bookkeeping of the step (S9's
   neutralisation, clipping factors, sums), the linear parts of lipdp's own ghost rules
@@ -46,12 +51,14 @@ size reads 1, and a loss that averages over the batch axis gives each row its ow
 generator's seed moved by the row's index -- every row its own draw, as in a batched
 call, the draws independent of the data -- and the generator advances once per call as
 in a batched step (``pfor`` has no converter for these per-row stateless draws: it loops
-over the rows for that op). The Keras mask of a layer's output is computed per row with
-it.
+over the rows for that op). A call whose output for one row has a dimension not known
+when traced (``RandomHeight``: the draw sets it) draws once for every row, as on a batch,
+so that the rows' outputs stack. The Keras mask of a layer's output is computed per row
+with it.
 
-**Cost.** The forward pass of an isolated layer runs twice (once forward, once in its
-per-row backward pass) and ``pfor`` has to convert its graph when the step is traced:
-``benchmarks/row_isolation_cost.py`` measures it against the batched step.
+**Cost.** ``pfor`` converts each isolated call's graph when the step is traced (one row's
+call is also traced apart); a call whose gradient is overridden runs its forward pass
+twice. ``benchmarks/row_isolation_cost.py`` measures the step against the batched one.
 """
 
 from __future__ import annotations
@@ -63,8 +70,9 @@ from tensorflow.python.framework import op_def_registry
 
 from lipdp.core import compat
 
-#: Stateful operations an isolated call may run: variable reads (weights, frozen
-#: statistics) and random draws (state advanced by the amount drawn), asserts and prints.
+#: Stateful operations an isolated call may run: reads of variables (weights, frozen
+#: statistics) and lookup tables, random draws (state advanced by the amount drawn),
+#: asserts and prints.
 #: Any other stateful op is refused (:func:`inspect_row_call`).
 ALLOWED_STATEFUL_OPS = frozenset(
     {
@@ -74,6 +82,11 @@ ALLOWED_STATEFUL_OPS = frozenset(
         "ResourceGatherNd",
         "VarIsInitializedOp",
         "VariableShape",
+        # reading lookup tables (StringLookup, IntegerLookup, TextVectorization)
+        "LookupTableFind",
+        "LookupTableFindV2",
+        "LookupTableSize",
+        "LookupTableSizeV2",
         # random draws (stateful kernels and generators)
         "RandomUniform",
         "RandomUniformInt",
@@ -102,6 +115,14 @@ ALLOWED_STATEFUL_OPS = frozenset(
         "CheckNumericsV2",
     }
 )
+
+#: Ops whose vectorised form (one more batch axis) oneDNN mishandles on some CPUs: under
+#: ``tf.vectorized_map`` a batched matrix product can corrupt the heap (measured on this
+#: project's AVX-512 CPU: an isolated ``EinsumDense`` gave a per-example squared norm of
+#: 5.6e39 instead of 3.3, or a segmentation fault; exact with ``TF_ENABLE_ONEDNN_OPTS=0``).
+#: An isolated call holding one runs as a loop over rows, each row with the shapes of a
+#: batch of one, as plain Keras runs it (rule S13: a model must not crash the process).
+ROW_LOOP_OPS = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
 
 #: The node attribute of an op whose gradient function is overridden (graph mode).
 _GRADIENT_OVERRIDE = "_gradient_op_type"
@@ -143,13 +164,15 @@ def _called_functions(node_def) -> list:
     return names
 
 
-def _inspect(graph, node_defs, seen, found) -> bool:
+def _inspect(graph, node_defs, seen, found, types) -> bool:
     """Add to ``found`` the types of the stateful ops among ``node_defs`` and in the
     functions they call (recursively), except :data:`ALLOWED_STATEFUL_OPS` and the calls
-    themselves; return whether one of them has its gradient overridden (a
-    ``tf.custom_gradient``, ``tf.RegisterGradient`` through ``gradient_override_map``)."""
+    themselves, and to ``types`` every op type; return whether one of them has its gradient
+    overridden (a ``tf.custom_gradient``, ``tf.RegisterGradient`` through
+    ``gradient_override_map``)."""
     overrides = False
     for node in node_defs:
+        types.add(node.op)
         overrides |= _GRADIENT_OVERRIDE in node.attr
         callees = _called_functions(node)
         body = _function_def(graph, node.op)  # a node may call a function by its name
@@ -163,7 +186,7 @@ def _inspect(graph, node_defs, seen, found) -> bool:
             if definition is None:
                 found.append(f"a call of function {name!r} that cannot be inspected")
                 continue
-            overrides |= _inspect(graph, definition.node_def, seen, found)
+            overrides |= _inspect(graph, definition.node_def, seen, found, types)
         if body is not None or node.op in _CALLS or node.op in ALLOWED_STATEFUL_OPS:
             continue
         op_def = op_def_registry.get(node.op)
@@ -196,14 +219,16 @@ def _written_variables(graph, operations, variables) -> list:
     return sorted(set(names))
 
 
-def inspect_row_call(graph, what, variables=()) -> bool:
+def inspect_row_call(graph, what, variables=()) -> tuple[bool, bool]:
     """Check the graph of one row's call (``graph``: of ``what``): refuse it if it runs a
     stateful op other than a variable read or a random draw, here or in a function it
     calls (module docstring: state kept between rows would couple them; ``variables``:
-    those it may write, named in the message). Returns whether an op's gradient is
-    overridden (:func:`isolated_call` then differentiates each row inside the map)."""
-    found = []
-    overrides = _inspect(graph, [op.node_def for op in graph.get_operations()], set(), found)
+    those it may write, named in the message). Returns ``(overrides, loop)``: whether an
+    op's gradient is overridden (:func:`isolated_call` then differentiates each row
+    inside the map), and whether the call holds a batched matrix product
+    (:data:`ROW_LOOP_OPS`: run as a loop over rows)."""
+    found, types = [], set()
+    overrides = _inspect(graph, [op.node_def for op in graph.get_operations()], set(), found, types)
     if found:
         names = ", ".join(sorted(set(found)))
         stateful = [op for op in graph.get_operations() if op.type in found]
@@ -215,7 +240,7 @@ def inspect_row_call(graph, what, variables=()) -> bool:
             "Remove them from the training call, or use row_isolation=False (the "
             "batch-independence probe then checks the model)."
         )
-    return overrides
+    return overrides, bool(types & ROW_LOOP_OPS)
 
 
 # ----------------------------------------------------------------------- state
@@ -346,6 +371,7 @@ def _seed_updates(states, keys, rows):
         state.assign(tf.cast(new, state.dtype))
 
 
+@tf.autograph.experimental.do_not_convert  # Python run when traced, not graph code
 def isolated_call(fn, inputs, *, what, layers=(), loop=False):
     """``fn(inputs)`` computed one row at a time, forward and backward (module docstring).
 
@@ -357,7 +383,8 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
         what: how messages name the call (``"Layer 'dense'"``).
         layers: the layers ``fn`` runs: their random seed generators (Keras 3) advance as
             in a batched call; a variable of theirs written in training is named.
-        loop: a row loop (``tf.map_fn``) instead of ``tf.vectorized_map``.
+        loop: a row loop (``tf.map_fn``) instead of ``tf.vectorized_map`` (also taken for
+            a call holding an op of :data:`ROW_LOOP_OPS`).
 
     Returns:
         A nest like ``fn``'s output whose first axis holds every row, with the Keras masks
@@ -372,6 +399,7 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
     seed_values = [tf.convert_to_tensor(s.value) for s in seed_states]
     known = [v for layer in layers for v in layer.variables]
     structure = {}  # the output's structure, its masks and the seeds written: from the trace
+    drawn_per_row = [1]  # 0: every row the same draw (below)
 
     def call_row(row, row_masks):
         given = iter(row_masks)
@@ -380,7 +408,7 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
 
     def forward_row(elems):
         row, row_masks, index = elems
-        row_seeds = _row_seeds(seed_values, index)
+        row_seeds = _row_seeds(seed_values, index * drawn_per_row[0])
         with _confined(seed_states, row_seeds) as scope:
             out = call_row(row, row_masks)
         seeds, others = _written(scope, seed_states, row_seeds)
@@ -417,7 +445,12 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
             return forward_row(elems)
 
     traced = tf.function(scoped_row, autograph=False).get_concrete_function(_row_spec(elems))
-    overrides = inspect_row_call(traced.graph, what, known)
+    overrides, products = inspect_row_call(traced.graph, what, known)
+    if seed_states and not all(t.shape.is_fully_defined() for t in traced.outputs):
+        # An output shape that depends on the draw (RandomHeight): one draw for every
+        # row, as on a batch, so that the rows' outputs stack.
+        drawn_per_row[0] = 0
+    loop = loop or products
     signature = _signature(traced) if loop else None
 
     @tf.custom_gradient
@@ -434,7 +467,8 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
                 floats = [t for t in row if _is_float(t)]
                 with tf.GradientTape() as tape:
                     tape.watch(floats)
-                    with _confined(seed_states, _row_seeds(seed_values, index)):
+                    row_seeds = _row_seeds(seed_values, index * drawn_per_row[0])
+                    with _confined(seed_states, row_seeds):
                         out = tf.nest.flatten(call_row(row, row_masks))
                 pairs = [(o, dy) for o, dy in zip(out, row_dys) if _is_float(o)]
                 grads = tape.gradient(
@@ -478,6 +512,7 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
 
 __all__ = [
     "ALLOWED_STATEFUL_OPS",
+    "ROW_LOOP_OPS",
     "inspect_row_call",
     "isolated_call",
 ]

@@ -91,7 +91,18 @@ def _masked():
     ], (7,)
 
 
-NETS = {"mlp": _mlp, "cnn": _cnn, "masked-embedding": _masked}
+def _einsum():
+    """A batched matrix product: run as a loop over rows under isolation (oneDNN corrupts
+    the heap on its vectorised form on this CPU: a squared norm of 5.6e39, or a crash)."""
+    return [
+        compat.input_layer((5, 3)),
+        K.EinsumDense("btd,de->bte", (5, 2), bias_axes="e"),
+        K.Flatten(),
+        K.Dense(CLASSES),
+    ], (5, 3)
+
+
+NETS = {"mlp": _mlp, "cnn": _cnn, "masked-embedding": _masked, "einsum": _einsum}
 
 
 def _clipped(net, isolated, method="ghost", clip=0.5, seed=3):
@@ -182,10 +193,11 @@ def _naive_sq_norms(model, x, y):
     return np.array(rows)
 
 
-@pytest.mark.parametrize("net", representatives(NETS, default={"mlp"}))
+@pytest.mark.parametrize("net", representatives(NETS, default={"mlp", "einsum"}))
 def test_isolated_per_example_norms_equal_a_naive_loop(net, rng):
     """The mlp holds a layer with its own custom gradient (halved cotangent): the isolated
-    backward pass keeps it (per-row VJPs inside the map)."""
+    backward pass keeps it (per-row VJPs inside the map); the einsum net's EinsumDense runs
+    as a row loop (``lipdp.core.isolation.ROW_LOOP_OPS``)."""
     model = _clipped(net, True)
     x, y = _data(net, rng)
     facts = per_example_gradients(
