@@ -30,9 +30,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from lipdp.clipless import layers as dp_layers
 from lipdp.clipless.bounds import bound_pass, parameterized_variables
 from lipdp.clipless.dynamic import dynamic_clip_layers
-from lipdp.clipless import layers as dp_layers
 from lipdp.clipless.layers import DP_BoundedInput, DP_InputLayer, DPLayer
 from lipdp.core.batch_independence import refuse_coupling_layers
 from lipdp.core.layer_walk import children

@@ -338,13 +338,25 @@ def rows_index(tensors):
 
 def _map(fn, elems, loop, signature=None):
     """``fn`` over the rows of ``elems``: ``tf.vectorized_map``, or with ``loop`` a row loop
-    (``tf.map_fn``; its output ``signature``, else from a trace of ``fn`` on one row)."""
-    if not loop:
-        return tf.vectorized_map(fn, elems)
-    if signature is None:
-        traced = tf.function(fn, autograph=False).get_concrete_function(_row_spec(elems))
-        signature = _signature(traced)
-    return tf.map_fn(fn, elems, fn_output_signature=signature)
+    (``tf.map_fn``; its output ``signature``, else from a trace of ``fn`` on one row). An
+    empty batch (a Poisson draw of no row) is mapped as one row of zeros whose results
+    are dropped: ``pfor`` cannot stack zero rows of a shape it does not know statically."""
+    flat = tf.nest.flatten(elems)
+    rows = tf.shape(flat[0])[0]
+
+    def one_row_if_empty(t):
+        zeros = tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
+        return tf.cond(rows > 0, lambda: t, lambda: zeros)
+
+    elems = tf.nest.map_structure(one_row_if_empty, elems)
+    if loop:
+        if signature is None:
+            traced = tf.function(fn, autograph=False).get_concrete_function(_row_spec(elems))
+            signature = _signature(traced)
+        result = tf.map_fn(fn, elems, fn_output_signature=signature)
+    else:
+        result = tf.vectorized_map(fn, elems)
+    return tf.nest.map_structure(lambda r: tf.cond(rows > 0, lambda: r, lambda: r[:0]), result)
 
 
 def _signature(concrete):
@@ -367,7 +379,9 @@ def _seed_updates(states, keys, rows):
             tf.broadcast_to(first, tf.shape(values)),
             message="A random seed state was advanced differently for two rows.",
         )
-        new = tf.cond(count > 0, lambda f=first: f[0], lambda s=state: tf.convert_to_tensor(s.value))
+        new = tf.cond(
+            count > 0, lambda f=first: f[0], lambda s=state: tf.convert_to_tensor(s.value)
+        )
         state.assign(tf.cast(new, state.dtype))
 
 
@@ -436,6 +450,7 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
         ]
 
     elems = (flat, masks, rows_index(flat))
+
     # One row traced on its own: what the call runs (refused if it keeps state) and
     # whether it overrides a gradient. Not: the gradient of the map is TensorFlow's
     # gradient of its row-wise vectorised graph (no second forward pass). Else: each row

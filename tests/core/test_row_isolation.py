@@ -184,12 +184,7 @@ def _naive_sq_norms(model, x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(yi[None], model.forward(xi[None], training=True, isolate=False))
         grads = iter(tape.gradient(loss, variables, unconnected_gradients="zero"))
-        rows.append(
-            [
-                sum(_sq(next(grads)) for _ in layer.trainable_variables)
-                for layer in layers
-            ]
-        )
+        rows.append([sum(_sq(next(grads)) for _ in layer.trainable_variables) for layer in layers])
     return np.array(rows)
 
 
