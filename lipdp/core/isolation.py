@@ -64,9 +64,11 @@ twice. ``benchmarks/row_isolation_cost.py`` measures the step against the batche
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
+from tensorflow.python.ops.parallel_for import pfor as pfor_ops
 
 from lipdp.core import compat
 
@@ -123,6 +125,9 @@ ALLOWED_STATEFUL_OPS = frozenset(
 #: An isolated call holding one runs as a loop over rows, each row with the shapes of a
 #: batch of one, as plain Keras runs it (rule S13: a model must not crash the process).
 ROW_LOOP_OPS = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
+
+#: Ops of a row's graph that ``pfor`` leaves as they are (no per-row input).
+_LOOP_INVARIANT_OPS = frozenset({"Const", "Placeholder", "NoOp"})
 
 #: The node attribute of an op whose gradient function is overridden (graph mode).
 _GRADIENT_OVERRIDE = "_gradient_op_type"
@@ -219,14 +224,25 @@ def _written_variables(graph, operations, variables) -> list:
     return sorted(set(names))
 
 
-def inspect_row_call(graph, what, variables=()) -> tuple[bool, bool]:
+@dataclass(frozen=True)
+class RowCall:
+    """What :func:`inspect_row_call` found in one row's call."""
+
+    #: An op's gradient is overridden: each row is differentiated inside the map.
+    overrides: bool
+    #: A batched matrix product (:data:`ROW_LOOP_OPS`): a loop over rows.
+    products: bool
+    #: An op ``pfor`` has no converter for (it loops over the rows for it, and cannot
+    #: stack zero rows of a shape unknown statically): an empty batch is guarded.
+    unconverted: bool
+
+
+def inspect_row_call(graph, what, variables=()) -> RowCall:
     """Check the graph of one row's call (``graph``: of ``what``): refuse it if it runs a
     stateful op other than a variable read or a random draw, here or in a function it
     calls (module docstring: state kept between rows would couple them; ``variables``:
-    those it may write, named in the message). Returns ``(overrides, loop)``: whether an
-    op's gradient is overridden (:func:`isolated_call` then differentiates each row
-    inside the map), and whether the call holds a batched matrix product
-    (:data:`ROW_LOOP_OPS`: run as a loop over rows)."""
+    those it may write, named in the message); and say what the map needs
+    (:class:`RowCall`)."""
     found, types = [], set()
     overrides = _inspect(graph, [op.node_def for op in graph.get_operations()], set(), found, types)
     if found:
@@ -240,7 +256,9 @@ def inspect_row_call(graph, what, variables=()) -> tuple[bool, bool]:
             "Remove them from the training call, or use row_isolation=False (the "
             "batch-independence probe then checks the model)."
         )
-    return overrides, bool(types & ROW_LOOP_OPS)
+    converters = pfor_ops._pfor_converter_registry  # noqa: SLF001 - pfor's op converters
+    unconverted = any(t not in converters and t not in _LOOP_INVARIANT_OPS for t in types)
+    return RowCall(overrides, bool(types & ROW_LOOP_OPS), unconverted)
 
 
 # ----------------------------------------------------------------------- state
@@ -336,19 +354,21 @@ def rows_index(tensors):
     return tf.range(tf.shape(tensors[0])[0])
 
 
-def _map(fn, elems, loop, signature=None):
+def _map(fn, elems, loop, signature=None, guard_empty=True):
     """``fn`` over the rows of ``elems``: ``tf.vectorized_map``, or with ``loop`` a row loop
-    (``tf.map_fn``; its output ``signature``, else from a trace of ``fn`` on one row). An
-    empty batch (a Poisson draw of no row) is mapped as one row of zeros whose results
-    are dropped: ``pfor`` cannot stack zero rows of a shape it does not know statically."""
-    flat = tf.nest.flatten(elems)
-    rows = tf.shape(flat[0])[0]
+    (``tf.map_fn``; its output ``signature``, else from a trace of ``fn`` on one row).
+    ``guard_empty``: an empty batch (a Poisson draw of no row) is mapped as one row of
+    zeros whose results are dropped, because ``pfor`` cannot stack zero rows of an op it
+    loops over when their shape is not known statically (the guard's conditionals cost
+    time: only where :func:`inspect_row_call` finds such an op)."""
+    rows = tf.shape(tf.nest.flatten(elems)[0])[0]
 
     def one_row_if_empty(t):
         zeros = tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
         return tf.cond(rows > 0, lambda: t, lambda: zeros)
 
-    elems = tf.nest.map_structure(one_row_if_empty, elems)
+    if guard_empty:
+        elems = tf.nest.map_structure(one_row_if_empty, elems)
     if loop:
         if signature is None:
             traced = tf.function(fn, autograph=False).get_concrete_function(_row_spec(elems))
@@ -356,7 +376,9 @@ def _map(fn, elems, loop, signature=None):
         result = tf.map_fn(fn, elems, fn_output_signature=signature)
     else:
         result = tf.vectorized_map(fn, elems)
-    return tf.nest.map_structure(lambda r: tf.cond(rows > 0, lambda: r, lambda: r[:0]), result)
+    if not guard_empty:
+        return result
+    return tf.nest.map_structure(lambda r: r[:rows], result)
 
 
 def _signature(concrete):
@@ -460,17 +482,19 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
             return forward_row(elems)
 
     traced = tf.function(scoped_row, autograph=False).get_concrete_function(_row_spec(elems))
-    overrides, products = inspect_row_call(traced.graph, what, known)
+    found = inspect_row_call(traced.graph, what, known)
     if seed_states and not all(t.shape.is_fully_defined() for t in traced.outputs):
         # An output shape that depends on the draw (RandomHeight): one draw for every
         # row, as on a batch, so that the rows' outputs stack.
         drawn_per_row[0] = 0
-    loop = loop or products
+    loop = loop or found.products
     signature = _signature(traced) if loop else None
+    guard = found.unconverted or loop  # map_fn cannot stack zero rows of unknown shape either
 
     @tf.custom_gradient
     def op(*tensors):
-        result = _map(forward_row, (list(tensors), masks, rows_index(tensors)), loop, signature)
+        elems = (list(tensors), masks, rows_index(tensors))
+        result = _map(forward_row, elems, loop, signature, guard)
         outputs = list(result[: len(tf.nest.flatten(structure["out"]))])
         structure["result"] = result
 
@@ -499,18 +523,18 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
                 for o, dy in zip(outputs, dys)
             ]
             elems = (list(tensors), masks, rows_index(tensors), cotangents)
-            per_row = iter(_map(backward_row, elems, loop))
+            per_row = iter(_map(backward_row, elems, loop, guard_empty=guard))
             input_grads = [next(per_row) if _is_float(t) else None for t in tensors]
             variable_grads = [tf.reduce_sum(g, axis=0) for g in per_row]
             return input_grads, variable_grads
 
         return outputs, grad
 
-    if overrides:
+    if found.overrides:
         outputs = list(tf.nest.flatten(op(*flat)))
         result = structure["result"]
     else:
-        result = _map(forward_row, elems, loop, signature)
+        result = _map(forward_row, elems, loop, signature, guard)
         outputs = list(result[: len(tf.nest.flatten(structure["out"]))])
     count = len(outputs)
     mask_count = sum(m is not None for m in structure["masks"])
@@ -528,6 +552,7 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
 __all__ = [
     "ALLOWED_STATEFUL_OPS",
     "ROW_LOOP_OPS",
+    "RowCall",
     "inspect_row_call",
     "isolated_call",
 ]
