@@ -171,9 +171,13 @@ class DP_Model(PrivateModel):
         dataset_metadata: :class:`lipdp.core.metadata.DatasetMetadata` (the batch size
             ``b`` and ``N``); required for training.
         debug: run eagerly and log every step's sensitivities and noise levels.
-        row_isolation: ``DP_Lambda`` functions, DP layers that are not lipdp's own and the
-            loss computed one row at a time, forward and backward (lipdp's own DP layers,
-            :func:`runs_per_example`, run on the batch; :mod:`lipdp.core.isolation`).
+        row_isolation: ``True`` (default): ``DP_Lambda`` functions, DP layers that are not
+            lipdp's own and the loss computed one row at a time, forward and backward
+            (lipdp's own DP layers, :func:`runs_per_example`, run on the batch;
+            :mod:`lipdp.core.isolation`): rule S2 by construction, at the cost of the
+            batched step (1.01x on the clipless digits CNN,
+            ``benchmarks/row_isolation_cost.py``), and without the batch-independence
+            probe. ``False``: every layer and the loss on the batch, checked by the probe.
             Other arguments: :class:`~lipdp.core.private_model.PrivateModel`.
     """
 
@@ -182,12 +186,22 @@ class DP_Model(PrivateModel):
     #: ordinary Keras layers).
     _check_layers = staticmethod(check_dp_layers)
 
-    def __init__(self, dp_layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
+    def __init__(
+        self,
+        dp_layers,
+        *,
+        dp_parameters,
+        dataset_metadata=None,
+        debug=False,
+        row_isolation=True,
+        **kwargs,
+    ):
         super().__init__(
             dp_layers,
             dp_parameters=dp_parameters,
             dataset_metadata=dataset_metadata,
             debug=debug,
+            row_isolation=row_isolation,
             **kwargs,
         )
         _check_dynamic_declaration(self.dp_layers, dp_parameters)
@@ -341,12 +355,22 @@ class DP_Sequential(DP_Model):
 
     _layers_key = "layers"
 
-    def __init__(self, layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
+    def __init__(
+        self,
+        layers,
+        *,
+        dp_parameters,
+        dataset_metadata=None,
+        debug=False,
+        row_isolation=True,
+        **kwargs,
+    ):
         super().__init__(
             layers,
             dp_parameters=dp_parameters,
             dataset_metadata=dataset_metadata,
             debug=debug,
+            row_isolation=row_isolation,
             **kwargs,
         )
 

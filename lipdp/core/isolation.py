@@ -5,8 +5,9 @@ sound only if row ``i``'s loss depends on row ``i`` alone (rule S2). The structu
 and the numerical probe of :mod:`lipdp.core.batch_independence` *check* that; a probe is a
 test at some points, and a coupling that is inactive on every batch it draws (gated on
 large activations, on non-negative inputs, on batches larger than the probe's, ...)
-passes it. With ``row_isolation=True`` (an argument of both private models) the training
-step instead *cannot* couple rows, whatever the layers and the loss compute:
+passes it. With ``row_isolation=True`` (an argument of both private models: the default of
+the clipless family, whose own layers run on the batch, an option of clipped DP-SGD) the
+training step instead *cannot* couple rows, whatever the layers and the loss compute:
 
 * every call of code lipdp does not own -- a Keras layer, an activation, the loss, a
   user's layer or ``DP_Lambda`` function -- runs on **a batch of one row**, once per row,
@@ -58,7 +59,10 @@ with it.
 
 **Cost.** ``pfor`` converts each isolated call's graph when the step is traced (one row's
 call is also traced apart); a call whose gradient is overridden runs its forward pass
-twice. ``benchmarks/row_isolation_cost.py`` measures the step against the batched one.
+twice. Measured against the batched step (``benchmarks/row_isolation_cost.py``, batch
+512, two shared cores): 1.21x on the Keras CNN of ``lipdp train --method dp-sgd``, 1.09x
+on a dense network, 1.01x on the clipless digits CNN (only its loss is isolated), peak
+memory within 2 MB; the first step is no slower (no probe).
 """
 
 from __future__ import annotations

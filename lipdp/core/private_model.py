@@ -95,8 +95,11 @@ class PrivateModel(keras.Model):
             construction, whatever the layers compute, instead of being checked by the
             probe at a few points. Writes to variables and other stateful operations in
             those calls are refused when the step is traced (random seed states
-            excepted). ``False`` (default): layers run on the batch, as Keras runs them;
-            the structural walk and the probe check rule S2.
+            excepted). ``False``: layers run on the batch, as Keras runs them; the
+            structural walk and the probe check rule S2. The families' defaults: on
+            for the clipless family (only ``DP_Lambda``, foreign DP layers and the loss
+            are isolated: 1.01x the batched step), off for clipped DP-SGD (1.21x on the
+            CNN of ``lipdp train --method dp-sgd``; ``benchmarks/row_isolation_cost.py``).
     """
 
     _layers_key = "dp_layers"

@@ -10,8 +10,8 @@ backward, and state kept between rows is refused.
   declared sensitivity with it, the probe still off; a running statistic, a write to a
   ``tf.Variable``, a ``tf.py_function`` and an ``add_loss`` of the data are refused; the
   clipless family isolates ``DP_Lambda``;
-* an option of both families and of ``make_private``, saved with the model and stated in
-  the privacy report.
+* an option of both families and of ``make_private`` (the clipless family's default),
+  saved with the model and stated in the privacy report.
 """
 
 import numpy as np
@@ -394,6 +394,15 @@ def test_the_option_is_saved_stated_and_taken_by_make_private():
     assert private.row_isolation is True
     with pytest.raises(TypeError, match="row_isolation must be True or False"):
         _metadata_model(row_isolation="yes")
+    # the defaults: on for the clipless family (about the batched step's cost), off for
+    # clipped DP-SGD (benchmarks/row_isolation_cost.py)
+    assert _metadata_model().row_isolation is False
+    clipless = DP_Sequential(
+        [DL.DP_BoundedInput(input_shape=(6,), upper_bound=1.0), DL.DP_QuickSpectralDense(3)],
+        dp_parameters=DPParameters("global", 1.0, 1e-5),
+    )
+    assert clipless.row_isolation is True
+    assert DP_Sequential.from_config(clipless.get_config()).row_isolation is True
 
 
 def _metadata_model(**options):
