@@ -97,7 +97,9 @@ def make_private(
         sampling: ``"poisson"`` (what the accountant analyses; feed
             :func:`private_batches`) or ``"shuffle"``.
         accountant: ``"rdp"``, ``"pld"`` or ``"gdp"``, for the calibration.
-        **model_options: passed to the model class (``gradient_method``, ``ascent``, ...).
+        **model_options: passed to the model class (``gradient_method``, ``ascent``,
+            ``row_isolation`` -- each example's loss computed on its own, forward and
+            backward, :mod:`lipdp.core.isolation`; the JAX step always does --, ...).
 
     Returns:
         A ``DP_Sequential`` or ``DPSGD_Sequential`` (a ``DPSGD_JaxModel`` wrapping the
@@ -219,6 +221,11 @@ def _jax_model(
     from lipdp.clipped.jax.model import DPSGD_JaxModel
 
     _refuse_private(model_or_layers, DPSGD_JaxModel)
+    if model_options.pop("row_isolation", True) is not True:
+        raise ValueError(
+            "row_isolation=False is not available on the JAX backend: its step always "
+            "computes each example's loss on its own (jax.vmap over the rows)."
+        )
     network = _network(model_or_layers)
     input_shape = _model_input_shape(network)
     if _several(input_shape):

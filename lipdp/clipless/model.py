@@ -30,10 +30,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from lipdp.clipless import layers as dp_layers
 from lipdp.clipless.bounds import bound_pass, parameterized_variables
 from lipdp.clipless.dynamic import dynamic_clip_layers
 from lipdp.clipless.layers import DP_BoundedInput, DP_InputLayer, DPLayer
 from lipdp.core.batch_independence import refuse_coupling_layers
+from lipdp.core.layer_walk import children
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.private_model import (  # noqa: F401  (DPParameters and the guards: public here too)
     DPParameters,
@@ -73,6 +75,25 @@ _REPLACEMENTS = {
     "Dropout": "nothing: remove it (the 1/(1-rate) rescaling increases norms)",
     "Add": "make_residuals(...)",
 }
+
+
+#: lipdp's own DP layers, which treat each example on its own: they run on the whole batch
+#: under row isolation (:mod:`lipdp.core.isolation`). ``DP_Lambda`` (a user function) and
+#: subclasses (which may change ``call``) are isolated.
+_OWN_LAYERS = frozenset(
+    getattr(dp_layers, name)
+    for name in dp_layers.__all__
+    if isinstance(getattr(dp_layers, name), type)
+    and issubclass(getattr(dp_layers, name), keras.layers.Layer)
+    and getattr(dp_layers, name) is not dp_layers.DP_Lambda
+)
+
+
+def runs_per_example(layer) -> bool:
+    """Whether ``layer`` is one of lipdp's own DP layers (exact class, :data:`_OWN_LAYERS`)
+    whose sub-layers (a residual block) all are: code of lipdp's that reduces over the
+    non-batch axes only, run on the batch under row isolation."""
+    return type(layer) in _OWN_LAYERS and all(runs_per_example(c) for c in children(layer))
 
 
 def _describe(layer) -> str:
@@ -150,6 +171,14 @@ class DP_Model(PrivateModel):
         dataset_metadata: :class:`lipdp.core.metadata.DatasetMetadata` (the batch size
             ``b`` and ``N``); required for training.
         debug: run eagerly and log every step's sensitivities and noise levels.
+        row_isolation: ``True`` (default): ``DP_Lambda`` functions, DP layers that are not
+            lipdp's own and the loss computed one row at a time, forward and backward
+            (lipdp's own DP layers, :func:`runs_per_example`, run on the batch;
+            :mod:`lipdp.core.isolation`): rule S2 by construction, at the cost of the
+            batched step (1.01x on the clipless digits CNN,
+            ``benchmarks/row_isolation_cost.py``), and without the batch-independence
+            probe. ``False``: every layer and the loss on the batch, checked by the probe.
+            Other arguments: :class:`~lipdp.core.private_model.PrivateModel`.
     """
 
     _layers_key = "dp_layers"
@@ -157,18 +186,33 @@ class DP_Model(PrivateModel):
     #: ordinary Keras layers).
     _check_layers = staticmethod(check_dp_layers)
 
-    def __init__(self, dp_layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
+    def __init__(
+        self,
+        dp_layers,
+        *,
+        dp_parameters,
+        dataset_metadata=None,
+        debug=False,
+        row_isolation=True,
+        **kwargs,
+    ):
         super().__init__(
             dp_layers,
             dp_parameters=dp_parameters,
             dataset_metadata=dataset_metadata,
             debug=debug,
+            row_isolation=row_isolation,
             **kwargs,
         )
         _check_dynamic_declaration(self.dp_layers, dp_parameters)
 
     def _all_layers(self):
         return list(_with_wrapped_blocks(self.dp_layers))
+
+    def _runs_batched(self, layer) -> bool:
+        """lipdp's own DP layers run on the batch under row isolation; ``DP_Lambda``, a
+        user's DP layer and subclasses run one row at a time (:func:`runs_per_example`)."""
+        return runs_per_example(layer)
 
     def _check_loss(self, loss) -> None:
         check_loss(loss)
@@ -311,12 +355,22 @@ class DP_Sequential(DP_Model):
 
     _layers_key = "layers"
 
-    def __init__(self, layers, *, dp_parameters, dataset_metadata=None, debug=False, **kwargs):
+    def __init__(
+        self,
+        layers,
+        *,
+        dp_parameters,
+        dataset_metadata=None,
+        debug=False,
+        row_isolation=True,
+        **kwargs,
+    ):
         super().__init__(
             layers,
             dp_parameters=dp_parameters,
             dataset_metadata=dataset_metadata,
             debug=debug,
+            row_isolation=row_isolation,
             **kwargs,
         )
 

@@ -61,6 +61,7 @@ from lipdp.clipped.per_example import (
     GRADIENT_METHODS,
     Ascent,
     per_example_gradients,
+    row_loop_layers,
     weighted_layers,
 )
 from lipdp.clipped.sharpness import ASCENT_MODES, SharpnessAscent
@@ -119,6 +120,10 @@ class DPSGD_Model(PrivateModel):
             norms are computed (:mod:`lipdp.clipped.per_example`; the same numbers).
         ascent: a :class:`SharpnessAscent` (BAM or DP-SAT), or ``None``.
         debug: run eagerly and log every step's noise level.
+        row_isolation: every layer, activation and the loss computed one row at a time,
+            forward and backward (:mod:`lipdp.core.isolation`; the linear parts of lipdp's
+            own ghost rules run on the batch, a layer with a user's rule takes the per-row
+            fallback): rule S2 by construction. Other arguments: :class:`PrivateModel`.
     """
 
     def __init__(
@@ -165,6 +170,11 @@ class DPSGD_Model(PrivateModel):
                 "DPSGD_Sequential(..., gradient_method='jacobian'); ghost norms cover losses "
                 "of one row."
             )
+
+    def _row_loop(self, layer) -> bool:
+        """Layers ``pfor`` cannot vectorise run as a row loop under row isolation too
+        (:func:`lipdp.clipped.per_example.row_loop_layers`)."""
+        return bool(row_loop_layers([layer]))
 
     def _refuse_loss_reads(self, read) -> None:
         """A loss reading a weight itself: ghost norms refuse it, the Jacobian method clips

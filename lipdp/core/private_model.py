@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from lipdp.accounting.mechanisms import effective_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
-from lipdp.core import batch_independence, compat, distribute, ledger, noise
+from lipdp.core import batch_independence, compat, distribute, isolation, ledger, noise
 from lipdp.core.adversarial import PGD, softmax_kl
 from lipdp.core.layer_walk import nested_layers
 from lipdp.core.ledger import PrivacyLedger, step_row
@@ -88,6 +88,18 @@ class PrivateModel(keras.Model):
             (default). ``False`` skips it -- for a model you know treats each example on
             its own -- and the privacy report says so; the structural walk and the
             per-example loss check still run (rule S2).
+        row_isolation: compute each example's loss in isolation (:mod:`lipdp.core.isolation`):
+            in training, every layer lipdp does not own, its activation and the loss run
+            on one row at a time, forward and backward (a vectorised map over the rows),
+            so that no code but lipdp's own ever sees two examples: rule S2 then holds by
+            construction, whatever the layers compute, instead of being checked by the
+            probe at a few points. Writes to variables and other stateful operations in
+            those calls are refused when the step is traced (random seed states
+            excepted). ``False``: layers run on the batch, as Keras runs them; the
+            structural walk and the probe check rule S2. The families' defaults: on
+            for the clipless family (only ``DP_Lambda``, foreign DP layers and the loss
+            are isolated: 1.01x the batched step), off for clipped DP-SGD (1.21x on the
+            CNN of ``lipdp train --method dp-sgd``; ``benchmarks/row_isolation_cost.py``).
     """
 
     _layers_key = "dp_layers"
@@ -106,6 +118,7 @@ class PrivateModel(keras.Model):
         adversarial=None,
         debug=False,
         independence_probe=True,
+        row_isolation=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -121,6 +134,9 @@ class PrivateModel(keras.Model):
         self.dataset_metadata = dataset_metadata
         self.debug = bool(debug)
         self.independence_probe = bool(independence_probe)
+        if not isinstance(row_isolation, bool):
+            raise TypeError(f"row_isolation must be True or False, got {row_isolation!r}.")
+        self.row_isolation = row_isolation
         # The input specs the batch-independence probe has passed (reset by compile).
         object.__setattr__(self, "_independence_probed", set())
         # Training examples neutralised by rule S9, per epoch, in the training logs: with a
@@ -203,7 +219,9 @@ class PrivateModel(keras.Model):
     def _check_adversarial(self, pgd) -> None:
         """Refuse an attack the family cannot bound (hook; everything by default)."""
 
-    def forward(self, inputs, training=None, observe=None, apply=None, loss_weight=1.0):
+    def forward(
+        self, inputs, training=None, observe=None, apply=None, loss_weight=1.0, isolate=None
+    ):
         """The one forward loop over ``dp_layers``.
 
         Layers that clip cotangents receive the loss normaliser of the model's metadata
@@ -217,8 +235,15 @@ class PrivateModel(keras.Model):
         copy of this loop. ``apply(layer, h, kwargs)``, if given, replaces the call
         ``layer(h, training=training, **kwargs)`` (how :mod:`lipdp.clipped.per_example` records
         each layer's pre-activation output).
+
+        ``isolate``: run the layers lipdp does not own one row at a time
+        (:meth:`isolated_layer_call`); ``None``: in training (``training=True``) when the
+        model has ``row_isolation``. Symbolic inputs (building) always run on the batch.
         """
         h = inputs
+        if isolate is None:
+            isolate = self.row_isolation and training is True
+        isolate = isolate and _real_tensors(inputs)
         normalizer = self.loss_normalizer
         if loss_weight != 1.0:
             rows = normalizer if normalizer is not None else tf.shape(tf.nest.flatten(h)[0])[0]
@@ -229,6 +254,8 @@ class PrivateModel(keras.Model):
                 kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
                 if isinstance(layer, keras.layers.InputLayer):
                     pass  # the identity (Keras 3's InputLayer cannot be called)
+                elif apply is None and isolate and not self._runs_batched(layer):
+                    h = self.isolated_layer_call(layer, h, training, kwargs)
                 elif apply is None:
                     h = layer(h, training=training, **kwargs)
                 else:
@@ -236,6 +263,27 @@ class PrivateModel(keras.Model):
                 if observe is not None:
                     h = observe(index, h)
         return h
+
+    def isolated_layer_call(self, layer, h, training, kwargs):
+        """``layer(h, training=training, **kwargs)`` one row at a time, forward and backward
+        (:func:`lipdp.core.isolation.isolated_call`)."""
+        return isolation.isolated_call(
+            lambda batch: layer(batch, training=training, **kwargs),
+            h,
+            what=f"Layer {layer.name!r} ({type(layer).__name__})",
+            layers=[layer],
+            loop=self._row_loop(layer),
+        )
+
+    def _runs_batched(self, layer) -> bool:
+        """Whether ``layer`` runs on the whole batch under row isolation: code of lipdp's
+        own that treats each row on its own (family hook; none by default)."""
+        return False
+
+    def _row_loop(self, layer) -> bool:
+        """Whether an isolated ``layer`` runs as a loop over rows (``tf.map_fn``) rather
+        than a vectorised map (family hook: layers ``pfor`` cannot vectorise)."""
+        return False
 
     def layers_forward_order(self):
         return list(self.dp_layers)
@@ -404,13 +452,23 @@ class PrivateModel(keras.Model):
         loss = keras.losses.get(self.loss)
         fn = loss.call if isinstance(loss, keras.losses.Loss) else loss
 
-        def rows(labels, predictions):
+        def batched(labels, predictions):
             values = fn(_one_target_per_output(labels, predictions), predictions)
             # A loss without per-row values (a batch mean) is refused when traced (S2).
             batch_independence.check_per_example_values(values, predictions, self.loss)
             rank = len(values.shape)
             return values if rank == 1 else tf.reduce_mean(values, axis=list(range(1, rank)))
 
+        def one_row(pair):  # a batch of one: any reduction gives the row's own loss
+            labels, predictions = pair
+            values = fn(_one_target_per_output(labels, predictions), predictions)
+            return tf.reshape(tf.reduce_mean(values), [1])
+
+        def isolated(labels, predictions):
+            name = f"The loss {_loss_name(self.loss)!r}"
+            return isolation.isolated_call(one_row, (labels, predictions), what=name)
+
+        rows = isolated if self.row_isolation and _real_tensors((y, y_pred)) else batched
         with tf.GradientTape() as probe:  # the trainable variables the loss reads itself
             losses = neutralised_losses(rows, y, y_pred, self._ignored_class())
         self._refuse_loss_reads(probe.watched_variables())
@@ -477,16 +535,21 @@ class PrivateModel(keras.Model):
         if self.adversarial is None:
             raise ValueError("The model has no adversarial=PGD(...) option.")
 
+        def predict(inputs):  # isolated under row_isolation: the attack of row i sees row i
+            if self.row_isolation:
+                return self.forward(inputs, training=False, isolate=True)
+            return self(inputs, training=False)
+
         if self.adversarial.trades_beta is not None:  # TRADES: ascend KL(p(x) || p(x'))
-            clean = tf.stop_gradient(self(x, training=False))
+            clean = tf.stop_gradient(predict(x))
 
             def row_losses(inputs):
-                return softmax_kl(clean, self(inputs, training=False))
+                return softmax_kl(clean, predict(inputs))
 
         else:
 
             def row_losses(inputs):
-                return self.per_example_losses(y, self(inputs, training=False))
+                return self.per_example_losses(y, predict(inputs))
 
         return self.adversarial.perturb(row_losses, x)
 
@@ -711,9 +774,12 @@ class PrivateModel(keras.Model):
     def _check_batch_independence(self, x, y) -> None:
         """Rule S2 when the step is traced: the structural walk (layers may have been
         unfrozen since compile), then, once per input spec, the numerical probe
-        (:mod:`lipdp.core.batch_independence`) unless ``independence_probe=False``."""
+        (:mod:`lipdp.core.batch_independence`) unless ``independence_probe=False`` or
+        ``row_isolation=True``: an isolated step computes every row's loss from that row
+        alone and refuses state kept between rows (:mod:`lipdp.core.isolation`), which is
+        what the probe would test at a few points."""
         batch_independence.refuse_coupling_layers(self.dp_layers)
-        if self.independence_probe:
+        if self.independence_probe and not self.row_isolation:
             batch_independence.probe_when_traced(self, x, y)
 
     def _check_batch_rows(self, batch_rows) -> None:
@@ -1010,6 +1076,7 @@ class PrivateModel(keras.Model):
             "adversarial": None if self.adversarial is None else self.adversarial.to_config(),
             "debug": self.debug,
             "independence_probe": self.independence_probe,
+            "row_isolation": self.row_isolation,
             "name": self.name,
         }
 
@@ -1034,6 +1101,16 @@ def _symbolic(input_shape):
     return keras.tree.map_shape_structure(
         lambda shape: keras.KerasTensor(tuple(shape)), input_shape
     )
+
+
+def _real_tensors(nest) -> bool:
+    """Whether every leaf of ``nest`` is a TensorFlow tensor (not a Keras 3 symbolic
+    ``KerasTensor``, whose layers are built rather than run)."""
+    return all(tf.is_tensor(t) for t in tf.nest.flatten(nest))
+
+
+def _loss_name(loss) -> str:
+    return getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
 
 
 def _as_tensor(value):

@@ -99,7 +99,14 @@ def privacy_report(model, epochs: int | None = None, accountant: str = "rdp") ->
         )
     if model.dp_parameters.non_private:
         notes.append("non-private reference run: no noise, no guarantee.")
-    if not getattr(model, "independence_probe", True):
+    if getattr(model, "row_isolation", False):
+        notes.append(
+            "row isolation: in training every layer lipdp does not own, its activation and "
+            "the loss run on one example at a time, forward and backward, and state kept "
+            "between examples is refused (lipdp.core.isolation): no example's loss depends "
+            "on another's by construction (rule S2), without the batch-independence probe."
+        )
+    elif not getattr(model, "independence_probe", True):
         notes.append(
             "batch-independence probe skipped (independence_probe=False): that no layer or "
             "loss mixes the examples of a batch (rule S2) rests on the structural walk "

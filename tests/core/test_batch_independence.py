@@ -387,7 +387,9 @@ def test_the_clipless_family_is_probed_too(rng):
         ),
         DL.DP_SpectralDense(CLASSES),
     ]
-    model = DP_Sequential(layers, dp_parameters=PARAMS, dataset_metadata=_metadata())
+    model = DP_Sequential(  # without row isolation (its default), which needs no probe
+        layers, dp_parameters=PARAMS, dataset_metadata=_metadata(), row_isolation=False
+    )
     model.compile(loss=losses.DP_TauCategoricalCrossentropy(2.0), optimizer="sgd")
     x, _ = _data(rng)
     with pytest.raises(ValueError) as error:
@@ -470,8 +472,12 @@ def test_the_clipless_family_refuses_a_scalar_loss(rng):
         DL.DP_BoundedInput(input_shape=(FEATURES,), upper_bound=1.0),
         DL.DP_SpectralDense(CLASSES),
     ]
-    model = DP_Sequential(
-        layers, dp_parameters=PARAMS, dataset_metadata=_metadata(), independence_probe=False
+    model = DP_Sequential(  # under row isolation a batch mean is each row's own loss
+        layers,
+        dp_parameters=PARAMS,
+        dataset_metadata=_metadata(),
+        independence_probe=False,
+        row_isolation=False,
     )
     model.compile(loss=_ScalarTauCCE(2.0), optimizer="sgd")
     x, _ = _data(rng)

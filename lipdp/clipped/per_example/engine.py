@@ -126,7 +126,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.clipped.per_example.registry import FALLBACK, GhostRule, find_ghost_rule
-from lipdp.core import compat, validation
+from lipdp.core import compat, isolation, validation
 from lipdp.core.records import zero_rows
 from lipdp.core.variables import as_one_of, variable_key
 
@@ -383,12 +383,26 @@ def _recorded_forward(model, x, records, ascent=None):
     refused (:func:`refuse_untracked_reads`), unless both are inside one nested chain
     model: that model then runs as one layer (its fallback differentiates every use)."""
     owners = _variable_owners(model)
+    isolated = isolates_rows(model)
 
     def watched_call(layer, h, kwargs):
         with tf.GradientTape() as probe:  # records which trainable variables the call reads
-            out = layer(h, training=True, **kwargs)
+            if isolated:
+                out = model.isolated_layer_call(layer, h, True, kwargs)
+            else:
+                out = layer(h, training=True, **kwargs)
         refuse_untracked_reads(layer, probe.watched_variables(), owners)
         return out
+
+    def activation(layer, rule, z):
+        if not isolated:
+            return rule.activation(layer, z)
+        return isolation.isolated_call(
+            lambda batch: rule.activation(layer, batch),
+            z,
+            what=f"The activation of {_describe(layer)}",
+            layers=[layer],
+        )
 
     def apply(layer, h, kwargs, group=None):
         if not layer.built:
@@ -410,12 +424,14 @@ def _recorded_forward(model, x, records, ascent=None):
             except _UntrackedRead:  # between two of its layers: run it as one layer
                 del records[start:]
         registration = find_ghost_rule(layer)
+        if isolated and registration is not None and not _lipdp_rule(registration.rule):
+            registration = None  # a user's rule is code of its own: the per-row fallback
         if registration is None and first is None:
             out = watched_call(layer, h, kwargs)
             records.append(_Record(layer, h, out, FALLBACK, group))
             return out
         if registration is None:
-            out = _shifted_call(first, h, ascent.scales)
+            out = _shifted_call(first, h, ascent.scales, isolated)
             records.append(_Record(layer, h, out, FALLBACK, group))
             return _masked_like_keras(layer, h, out)
         rule = registration.rule
@@ -424,12 +440,33 @@ def _recorded_forward(model, x, records, ascent=None):
         if first is not None:
             z = z + _ghost_shift(first, h, _float32_coefficients(ascent.scales))
         records.append(_Record(layer, h, z, registration.name, group, rule))
-        return _masked_like_keras(layer, h, rule.activation(layer, z))
+        return _masked_like_keras(layer, h, activation(layer, rule, z))
 
     try:
         return model.forward(x, training=True, apply=apply)
     except _UntrackedRead as error:
         raise ValueError(str(error)) from None
+
+
+def isolates_rows(model) -> bool:
+    """Whether ``model`` computes each row's loss in isolation (``row_isolation``,
+    :mod:`lipdp.core.isolation`): every layer it runs by its own call, every activation
+    and the loss run one row at a time; the linear parts of lipdp's own ghost rules run
+    on the batch (:func:`_lipdp_rule`)."""
+    return bool(getattr(model, "row_isolation", False))
+
+
+def _lipdp_rule(rule) -> bool:
+    """A ghost rule of lipdp's own (:mod:`~lipdp.clipped.per_example.dense`,
+    :mod:`~lipdp.clipped.per_example.convolution`, :mod:`~lipdp.clipped.per_example.embedding`):
+    its linear map, norms and clipped sums treat each row on its own. Under row isolation a
+    layer covered by another rule takes the per-row fallback: its norms and sums come from
+    the row's own gradient, whatever the rule computes."""
+    return type(rule).__module__.startswith("lipdp.clipped.per_example.")
+
+
+def _describe(layer) -> str:
+    return f"Layer {layer.name!r} ({type(layer).__name__})"
 
 
 def _rule_variables(rule, layer) -> list:
@@ -705,10 +742,22 @@ def _map_rows(layer, one_row, rows, dtypes):
     return tf.vectorized_map(one_row, rows)
 
 
-def _shifted_call(first, h, scales):
-    """A vectorised-fallback layer on each row at ``W + s_i grad_i`` (materialised)."""
+def _shifted_call(first, h, scales, isolated=False):
+    """A vectorised-fallback layer on each row at ``W + s_i grad_i`` (materialised);
+    ``isolated``: its backward pass per row too (:func:`lipdp.core.isolation.isolated_call`)."""
     layer, slots = first.layer, _variable_slots(first.layer)
     grads = [tf.stop_gradient(t) for t in first.per_row]
+    if isolated:
+
+        def one_row(batch):
+            weights = _shifted_weights(layer, [t[0] for t in batch["shifts"]], batch["scale"][0])
+            with _weights_replaced(slots, weights):
+                return layer(batch["inputs"], training=True)
+
+        rows = {"inputs": h, "scale": _ascent_row_scales(scales, first), "shifts": grads}
+        return isolation.isolated_call(
+            one_row, rows, what=_describe(layer), layers=[layer], loop=_needs_row_loop(layer)
+        )
 
     def one_row(row):
         weights = _shifted_weights(layer, row["shifts"], row["scale"])
