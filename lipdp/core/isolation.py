@@ -411,6 +411,27 @@ def _seed_updates(states, keys, rows):
         state.assign(tf.cast(new, state.dtype))
 
 
+#: The calls that ran as a row loop while :func:`row_loops_recorded` is open (else None).
+_ROW_LOOPS = None
+
+
+@contextlib.contextmanager
+def row_loops_recorded():
+    """Yields a list that receives the name (``what``) of every isolated call traced inside
+    the block that runs as a row loop (``tf.map_fn``). Why: a ``pfor`` taken from outside
+    over such a loop -- a Jacobian of the per-row losses -- vectorises each row's batched
+    matrix product into the very shapes the loop avoids (:data:`ROW_LOOP_OPS`): the
+    caller then loops too."""
+    global _ROW_LOOPS
+    outer, _ROW_LOOPS = _ROW_LOOPS, []
+    try:
+        yield _ROW_LOOPS
+    finally:
+        found, _ROW_LOOPS = _ROW_LOOPS, outer
+        if outer is not None:
+            outer.extend(found)
+
+
 @tf.autograph.experimental.do_not_convert  # Python run when traced, not graph code
 def isolated_call(fn, inputs, *, what, layers=(), loop=False):
     """``fn(inputs)`` computed one row at a time, forward and backward (module docstring).
@@ -492,6 +513,8 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
         # row, as on a batch, so that the rows' outputs stack.
         drawn_per_row[0] = 0
     loop = loop or found.products
+    if loop and _ROW_LOOPS is not None:
+        _ROW_LOOPS.append(what)
     signature = _signature(traced) if loop else None
     guard = found.unconverted or loop  # map_fn cannot stack zero rows of unknown shape either
 

@@ -889,9 +889,17 @@ def _jacobian(model, x, per_example_losses) -> PerExampleGradients:
     layers = weighted_layers(model.layers_forward_order())
     variables = [v for layer in layers for v in layer.trainable_variables]
     vectorise = not row_loop_layers(layers)
-    with tf.GradientTape(persistent=not vectorise) as tape:  # a loop needs persistent
+    isolated = getattr(model, "row_isolation", False)
+    # A loop needs a persistent tape; so may an isolated forward pass (below).
+    with (
+        isolation.row_loops_recorded() as looped,
+        tf.GradientTape(persistent=isolated or not vectorise) as tape,
+    ):
         y_pred = model.forward(x, training=True)
         losses = per_example_losses(y_pred)
+    # pfor over an isolated call that loops over rows would give each row's matrix
+    # products the shapes the loop is there to avoid (lipdp.core.isolation.ROW_LOOP_OPS).
+    vectorise = vectorise and not looped
     jacobians = tape.jacobian(losses, variables, experimental_use_pfor=vectorise)
     rows = tf.shape(losses)[0]
     jacobians = [
