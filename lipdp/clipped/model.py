@@ -136,6 +136,7 @@ class DPSGD_Model(PrivateModel):
         gradient_method="ghost",
         ascent=None,
         debug=False,
+        row_isolation=False,
         **kwargs,
     ):
         self.clipping = Clipping.coerce(clipping)
@@ -158,6 +159,7 @@ class DPSGD_Model(PrivateModel):
             dp_parameters=dp_parameters,
             dataset_metadata=dataset_metadata,
             debug=debug,
+            row_isolation=row_isolation,
             **kwargs,
         )
 
