@@ -130,6 +130,13 @@ ALLOWED_STATEFUL_OPS = frozenset(
 #: batch of one, as plain Keras runs it (rule S13: a model must not crash the process).
 ROW_LOOP_OPS = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
 
+#: Ops whose output shape depends on the values (``tf.boolean_mask``'s ``Where``, e.g. in
+#: Keras 2's sparse cross-entropy with ``ignore_class``): ``pfor`` loops over the rows for
+#: them and then cannot stack rows of different lengths (TensorFlow 2.15: "Incompatible
+#: shapes during merge"). An isolated call holding one runs as a loop over rows too, whose
+#: outputs (the call's, fixed per row) stack.
+VALUE_SHAPED_OPS = frozenset({"Where", "Unique", "UniqueV2", "UniqueWithCounts"})
+
 #: Ops of a row's graph that ``pfor`` leaves as they are (no per-row input).
 _LOOP_INVARIANT_OPS = frozenset({"Const", "Placeholder", "NoOp"})
 
@@ -234,7 +241,8 @@ class RowCall:
 
     #: An op's gradient is overridden: each row is differentiated inside the map.
     overrides: bool
-    #: A batched matrix product (:data:`ROW_LOOP_OPS`): a loop over rows.
+    #: A batched matrix product (:data:`ROW_LOOP_OPS`) or an op whose output shape depends on
+    #: the values (:data:`VALUE_SHAPED_OPS`): a loop over rows.
     products: bool
     #: An op ``pfor`` has no converter for (it loops over the rows for it, and cannot
     #: stack zero rows of a shape unknown statically): an empty batch is guarded.
@@ -262,7 +270,7 @@ def inspect_row_call(graph, what, variables=()) -> RowCall:
         )
     converters = pfor_ops._pfor_converter_registry  # noqa: SLF001 - pfor's op converters
     unconverted = any(t not in converters and t not in _LOOP_INVARIANT_OPS for t in types)
-    return RowCall(overrides, bool(types & ROW_LOOP_OPS), unconverted)
+    return RowCall(overrides, bool(types & (ROW_LOOP_OPS | VALUE_SHAPED_OPS)), unconverted)
 
 
 # ----------------------------------------------------------------------- state
@@ -579,6 +587,7 @@ def isolated_call(fn, inputs, *, what, layers=(), loop=False):
 __all__ = [
     "ALLOWED_STATEFUL_OPS",
     "ROW_LOOP_OPS",
+    "VALUE_SHAPED_OPS",
     "RowCall",
     "inspect_row_call",
     "isolated_call",

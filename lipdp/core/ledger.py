@@ -376,15 +376,26 @@ def _entry(row, count) -> LedgerEntry:
 #: new layers, or from a file, whose weights the loaded ledger priced -- and when it
 #: trains.
 _TRAINED_BY = weakref.WeakKeyDictionary()
+#: Per layer, the digests of the values its trainable weights held when it was first tagged
+#: with a ledger that had released nothing (nor received any copied spending): values that
+#: no data of this process has touched (a seeded initialisation). A layer still holding
+#: them after training (learning rate 0, weights reset to their initial values) is not the
+#: source of a copy: a fresh model seeded alike holds them without copying anything.
+_UNTRAINED_VALUES = weakref.WeakKeyDictionary()
 
 
 def tag_layers(layers, ledger: PrivacyLedger) -> None:
     """Record that the weights of ``layers`` (every layer holding weights, at any depth,
     trainable or frozen) are priced by ``ledger``: a model built from them later starts
     from its releases (:func:`inherited_ledger`)."""
+    untouched = not ledger.entries()
     for _, layer in nested_layers(layers):
         if _weights(layer):
             _TRAINED_BY[layer] = ledger
+            if untouched and layer not in _UNTRAINED_VALUES:
+                _UNTRAINED_VALUES[layer] = {
+                    _digest(np.asarray(v.numpy())) for v in _own_weights(layer, trainable=True)
+                }
 
 
 def ledgers_of(layers) -> dict:
@@ -436,7 +447,8 @@ def copied_ledgers(layers, own: PrivacyLedger | None = None) -> dict:
     get_weights())``), which carry no ledger of their own. Variables whose entries are all
     equal (zero biases, unit scales) are ignored: they match without being copies. A match
     that is not a copy (equal trained values by chance: not a coincidence of random
-    weights) would only over-state epsilon."""
+    weights) would only over-state epsilon. Values a source layer held before its ledger
+    released anything (:data:`_UNTRAINED_VALUES`) are not copies of anything private."""
     wanted = {}
     for path, layer in nested_layers(layers):
         for variable in _own_weights(layer):
@@ -450,10 +462,14 @@ def copied_ledgers(layers, own: PrivacyLedger | None = None) -> dict:
     for layer, ledger in list(_TRAINED_BY.items()):
         if own is not None and ledger.table is own.table or not ledger.entries():
             continue
+        untrained = _UNTRAINED_VALUES.get(layer, set())
         for variable in _own_weights(layer, trainable=True):
             if tuple(variable.shape) not in shapes:
                 continue
-            for path, key in wanted.get(_digest(np.asarray(variable.numpy())), ()):
+            digest = _digest(np.asarray(variable.numpy()))
+            if digest in untrained:
+                continue
+            for path, key in wanted.get(digest, ()):
                 if key != variable_key(variable):
                     found.setdefault(path, ledger)
     return found

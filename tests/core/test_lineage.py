@@ -202,3 +202,36 @@ def test_weights_copied_layer_by_layer_bring_their_spending(caplog):
     assert privacy_report(third, accountant="pld").epsilon == pytest.approx(
         _ReferenceEpsilon().add(2.0, 2, 8 / 64, 16), rel=1e-6
     )
+
+
+def test_values_no_data_touched_are_not_copies(caplog):
+    """A private model that trained without moving its weights (learning rate 0) still holds
+    its seeded initialisation: a fresh model seeded alike holds the same values without
+    copying anything and starts from an empty ledger. Once the source's weights are trained,
+    a copy of them is charged (the values it held before its first release are the only
+    ones exempt)."""
+    tf.keras.utils.set_random_seed(3)
+    source = _private("dp-sgd", [*_backbone("dp-sgd"), _head("dp-sgd")], 2.0)
+    source.optimizer.learning_rate.assign(0.0)
+    initial = [v.numpy() for v in source.trainable_variables]
+    _fit(source)
+    assert source.privacy_ledger.entries()
+    for before, after in zip(initial, [v.numpy() for v in source.trainable_variables]):
+        np.testing.assert_array_equal(before, after)
+    tf.keras.utils.set_random_seed(3)
+    with caplog.at_level("WARNING", logger="lipdp.core.private_model"):
+        alike = _private("dp-sgd", [*_backbone("dp-sgd"), _head("dp-sgd")], 2.0)
+        for before, after in zip(initial, [v.numpy() for v in alike.trainable_variables]):
+            np.testing.assert_array_equal(before, after)
+        assert not alike.privacy_ledger.entries()
+        source.optimizer.learning_rate.assign(0.05)
+        _fit(source)
+        target = _private("dp-sgd", [*_backbone("dp-sgd"), _head("dp-sgd")], 2.0)
+        for copy_to, copy_from in zip(target.dp_layers, source.dp_layers):
+            copy_to.set_weights(copy_from.get_weights())
+        _fit(target)
+    assert caplog.text.count("hold weights copied from a model trained privately") == 1
+    assert not alike.privacy_ledger.entries()
+    assert sum(e.count for e in target.privacy_ledger.entries()) == 3 * sum(
+        e.count for e in source.privacy_ledger.entries()
+    ) / 2
