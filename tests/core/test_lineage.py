@@ -232,6 +232,7 @@ def test_values_no_data_touched_are_not_copies(caplog):
         _fit(target)
     assert caplog.text.count("hold weights copied from a model trained privately") == 1
     assert not alike.privacy_ledger.entries()
-    assert sum(e.count for e in target.privacy_ledger.entries()) == 3 * sum(
-        e.count for e in source.privacy_ledger.entries()
-    ) / 2
+    assert (
+        sum(e.count for e in target.privacy_ledger.entries())
+        == 3 * sum(e.count for e in source.privacy_ledger.entries()) / 2
+    )
