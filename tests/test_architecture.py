@@ -40,11 +40,16 @@ ALLOWED = {
     "lipdp.core": ("lipdp.core", "lipdp.accounting"),
     # the two families build on the shared base, never on each other
     "lipdp.clipless": ("lipdp.clipless", "lipdp.core", "lipdp.accounting"),
-    # the clipped family's JAX step: the shared base and the clipping configuration only,
-    # never the TensorFlow step (lipdp.clipped.model, lipdp.clipped.per_example)
+    # the clipped family's JAX step: the shared base, the clipping rule, the ghost-rule
+    # registry with its rules and the row scaling; never the TensorFlow step
+    # (lipdp.clipped.model, lipdp.clipped.per_example.engine)
     "lipdp.clipped.jax": (
         "lipdp.clipped.jax",
         "lipdp.clipped.clipping",
+        "lipdp.clipped.per_example.registry",
+        "lipdp.clipped.per_example.scale",
+        "lipdp.clipped.per_example.dense",
+        "lipdp.clipped.per_example.convolution",
         "lipdp.core",
         "lipdp.accounting",
     ),

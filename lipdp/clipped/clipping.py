@@ -1,15 +1,24 @@
 """How a row's gradient is clipped: the four modes of :class:`Clipping` (flat, per-layer,
 automatic, global) and their factors ``C_i``; every mode bounds the norm of a row's scaled
 gradient ``C_i g_i`` by ``R``, the sensitivity the noise of :mod:`lipdp.clipped.model`
-is calibrated on. (TensorFlow is imported when a factor is computed: the JAX backend,
-:mod:`lipdp.clipped.jax`, reads the same configuration.)"""
+is calibrated on.
+
+The rule is written once, for both backends: :meth:`Clipping.factors` and
+:meth:`Clipping.layer_factors` compute in the array namespace of
+:func:`lipdp.core.compat.array_ops` (``keras.ops``; a TensorFlow shim on Keras 2), on the
+norms' own dtype: float64 from the TensorFlow engine (:mod:`lipdp.clipped.per_example`),
+float32 from the JAX step (:mod:`lipdp.clipped.jax.per_example`, whose norms are an upper
+bound computed without overflow or underflow). Importing this module imports neither
+TensorFlow nor JAX."""
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass
 
-from lipdp.core import validation
+from lipdp.core import compat, validation
 from lipdp.core.config import Config
 
 #: Clipping modes (per-example factor rules, :class:`Clipping`).
@@ -95,28 +104,30 @@ class Clipping(Config):
     def layer_factors(self, sq_norms) -> list:
         """``C_il`` for every weighted layer ``l`` from the rows' squared gradient norms
         per layer (float64, :mod:`lipdp.clipped.per_example`: the sum over layers cannot
-        overflow): one factor from the total norm, or one per layer (``"per-layer"``)."""
-        import tensorflow as tf
-
+        overflow): one factor from the total norm, or one per layer (``"per-layer"``).
+        The layers' squares are added left to right (as ``tf.add_n`` does)."""
+        ops = compat.array_ops()
         if self.mode == "per-layer":
             radii = self.layer_radii(len(sq_norms))
-            return [_capped(tf.sqrt(sq), r) for sq, r in zip(sq_norms, radii)]
-        return [self.factors(tf.sqrt(tf.add_n(list(sq_norms))))] * len(sq_norms)
+            return [_capped(ops.sqrt(sq), r) for sq, r in zip(sq_norms, radii)]
+        total = functools.reduce(operator.add, list(sq_norms))
+        return [self.factors(ops.sqrt(total))] * len(sq_norms)
 
     def factors(self, norms):
         """``C_i`` from the per-example gradient norms (class docstring; for
-        ``"per-layer"``, see :meth:`layer_factors`)."""
+        ``"per-layer"``, see :meth:`layer_factors`), in the norms' dtype, on either backend
+        (module docstring). A NaN norm gives a NaN or 0 factor: the callers drop the rows
+        whose norm is not finite."""
         if self.mode == "per-layer":
             raise ValueError("per-layer clipping has one factor per layer: layer_factors().")
-        import tensorflow as tf
-
-        r = tf.cast(self.clip_norm, norms.dtype)
+        ops = compat.array_ops()
+        r = ops.cast(self.clip_norm, norms.dtype)
         if self.mode == "flat":
             return _capped(norms, self.clip_norm)
         if self.mode == "automatic":
-            return r / (norms + tf.cast(self.gamma, norms.dtype))
-        z = tf.cast(self.threshold, norms.dtype)
-        return tf.where(norms <= z, r / z, tf.zeros_like(norms))
+            return r / (norms + ops.cast(self.gamma, norms.dtype))
+        z = ops.cast(self.threshold, norms.dtype)
+        return ops.where(norms <= z, r / z, ops.zeros_like(norms))
 
 
 @dataclass(frozen=True)
@@ -130,11 +141,10 @@ class ClippedGradientBound:
 
 
 def _capped(norms, radius):
-    """``min(1, r / ||g||)``, 1 for a zero gradient."""
-    import tensorflow as tf
-
-    r = tf.cast(radius, norms.dtype)
-    return r / tf.maximum(norms, r)
+    """``min(1, r / ||g||)``, 1 for a zero gradient (:func:`lipdp.core.compat.array_ops`)."""
+    ops = compat.array_ops()
+    r = ops.cast(radius, norms.dtype)
+    return r / ops.maximum(norms, r)
 
 
 __all__ = ["CLIPPING_MODES", "ClippedGradientBound", "Clipping"]

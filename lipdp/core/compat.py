@@ -458,3 +458,105 @@ def replica_loss(loss):
 
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     return loss * replicas if replicas > 1 else loss
+
+
+class _TensorFlowArrayOps:
+    """The part of ``keras.ops`` lipdp's backend-neutral maths uses, on TensorFlow's ops:
+    what :func:`array_ops` returns on Keras 2 (which has no ``keras.ops``). Same names,
+    arguments and results as ``keras.ops`` on the TensorFlow backend (each function is the
+    TensorFlow op ``keras.ops`` itself calls there), so a formula gives the same numbers on
+    Keras 2 and Keras 3. Add a function here when the shared maths needs a new one."""
+
+    @staticmethod
+    def _tf():
+        import tensorflow as tf
+
+        return tf
+
+    def cast(self, x, dtype):
+        return self._tf().cast(x, dtype)
+
+    def convert_to_tensor(self, x, dtype=None):
+        return self._tf().convert_to_tensor(x, dtype)
+
+    def shape(self, x):
+        """Static sizes where known, dynamic ones (scalar tensors) elsewhere (as
+        ``keras.ops.shape`` on the TensorFlow backend)."""
+        tf = self._tf()
+        x = tf.convert_to_tensor(x)
+        dynamic = tf.shape(x)
+        return tuple(d if d is not None else dynamic[i] for i, d in enumerate(x.shape))
+
+    def reshape(self, x, new_shape):
+        return self._tf().reshape(x, new_shape)
+
+    def maximum(self, x1, x2):
+        return self._tf().maximum(x1, x2)
+
+    def minimum(self, x1, x2):
+        return self._tf().minimum(x1, x2)
+
+    def where(self, condition, x1, x2):
+        return self._tf().where(condition, x1, x2)
+
+    def zeros_like(self, x, dtype=None):
+        return self._tf().zeros_like(x, dtype)
+
+    def ones_like(self, x, dtype=None):
+        return self._tf().ones_like(x, dtype)
+
+    def abs(self, x):
+        return self._tf().abs(x)
+
+    def sqrt(self, x):
+        return self._tf().sqrt(x)
+
+    def square(self, x):
+        return self._tf().square(x)
+
+    def isfinite(self, x):
+        return self._tf().math.is_finite(x)
+
+    def isnan(self, x):
+        return self._tf().math.is_nan(x)
+
+    def sum(self, x, axis=None, keepdims=False):
+        return self._tf().reduce_sum(x, axis=axis, keepdims=keepdims)
+
+    def max(self, x, axis=None, keepdims=False):
+        return self._tf().reduce_max(x, axis=axis, keepdims=keepdims)
+
+    def min(self, x, axis=None, keepdims=False):
+        return self._tf().reduce_min(x, axis=axis, keepdims=keepdims)
+
+    def einsum(self, subscripts, *operands):
+        return self._tf().einsum(subscripts, *operands)
+
+    def matmul(self, x1, x2):
+        return self._tf().matmul(x1, x2)
+
+    def stack(self, x, axis=0):
+        return self._tf().stack(x, axis=axis)
+
+    def concatenate(self, xs, axis=0):
+        return self._tf().concat(xs, axis=axis)
+
+
+_TENSORFLOW_ARRAY_OPS = _TensorFlowArrayOps()
+
+
+def array_ops():
+    """The array namespace of lipdp's backend-neutral maths (the clipping rule
+    :meth:`lipdp.clipped.clipping.Clipping.factors`, the ghost rules' shared formulas):
+    ``keras.ops`` on Keras 3, whatever its backend (it takes TensorFlow tensors under the
+    TensorFlow backend and JAX arrays under the JAX backend, and runs the backend's own op:
+    ``tf.maximum``, ``jnp.maximum``, ...); on Keras 2, which has no ``keras.ops``, a shim of
+    the same names on TensorFlow's ops (:class:`_TensorFlowArrayOps`: the subset lipdp
+    uses). Write such maths as ``ops = compat.array_ops()`` then ``ops.maximum(...)``; the
+    dtypes it computes in are the inputs' (float64 squared norms on TensorFlow, float32 on
+    JAX): a formula's precision argument is the caller's."""
+    if keras_3():
+        import keras
+
+        return keras.ops
+    return _TENSORFLOW_ARRAY_OPS

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import lipdp
-from lipdp.clipped.jax import ghost
+from lipdp.clipped.per_example import dense
 from lipdp.core.noise import ROUNDOFF_SLACK
 from tests.jax import helpers as h
 from tests.jax.test_per_example import _loop_gradients
@@ -94,7 +94,7 @@ def test_ghost_norms_are_the_per_row_gradient_norms(name, scaled):
 
 
 def test_the_sequence_network_takes_both_paths():
-    assert not ghost.materialise(3, 12, 16) and ghost.materialise(3, 16, 2)
+    assert not dense.materialise(3, 12, 16) and dense.materialise(3, 16, 2)
 
 
 def test_gram_norms_bound_the_norm_through_cancellation():
@@ -106,14 +106,14 @@ def test_gram_norms_bound_the_norm_through_cancellation():
     g = rng.normal(size=(4, 1, 50))
     g = np.concatenate([g, -g + 1e-6 * rng.normal(size=g.shape)], axis=1)
     exact = np.linalg.norm(np.einsum("btd,btp->bdp", a, g), axis=(1, 2))
-    got = np.asarray(ghost.gram_norms(jnp.asarray(a, "float32"), jnp.asarray(g, "float32")))
+    got = np.asarray(dense.gram_norms(jnp.asarray(a, "float32"), jnp.asarray(g, "float32")))
     a32, g32 = a.astype("float32").astype(np.float64), g.astype("float32").astype(np.float64)
     exact32 = np.linalg.norm(np.einsum("btd,btp->bdp", a32, g32), axis=(1, 2))
     assert np.all(got >= exact) and np.all(got >= exact32)
     # Random positions: the bound costs little.
     a, g = rng.normal(size=(4, 5, 40)), rng.normal(size=(4, 5, 50))
     exact = np.linalg.norm(np.einsum("btd,btp->bdp", a, g), axis=(1, 2))
-    got = np.asarray(ghost.gram_norms(jnp.asarray(a, "float32"), jnp.asarray(g, "float32")))
+    got = np.asarray(dense.gram_norms(jnp.asarray(a, "float32"), jnp.asarray(g, "float32")))
     assert np.all(got >= exact * (1 - 1e-6))
     np.testing.assert_allclose(got, exact, rtol=1e-4)
 

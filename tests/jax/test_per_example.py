@@ -63,7 +63,7 @@ def test_clipped_sum_matches_float64_numpy():
     expected = ((weights * np.minimum(1.0, 2.0 / norms))[:, None] * loop).sum(axis=0)
     got_norms = per_example.row_norms(grads)
     np.testing.assert_allclose(got_norms, norms, rtol=1e-5)
-    factors = per_example.clip_factors(Clipping("flat", 2.0), got_norms)
+    factors = Clipping("flat", 2.0).factors(got_norms)
     summed = per_example.clipped_sum(grads, got_norms, factors, jnp.asarray(weights))
     flat = np.concatenate([np.ravel(np.asarray(s, np.float64)) for s in summed])
     assert (norms > 2.0).sum() >= 5
@@ -92,7 +92,7 @@ def test_every_clipped_term_is_within_the_radius(mode, options):
     rng = np.random.default_rng(1)
     g = jnp.asarray(rng.normal(size=(64, 30)) * np.exp(rng.normal(size=(64, 1)) * 3), jnp.float32)
     norms = per_example.row_norms([g])
-    factors = per_example.clip_factors(Clipping(mode, 0.7, **options), norms)
+    factors = Clipping(mode, 0.7, **options).factors(norms)
     clipped = np.asarray(factors)[:, None].astype(np.float64) * np.asarray(g, np.float64)
     assert np.linalg.norm(clipped, axis=1).max() <= 0.7 * (1 + 1e-6)
 
@@ -101,7 +101,7 @@ def test_non_finite_gradients_are_selected_out_not_multiplied():
     g = jnp.asarray([[1.0, 2.0], [np.nan, 1.0], [np.inf, 0.0], [3.0, 4.0]], jnp.float32)
     norms = per_example.row_norms([g])
     assert np.isnan(norms[1]) and not np.isfinite(norms[2])
-    factors = per_example.clip_factors(Clipping("flat", 1.0), norms)
+    factors = Clipping("flat", 1.0).factors(norms)
     (summed,) = per_example.clipped_sum([g], norms, factors, jnp.ones(4))
     expected = np.array([1.0, 2.0]) / np.sqrt(5.0) + np.array([3.0, 4.0]) / 5.0
     np.testing.assert_allclose(summed, expected, rtol=1e-6)

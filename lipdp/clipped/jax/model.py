@@ -371,7 +371,7 @@ class DPSGD_JaxModel(keras.Model):
         row_loss = self._row_loss_function(non_trainable)
         grads, (losses, y_pred) = per_example.per_example_gradients(row_loss, trainable, x, y)
         norms = per_example.row_norms(grads)
-        factors = per_example.clip_factors(self.clipping, norms)
+        factors = self.clipping.factors(norms)
         return per_example.clipped_sum(grads, norms, factors, weights), losses, y_pred
 
     def _ghost_row_function(self, layers, non_trainable, calls):
@@ -392,7 +392,9 @@ class DPSGD_JaxModel(keras.Model):
             def value_of(variable):
                 return None if variable is None else by_id[id(variable)]
 
-            values = {id(lr): (value_of(lr.kernel), value_of(lr.bias)) for lr in layers}
+            values = {
+                id(lr): tuple(value_of(v) for v in ghost.kernel_and_bias(lr)) for lr in layers
+            }
             tap = ghost.Tap(values, probes)
             batch = keras.tree.map_structure(lambda t: t[None], x_row)
             with ghost.tapped(layers, tap):
@@ -413,7 +415,7 @@ class DPSGD_JaxModel(keras.Model):
         if found is None:
             return None
         layers, recorded, norms, losses, y_pred = found
-        factors = per_example.clip_factors(self.clipping, norms)
+        factors = self.clipping.factors(norms)
         usable = per_example.usable_rows(norms, factors, weights)
         scale = jnp.where(usable, weights * factors, 0.0)
         sums = {}

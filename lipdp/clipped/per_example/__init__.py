@@ -11,22 +11,18 @@ r"""Per-example gradient norms and clipped gradient sums for a chain of Keras la
   products), :mod:`~lipdp.clipped.per_example.convolution` (``Conv2D``),
   :mod:`~lipdp.clipped.per_example.embedding` (``Embedding``).
 
+* :mod:`~lipdp.clipped.per_example.scale`: row scaling and round-off, both backends.
+
 Supporting another layer in the ghost method is one rule registered for its class, from
-a new module or from user code; the engine does not change.
+a new module or from user code; the engine does not change. The registry and the rules
+import no TensorFlow: the JAX step (:mod:`lipdp.clipped.jax.ghost`) consults the same
+registry; the engine's names (TensorFlow) are imported when first used.
 """
+
+import importlib
 
 # The built-in rules register themselves when imported.
 from lipdp.clipped.per_example import convolution, dense, embedding  # noqa: F401
-from lipdp.clipped.per_example.engine import (
-    GRADIENT_METHODS,
-    Ascent,
-    PerExampleGradients,
-    per_example_gradients,
-    refuse_loss_reads,
-    refuse_untracked_reads,
-    row_loop_layers,
-    weighted_layers,
-)
 from lipdp.clipped.per_example.registry import (
     GhostRule,
     find_ghost_rule,
@@ -36,6 +32,25 @@ from lipdp.clipped.per_example.registry import (
     registered_rules,
     unregister_ghost_rule,
 )
+
+#: The engine's names (TensorFlow), loaded on first use (PEP 562).
+_ENGINE = (
+    "GRADIENT_METHODS",
+    "Ascent",
+    "PerExampleGradients",
+    "per_example_gradients",
+    "refuse_loss_reads",
+    "refuse_untracked_reads",
+    "row_loop_layers",
+    "weighted_layers",
+)
+
+
+def __getattr__(name):
+    if name in _ENGINE:
+        return getattr(importlib.import_module("lipdp.clipped.per_example.engine"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "GRADIENT_METHODS",

@@ -14,6 +14,10 @@ holds as is: kernel gradient ``P_i^T G_i``, ghost norm
 (``T^2 (k_h k_w c + filters)`` per row, float64) or the materialised ``P_i^T G_i`` (``T
 k_h k_w c filters``) when cheaper, bias ``sum_t g_t``, BAM's shift ``(P'_i P_i^T) G_i``.
 
+The patches are the rule's one per-backend piece (:func:`patches`: TensorFlow's
+``extract_patches``, JAX's ``conv_general_dilated_patches`` reordered to the same
+layout); the rest is :mod:`lipdp.clipped.per_example.dense`'s, on both backends.
+
 Grouped convolutions (``groups > 1``: the kernel is block-diagonal across channel groups,
 not one matrix on whole patches), ``channels_first`` (the patches would be taken along the
 wrong axes), subclasses and the other convolutions (``Conv1D``, ``Conv3D``,
@@ -23,7 +27,6 @@ wrong axes), subclasses and the other convolutions (``Conv1D``, ``Conv3D``,
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 from lipdp.clipped.per_example.dense import product_rows, product_shift, product_sq_norms
 from lipdp.clipped.per_example.registry import (
@@ -32,10 +35,16 @@ from lipdp.clipped.per_example.registry import (
     rows,
     stored_weights,
 )
+from lipdp.core import compat
 
 
 def patches(layer, a):
-    """The input patch of every output position of a Conv2D, ``(b, T, k_h k_w c)``."""
+    """The input patch of every output position of a Conv2D, ``(b, T, k_h k_w c)``, the
+    features ordered as the kernel's ``(k_h, k_w, c)`` axes, on either backend."""
+    if compat.keras_backend() != compat.SUPPORTED_BACKEND:
+        return _jax_patches(layer, a)
+    import tensorflow as tf
+
     (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
     result = tf.image.extract_patches(
         a,
@@ -47,6 +56,28 @@ def patches(layer, a):
     return rows(result, kh * kw * a.shape[-1])
 
 
+def _jax_patches(layer, inputs):
+    """:func:`patches` on JAX (``conv_general_dilated_patches`` orders the features
+    ``(c, k_h, k_w)``: reordered)."""
+    import jax
+    import jax.numpy as jnp
+
+    kh, kw = layer.kernel_size
+    c = inputs.shape[-1]
+    result = jax.lax.conv_general_dilated_patches(
+        inputs,
+        filter_shape=(kh, kw),
+        window_strides=tuple(layer.strides),
+        padding=layer.padding.upper(),
+        rhs_dilation=tuple(layer.dilation_rate),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )  # features ordered (C, kh, kw)
+    b = result.shape[0]
+    result = jnp.reshape(result, (b, -1, c, kh, kw))
+    result = jnp.transpose(result, (0, 1, 3, 4, 2))
+    return jnp.reshape(result, (b, -1, kh * kw * c))
+
+
 class Conv2DRule(GhostRule):
     """``Conv2D`` with ``groups == 1`` and ``channels_last`` (module docstring)."""
 
@@ -55,18 +86,28 @@ class Conv2DRule(GhostRule):
     def applies(self, layer) -> bool:
         return layer.groups == 1 and layer.data_format == "channels_last" and stored_weights(layer)
 
+    def product_factors(self, layer, a, g):
+        # the patches are (k_h, k_w, c): the kernel's layout, (k_h, k_w, c, filters)
+        return patches(layer, a), rows(g, layer.filters)
+
+    def apply_kernel(self, layer, a, kernel):
+        return layer.convolution_op(a, kernel)
+
     def linear(self, layer, a):
+        import tensorflow as tf
+
         z = layer.convolution_op(a, layer.kernel)
         return tf.nn.bias_add(z, layer.bias) if layer.use_bias else z
 
     def kernel_sq_norms(self, layer, a, g):
-        return product_sq_norms(patches(layer, a), rows(g, layer.filters))
+        return product_sq_norms(*self.product_factors(layer, a, g))
 
     def kernel_rows(self, layer, a, g):
-        # the patches are (k_h, k_w, c): the kernel's layout, (k_h, k_w, c, filters)
-        return product_rows(patches(layer, a), rows(g, layer.filters), layer.kernel.shape)
+        return product_rows(*self.product_factors(layer, a, g), layer.kernel.shape)
 
     def shift(self, layer, a_new, a, g, kernel_rows):
+        import tensorflow as tf
+
         g_rows = rows(g, layer.filters)
         shift = product_shift(patches(layer, a_new), patches(layer, a), g_rows, kernel_rows)
         if layer.use_bias:

@@ -22,6 +22,16 @@ gradient that is a sum of outer products over positions (shared with
   ``W + grad_W,i`` the input ``A'_i`` gives ``A'_i A_i^T G_i = (A'_i A_i^T) G_i`` more
   (``<a'_i, a_i> g_i`` for ``T = 1``), plus ``sum_t g_t`` for the bias.
 
+**The two precisions of these identities** (row scaling: :mod:`lipdp.clipped.per_example.scale`):
+
+* TensorFlow: the squared norms in float64 (:func:`product_sq_norms`, the ``(b, d)`` case
+  in :class:`DenseRule`), exact over float64's range;
+* JAX (float32 only): :func:`product_norms`, the norms (not squared) from the factors
+  scaled by their rows' largest magnitudes: ``T = 1``: ``||a_i|| ||g_i||``; materialised
+  rows (:func:`materialise`, the same choice) and their norm; else the Grams of the scaled
+  factors *plus a bound on their float32 round-off* (:func:`gram_norms`): cancellation
+  between positions could otherwise under-estimate the norm (a privacy leak).
+
 A ``Dense`` whose kernel is computed (Keras 3's LoRA or quantization:
 :func:`~lipdp.clipped.per_example.registry.stored_weights`) goes to the vectorised
 fallback; so does a subclass of ``Dense`` unless a rule is registered for
@@ -31,7 +41,6 @@ it: it may compute its kernel otherwise (:mod:`lipdp.clipped.per_example.registr
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 from lipdp.clipped.per_example.registry import (
     GhostRule,
@@ -39,6 +48,17 @@ from lipdp.clipped.per_example.registry import (
     rows,
     stored_weights,
 )
+from lipdp.clipped.per_example.scale import array_norms, scaled_rows
+from lipdp.core import compat
+
+#: Unit round-off of float32.
+UNIT_ROUNDOFF = 2.0**-24
+
+#: Precision of every JAX product here: full float32 ("highest"). The bounds assume
+#: float32 round-off; on accelerators JAX's default may compute float32 products in
+#: bfloat16 or TF32 passes, whose error (~1e-3) would exceed both the Gram round-off bound
+#: and the slack between a row's bounded norm and the term it adds to the sum.
+EXACT = "highest"
 
 
 def materialise(positions, d, p) -> bool:
@@ -49,7 +69,10 @@ def materialise(positions, d, p) -> bool:
 
 def product_sq_norms(a, g):
     """``||A_i^T G_i||_F^2`` per row for ``A: (b, T, d)``, ``G: (b, T, p)``, through the
-    ``T x T`` Grams ``<A_i A_i^T, G_i G_i^T>``, in float64 (module docstring)."""
+    ``T x T`` Grams ``<A_i A_i^T, G_i G_i^T>``, in float64 (module docstring;
+    TensorFlow)."""
+    import tensorflow as tf
+
     a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
     grams = tf.einsum("btd,bsd->bts", a, a) * tf.einsum("btp,bsp->bts", g, g)
     return tf.reduce_sum(grams, axis=[1, 2])
@@ -57,7 +80,9 @@ def product_sq_norms(a, g):
 
 def product_rows(a, g, kernel_shape):
     """``A_i^T G_i`` per row, reshaped to ``(b, *kernel_shape)``, when materialising is
-    cheaper than the Grams (:func:`materialise`), else ``None``."""
+    cheaper than the Grams (:func:`materialise`), else ``None`` (TensorFlow)."""
+    import tensorflow as tf
+
     if not materialise(a.shape[1], a.shape[2], g.shape[2]):
         return None
     return tf.reshape(tf.einsum("btd,btp->bdp", a, g), [-1, *kernel_shape])
@@ -65,11 +90,59 @@ def product_rows(a, g, kernel_shape):
 
 def product_shift(a_new, a, g, kernel_rows):
     """``A'_i (A_i^T G_i)`` per row for ``A', A: (b, T, d)``, ``G: (b, T, p)``: from the
-    materialised ``kernel_rows`` when there are some, else as ``(A'_i A_i^T) G_i``."""
+    materialised ``kernel_rows`` when there are some, else as ``(A'_i A_i^T) G_i``
+    (TensorFlow)."""
+    import tensorflow as tf
+
     if kernel_rows is not None:
         kernel = tf.reshape(kernel_rows, [-1, a.shape[2], g.shape[2]])
         return tf.einsum("btd,bdp->btp", a_new, kernel)
     return tf.einsum("bts,bsp->btp", tf.einsum("btd,bsd->bts", a_new, a), g)
+
+
+def gram_norms(a, g):
+    """An upper bound on ``||A_i^T G_i||_F`` for ``a: (rows, T, d)``, ``g: (rows, T, p)``
+    (float32, JAX) from the Grams ``<A_i A_i^T, G_i G_i^T>`` of the scaled factors plus
+    their float32 round-off bound: each Gram entry is a dot product of length ``d``
+    (``p``) and the sum has ``T^2`` terms, so the computed value is within ``c (sum_t
+    ||a_t|| ||g_t||)^2`` of the exact one with ``c = 2 (d + p + T^2 + 4) u`` (``u =
+    2^-24``; the factor 2 covers the rounding of the bound itself); the norm returned is
+    ``sqrt(computed + bound)``, an upper bound. Not finite for a row holding a NaN or an
+    infinity."""
+    import jax.numpy as jnp
+
+    rows_, t, d = a.shape
+    p = g.shape[2]
+    an, ma = scaled_rows(a, (1, 2))
+    gn, mg = scaled_rows(g, (1, 2))
+    grams = jnp.einsum("btd,bsd->bts", an, an, precision=EXACT) * jnp.einsum(
+        "btp,bsp->bts", gn, gn, precision=EXACT
+    )
+    computed = jnp.sum(grams, axis=(1, 2))
+    triangle = jnp.sum(
+        jnp.sqrt(jnp.sum(jnp.square(an), axis=2) * jnp.sum(jnp.square(gn), axis=2)), axis=1
+    )
+    c = 2.0 * (d + p + t * t + 4) * UNIT_ROUNDOFF
+    bound = jnp.sqrt(jnp.maximum(computed, 0.0) + jnp.float32(c) * jnp.square(triangle))
+    # NaN or infinity in a row: the bound is not finite.
+    return jnp.where(jnp.isfinite(ma) & jnp.isfinite(mg), ma * mg * bound, ma * mg * jnp.nan)
+
+
+def product_norms(a, g):
+    """``(norms, kernel_rows)`` of the kernel gradients ``A_i^T G_i`` for ``a: (rows, T,
+    d)``, ``g: (rows, T, p)`` in float32 (JAX; module docstring): ``||a_i|| ||g_i||`` for
+    ``T = 1``; else the materialised ``(rows, d, p)`` products (:func:`materialise`), which
+    also give the clipped sum, and their norms; else :func:`gram_norms` (``kernel_rows``
+    ``None``)."""
+    import jax.numpy as jnp
+
+    t, d, p = a.shape[1], a.shape[2], g.shape[2]
+    if t == 1:
+        return array_norms(a[:, 0]) * array_norms(g[:, 0]), None
+    if materialise(t, d, p):
+        kernel_rows = jnp.einsum("btd,btp->bdp", a, g, precision=EXACT)
+        return array_norms(kernel_rows), kernel_rows
+    return gram_norms(a, g), None
 
 
 class DenseRule(GhostRule):
@@ -80,23 +153,35 @@ class DenseRule(GhostRule):
     def applies(self, layer) -> bool:
         return stored_weights(layer)
 
+    def product_factors(self, layer, a, g):
+        return rows(a, a.shape[-1]), rows(g, layer.units)
+
+    def apply_kernel(self, layer, a, kernel):
+        return compat.array_ops().matmul(a, kernel)
+
     def linear(self, layer, a):
+        import tensorflow as tf
+
         z = tf.tensordot(a, layer.kernel, [[a.shape.rank - 1], [0]])
         z.set_shape(a.shape[:-1].concatenate([layer.units]))
         return z + layer.bias if layer.use_bias else z
 
     def kernel_sq_norms(self, layer, a, g):
+        import tensorflow as tf
+
         if a.shape.rank == 2:
             a, g = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
             return tf.reduce_sum(tf.square(a), axis=1) * tf.reduce_sum(tf.square(g), axis=1)
-        return product_sq_norms(rows(a, a.shape[-1]), rows(g, layer.units))
+        return product_sq_norms(*self.product_factors(layer, a, g))
 
     def kernel_rows(self, layer, a, g):
         if a.shape.rank == 2:
             return None  # a_i g_i^T: the ghost norm is always cheaper
-        return product_rows(rows(a, a.shape[-1]), rows(g, layer.units), layer.kernel.shape)
+        return product_rows(*self.product_factors(layer, a, g), layer.kernel.shape)
 
     def shift(self, layer, a_new, a, g, kernel_rows):
+        import tensorflow as tf
+
         if a.shape.rank == 2:
             shift = tf.reduce_sum(a_new * a, axis=1, keepdims=True) * g
             return shift + g if layer.use_bias else shift
@@ -109,4 +194,13 @@ class DenseRule(GhostRule):
 
 register_ghost_rule(keras.layers.Dense, DenseRule())
 
-__all__ = ["DenseRule", "materialise", "product_rows", "product_shift", "product_sq_norms"]
+__all__ = [
+    "UNIT_ROUNDOFF",
+    "DenseRule",
+    "gram_norms",
+    "materialise",
+    "product_norms",
+    "product_rows",
+    "product_shift",
+    "product_sq_norms",
+]

@@ -15,6 +15,10 @@ output cotangent ``G_i``:
 * BAM's shift: at ``E + grad_E,i`` position ``s`` looks up ``sum_t [id_t = id_s] G_it``
   more (the ids are the data: the same in both passes).
 
+The rule is TensorFlow's only (it defines no ``product_factors``): on the JAX backend a
+model with an ``Embedding`` takes the per-row ``vmap`` for the whole step
+(:mod:`lipdp.clipped.jax.ghost`).
+
 ``Embedding(mask_zero=True)`` stays on the vectorised fallback (as it always has: the
 mask then comes from the layer's own call).
 """
@@ -22,7 +26,6 @@ mask then comes from the layer's own call).
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 from lipdp.clipped.per_example.registry import (
     GhostRule,
@@ -34,6 +37,8 @@ from lipdp.clipped.per_example.registry import (
 
 def same_ids(a):
     """``(b, T, T)``: positions ``t, s`` of a row hold the same id."""
+    import tensorflow as tf
+
     ids = tf.reshape(tf.cast(a, tf.int64), [tf.shape(a)[0], -1])
     return tf.equal(ids[:, :, None], ids[:, None, :])
 
@@ -56,16 +61,22 @@ class EmbeddingRule(GhostRule):
         return z
 
     def linear(self, layer, a):
+        import tensorflow as tf
+
         ids = a if a.dtype in (tf.int32, tf.int64) else tf.cast(a, tf.int32)
         return tf.nn.embedding_lookup(layer.embeddings, ids)
 
     def kernel_sq_norms(self, layer, a, g):
+        import tensorflow as tf
+
         g = tf.cast(rows(g, layer.output_dim), tf.float64)
         inner = tf.einsum("btp,bsp->bts", g, g)
         same = tf.where(same_ids(a), inner, tf.zeros_like(inner))
         return tf.reduce_sum(same, [1, 2])
 
     def shift(self, layer, a_new, a, g, kernel_rows):
+        import tensorflow as tf
+
         g_rows = rows(g, layer.output_dim)
         shift = tf.einsum("bst,btp->bsp", tf.cast(same_ids(a), g.dtype), g_rows)
         return tf.reshape(shift, tf.shape(g))

@@ -122,19 +122,21 @@ import functools
 from dataclasses import dataclass
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from lipdp.clipped.per_example.registry import FALLBACK, GhostRule, find_ghost_rule
+from lipdp.clipped.per_example.scale import (
+    float32_coefficients as _float32_coefficients,
+)
+from lipdp.clipped.per_example.scale import scaled as _scaled
+from lipdp.clipped.per_example.scale import square_sums as _square_sums
+from lipdp.clipped.per_example.scale import unit_rows as _unit_rows
 from lipdp.core import compat, isolation, validation
 from lipdp.core.records import zero_rows
 from lipdp.core.variables import as_one_of, variable_key
 
 #: How per-example gradients are obtained (module docstring).
 GRADIENT_METHODS = ("ghost", "jacobian")
-
-#: float32's normal range: a coefficient outside it is not applied (module docstring).
-_TINY, _HUGE = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 # ------------------------------------------------------------------------ structure
@@ -507,44 +509,6 @@ def _masked_like_keras(layer, inputs, outputs):
     if mask is not None:
         outputs._keras_mask = mask  # noqa: SLF001 - Keras 2's mask convention
     return outputs
-
-
-# ---------------------------------------------------------------------------- scale
-def _scaled(scales, t):
-    """Row ``i`` of ``t`` times ``scales[i]``."""
-    shape = tf.concat([tf.shape(scales), tf.ones([tf.rank(t) - 1], tf.int32)], axis=0)
-    return tf.reshape(tf.cast(scales, t.dtype), shape) * t
-
-
-def _unit_rows(g):
-    """``(U, s)``: ``s_i = max |G_i|`` and ``U_i = G_i / s_i`` (``s_i = 1`` for a row of
-    zeros, of denormal numbers or with a NaN, so that ``1 / s_i`` is finite; a row with
-    an infinity gets NaN entries, hence a NaN norm: dropped). The maximum and minimum are
-    two reads; ``abs`` would write a copy of ``G``."""
-    flat = tf.reshape(g, tf.stack([tf.shape(g)[0], -1]))
-    s = tf.maximum(tf.reduce_max(flat, axis=1), -tf.reduce_min(flat, axis=1))
-    s = tf.where(s >= _TINY, s, tf.ones_like(s))  # its reciprocal is finite
-    return _scaled(1.0 / s, g), s
-
-
-def _float32_coefficients(values, keep=None):
-    """``values`` (float64, ``>= 0``) as float32 multipliers: rounded once where they are
-    in float32's normal range, 0 elsewhere (and where ``keep`` is False, or NaN): see the
-    module docstring for why this keeps every contribution within its bound."""
-    usable = (values >= _TINY) & (values <= _HUGE)
-    if keep is not None:
-        usable &= keep
-    return tf.cast(tf.where(usable, values, tf.zeros_like(values)), tf.float32)
-
-
-def _square_sums(per_row):
-    """``sum`` of squares of each row over several ``(b, ...)`` tensors, in float64."""
-    return tf.add_n(
-        [
-            tf.reduce_sum(tf.reshape(tf.square(tf.cast(t, tf.float64)), [tf.shape(t)[0], -1]), 1)
-            for t in per_row
-        ]
-    )
 
 
 @dataclass

@@ -38,6 +38,21 @@ optional (defaults in :class:`GhostRule`)
     ``kernel_rows(layer, a, g)`` (materialised ``grad_W,i`` when cheaper than the ghost
     norm; they then also give the clipped sum and BAM's shift).
 
+backend-neutral, for the JAX step (optional: without them the rule is TensorFlow's only)
+    * ``product_factors(layer, a, g)``: ``(A, G)`` of shapes ``(b, T, d)`` and ``(b, T,
+      p)`` with row ``i``'s kernel gradient ``A_i^T G_i`` (the kernel reshaped to ``(d,
+      p)``): the rule's kernel gradient is a sum of outer products over positions
+      (``Dense``: the inputs; ``Conv2D``: the input patches). The norm formulas of such
+      a gradient (``T = 1``, the Grams or the materialised rows, and their precision on
+      each backend) are written once, in :mod:`lipdp.clipped.per_example.dense`.
+    * ``apply_kernel(layer, a, kernel)``: ``f(A; W)`` for a kernel *value* ``W`` (the
+      JAX step traces the network with its weights as arguments), without bias.
+
+    The JAX step (:mod:`lipdp.clipped.jax.ghost`) covers a layer when its rule defines
+    both; a model holding a layer whose rule does not (``Embedding``) or that has no rule
+    takes the JAX step's per-row ``vmap`` for the whole step (sound for every layer;
+    ghost norms and the ``vmap`` path are never mixed there).
+
 The engine refuses, in one line, a rule whose kernel and bias are not exactly the
 layer's trainable variables (a variable outside the rule would be missing from the
 row's norm) and squared norms that are not float64.
@@ -62,9 +77,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import keras
-import tensorflow as tf
+
+from lipdp.core import compat
+
+if TYPE_CHECKING:  # annotations only: the registry imports no TensorFlow (JAX reads it)
+    import tensorflow as tf
 
 #: What :func:`ghost_rule` reports for a layer without an applicable rule.
 FALLBACK = "vectorized"
@@ -85,8 +105,12 @@ def stored_weights(layer) -> bool:
 
 def rows(t, width):
     """``t`` as ``(rows, positions, width)``: the positions of each row (every axis but
-    the first and the last) on one axis."""
-    return tf.reshape(t, [tf.shape(t)[0], -1, width])
+    the first and the last) on one axis (either backend: a reshape, no arithmetic)."""
+    if compat.keras_backend() == compat.SUPPORTED_BACKEND:
+        import tensorflow as tf
+
+        return tf.reshape(t, [tf.shape(t)[0], -1, width])
+    return compat.array_ops().reshape(t, (t.shape[0], -1, width))
 
 
 class GhostRule:
@@ -111,9 +135,10 @@ class GhostRule:
         """The variable ``b`` added to ``f(A; W)``, or ``None``."""
         return layer.bias if getattr(layer, "use_bias", False) else None
 
-    def bias_rows(self, layer, g) -> tf.Tensor:
-        """``(b, p)``: row ``i``'s bias gradient ``sum_t G_it`` (bias along the last axis)."""
-        return tf.reduce_sum(rows(g, self.bias(layer).shape[-1]), axis=1)
+    def bias_rows(self, layer, g):
+        """``(b, p)``: row ``i``'s bias gradient ``sum_t G_it`` (bias along the last axis;
+        either backend)."""
+        return compat.array_ops().sum(rows(g, self.bias(layer).shape[-1]), axis=1)
 
     def activation(self, layer, z) -> tf.Tensor:
         """The layer's output from ``Z`` (elementwise, no variable)."""
@@ -124,6 +149,17 @@ class GhostRule:
         """``(b, *W.shape)``: the rows' kernel gradients, where materialising them is
         cheaper than the ghost norm; ``None``: use :meth:`kernel_sq_norms`."""
         return None
+
+    def product_factors(self, layer, a, g):
+        """Backend-neutral, optional: ``(A, G)``, ``(b, T, d)`` and ``(b, T, p)``, with row
+        ``i``'s kernel gradient ``A_i^T G_i`` (module docstring); ``None``: the kernel
+        gradient is not of that form (the JAX step does not cover the layer)."""
+        return None
+
+    def apply_kernel(self, layer, a, kernel):
+        """Backend-neutral, optional with :meth:`product_factors`: ``f(A; W)`` for the
+        kernel value ``kernel`` (no bias, no activation)."""
+        raise NotImplementedError
 
     def linear(self, layer, a) -> tf.Tensor:
         """Required: ``Z = f(A; W) + b`` (module docstring)."""

@@ -1,0 +1,142 @@
+r"""Row scaling and round-off: how each backend keeps a row's norm from underflowing or
+overflowing (rule S13), in one place.
+
+A finite record can put a row's quantities far from 1 (inputs of ``1e-19`` and a
+cotangent of ``1e19`` give a Dense kernel gradient near 1 whose ghost norm squares the
+inputs to ``1e-38``, flushed to 0 in float32). Both backends therefore carry a row as a
+*scale* times a *unit* part, and differ only in the precision the squares are formed in:
+
+**TensorFlow (float64 squares).** The row's output cotangents are divided by ``s_i = max
+|G_i|`` (:func:`unit_rows`; ``1 / s_i`` multiplied, exact for a power of 2 and rounded
+once otherwise), every per-row gradient is computed for the unit cotangent and its
+squares are summed in float64 (:func:`square_sums`), whose range holds every product of
+inputs and cotangents of magnitude ``1e-30`` to ``1e30``; the factor is applied as the
+float32 coefficient ``k_i = C_i s_i``, rounded once, or 0 outside float32's normal range
+(:func:`float32_coefficients`). The argument: :mod:`lipdp.clipped.per_example.engine`.
+
+**JAX (float32 only: JAX's default has no float64).** The norm of a row is computed from
+the row divided by its largest magnitude ``m_i`` (:func:`scaled_rows`): ``m_i ||x_i /
+m_i||`` (:func:`array_norms` for one array, :func:`row_norms` over every leaf of a
+gradient), exact to float32 round-off for any finite scale; the ghost norms' Grams add
+their float32 round-off bound (:func:`lipdp.clipped.per_example.dense.gram_norms`).
+
+The two are kept apart on purpose: each is the numbers its backend has always released
+(the TensorFlow scaling multiplies by ``1 / s_i`` and treats denormal rows as unscaled,
+which float64 squares absorb; the float32 one divides by ``m_i`` for every positive
+``m_i``), and neither imports the other backend (TensorFlow and JAX are imported by the
+functions that use them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: float32's normal range: a coefficient outside it is not applied (module docstring).
+TINY, HUGE = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+# ------------------------------------------------------------ TensorFlow: float64
+def scaled(scales, t):
+    """Row ``i`` of ``t`` times ``scales[i]`` (TensorFlow)."""
+    import tensorflow as tf
+
+    shape = tf.concat([tf.shape(scales), tf.ones([tf.rank(t) - 1], tf.int32)], axis=0)
+    return tf.reshape(tf.cast(scales, t.dtype), shape) * t
+
+
+def unit_rows(g):
+    """``(U, s)``: ``s_i = max |G_i|`` and ``U_i = G_i / s_i`` (``s_i = 1`` for a row of
+    zeros, of denormal numbers or with a NaN, so that ``1 / s_i`` is finite; a row with
+    an infinity gets NaN entries, hence a NaN norm: dropped). The maximum and minimum are
+    two reads; ``abs`` would write a copy of ``G``."""
+    import tensorflow as tf
+
+    flat = tf.reshape(g, tf.stack([tf.shape(g)[0], -1]))
+    s = tf.maximum(tf.reduce_max(flat, axis=1), -tf.reduce_min(flat, axis=1))
+    s = tf.where(s >= TINY, s, tf.ones_like(s))  # its reciprocal is finite
+    return scaled(1.0 / s, g), s
+
+
+def float32_coefficients(values, keep=None):
+    """``values`` (float64, ``>= 0``) as float32 multipliers: rounded once where they are
+    in float32's normal range, 0 elsewhere (and where ``keep`` is False, or NaN): see
+    :mod:`lipdp.clipped.per_example.engine` for why this keeps every contribution within
+    its bound."""
+    import tensorflow as tf
+
+    usable = (values >= TINY) & (values <= HUGE)
+    if keep is not None:
+        usable &= keep
+    return tf.cast(tf.where(usable, values, tf.zeros_like(values)), tf.float32)
+
+
+def square_sums(per_row):
+    """``sum`` of squares of each row over several ``(b, ...)`` tensors, in float64."""
+    import tensorflow as tf
+
+    return tf.add_n(
+        [
+            tf.reduce_sum(tf.reshape(tf.square(tf.cast(t, tf.float64)), [tf.shape(t)[0], -1]), 1)
+            for t in per_row
+        ]
+    )
+
+
+# ------------------------------------------------------------------ JAX: float32
+def scaled_rows(x, axes):
+    """``(x / m, m)`` with ``m`` the largest ``|entry|`` of each row over ``axes`` (row axis
+    first); ``x`` is divided by 1 where ``m`` is 0 or not finite, so that a NaN or an
+    infinity stays in ``m`` (JAX)."""
+    import jax.numpy as jnp
+
+    m = jnp.max(jnp.abs(x), axis=axes)
+    return x / jnp.reshape(_divisor(m), (-1,) + (1,) * (x.ndim - 1)), m
+
+
+def _divisor(m):
+    """``m`` where it is positive and finite, else 1 (nothing to scale, or a non-finite
+    row that stays non-finite)."""
+    import jax.numpy as jnp
+
+    return jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+
+
+def array_norms(x):
+    """``||x_i||`` of each row of one array ``(rows, ...)`` in float32, scaled by the row's
+    largest magnitude (:func:`scaled_rows`); ``m`` itself (NaN or infinite) for a row
+    holding a NaN or an infinity (JAX)."""
+    import jax.numpy as jnp
+
+    axes = tuple(range(1, x.ndim))
+    unit, m = scaled_rows(x, axes)
+    return jnp.where(m > 0, m * jnp.sqrt(jnp.sum(jnp.square(unit), axis=axes)), m)
+
+
+def row_norms(grads):
+    """``||g_i||`` over every leaf of ``grads`` (float32, shape ``(rows,)``): scaled by the
+    row's largest magnitude over all leaves (as :func:`array_norms`), so that neither
+    squares of large entries overflow nor those of tiny ones underflow; not finite for a
+    gradient holding a NaN or an infinity (NaN for a NaN) (JAX)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves = [
+        jnp.reshape(g, (g.shape[0], -1)).astype("float32") for g in jax.tree_util.tree_leaves(grads)
+    ]
+    scale = jnp.max(jnp.stack([jnp.max(jnp.abs(g), axis=1) for g in leaves]), axis=0)
+    safe = _divisor(scale)
+    sums = sum(jnp.sum(jnp.square(g / safe[:, None]), axis=1) for g in leaves)
+    return jnp.where(scale > 0, scale * jnp.sqrt(sums), jnp.where(jnp.isnan(scale), scale, 0.0))
+
+
+__all__ = [
+    "HUGE",
+    "TINY",
+    "array_norms",
+    "float32_coefficients",
+    "row_norms",
+    "scaled",
+    "scaled_rows",
+    "square_sums",
+    "unit_rows",
+]
