@@ -12,6 +12,7 @@ import pytest
 
 import lipdp
 from lipdp.clipped.per_example import dense
+from lipdp.clipped.per_example.registry import GhostRule, registered_ghost_rule, rows
 from lipdp.core.noise import ROUNDOFF_SLACK
 from tests.jax import helpers as h
 from tests.jax.test_per_example import _loop_gradients
@@ -234,3 +235,91 @@ def test_gradient_method_is_checked_passed_by_make_private_and_saved():
     )  # fmt: skip
     assert model.gradient_method == "ghost"
     assert model.get_config()["gradient_method"] == "ghost"
+
+
+class _Projection(L.Layer):
+    """A user's layer: ``x W``, no bias, no activation."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(
+            shape=(input_shape[-1], self.units), initializer=_init(11), name="kernel"
+        )
+
+    def call(self, x):
+        return keras.ops.matmul(x, self.kernel)
+
+
+class _ProjectionRule(GhostRule):
+    """Its ghost rule, registered once: the backend-neutral pieces (the JAX step's) and the
+    TensorFlow engine's (from the Dense identities)."""
+
+    name = "projection"
+
+    def bias(self, layer):
+        return None
+
+    def activation(self, layer, z):
+        return z
+
+    def product_factors(self, layer, a, g):
+        return rows(a, a.shape[-1]), rows(g, layer.units)
+
+    def apply_kernel(self, layer, a, kernel):
+        return keras.ops.matmul(a, kernel)
+
+    def linear(self, layer, a):
+        return keras.ops.matmul(a, layer.kernel)
+
+    def kernel_sq_norms(self, layer, a, g):
+        return dense.product_sq_norms(*self.product_factors(layer, a, g))
+
+    def shift(self, layer, a_new, a, g, kernel_rows):
+        raise NotImplementedError
+
+
+def _projection_network():
+    return keras.Sequential([
+        keras.Input((3, h.FEATURES)),
+        L.Dense(8, activation="tanh", kernel_initializer=_init(12)),
+        _Projection(4),
+        L.Flatten(),
+        L.Dense(h.CLASSES, kernel_initializer=_init(13)),
+    ])  # fmt: skip
+
+
+def test_a_rule_registered_once_runs_on_the_jax_step_too():
+    """The JAX step reads the ghost-rule registry: a user's rule with the backend-neutral
+    pieces covers its layer (ghost norms equal per-row autodiff); without it the model
+    takes the vmap path."""
+    x, y = h.data(ROWS, (3, h.FEATURES), scale=2.0)
+    model = h.private(_projection_network(), gradient_method="ghost")
+    h.step_update(model, x, y, np.ones(ROWS, np.float32))
+    assert model.gradient_method_used == "vmap"
+    with registered_ghost_rule(_Projection, _ProjectionRule()):
+        model = h.private(_projection_network(), gradient_method="ghost")
+        expected = np.linalg.norm(_loop_gradients(model, x, y), axis=1)
+        got = np.asarray(_ghost_norms(model, x, y), np.float64)
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+        h.step_update(model, x, y, np.ones(ROWS, np.float32))
+        assert model.gradient_method_used == "ghost"
+
+
+def test_a_rule_of_tensorflow_only_leaves_the_model_on_vmap(caplog):
+    """The Embedding rule defines no backend-neutral pieces: vmap for the whole step."""
+    network = keras.Sequential([
+        keras.Input((4,), dtype="int32"),
+        L.Embedding(5, 3, embeddings_initializer=_init(14)),
+        L.Flatten(),
+        L.Dense(h.CLASSES, kernel_initializer=_init(15)),
+    ])  # fmt: skip
+    model = h.private(network, gradient_method="ghost")
+    x = np.random.default_rng(0).integers(0, 5, size=(8, 4)).astype("int32")
+    y = np.eye(h.CLASSES, dtype="float32")[np.arange(8) % h.CLASSES]
+    with caplog.at_level(logging.INFO, logger="lipdp.clipped.jax.model"):
+        update = h.step_update(model, x, y, np.ones(8, np.float32))
+    assert model.gradient_method_used == "vmap"
+    assert "embeddings" in caplog.text and np.all(np.isfinite(update))
