@@ -33,22 +33,13 @@ from lipdp.clipped.per_example.registry import (
     unregister_ghost_rule,
 )
 
-#: The engine's names (TensorFlow), loaded on first use (PEP 562).
-_ENGINE = (
-    "GRADIENT_METHODS",
-    "Ascent",
-    "PerExampleGradients",
-    "per_example_gradients",
-    "refuse_loss_reads",
-    "refuse_untracked_reads",
-    "row_loop_layers",
-    "weighted_layers",
-)
-
 
 def __getattr__(name):
-    if name in _ENGINE:
-        return getattr(importlib.import_module("lipdp.clipped.per_example.engine"), name)
+    """The engine's public names (TensorFlow), imported on first use (PEP 562)."""
+    if not name.startswith("_"):
+        engine = importlib.import_module("lipdp.clipped.per_example.engine")
+        if name in engine.__all__:
+            return getattr(engine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
