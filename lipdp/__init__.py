@@ -35,7 +35,7 @@ __version__ = _version()
 #: Top-level names and the module defining each, imported on first use so that
 #: ``import lipdp`` does not import TensorFlow.
 _LAZY = {
-    "fix_batch_coupling": "lipdp.core.batch_independence",
+    "fix_batch_coupling": "lipdp.core.coupling_fix",
     "make_private": "lipdp.entry",
     "private_batches": "lipdp.entry",
 }

@@ -24,7 +24,15 @@ ALLOWED = {
     "lipdp.core.layer_walk": (),
     "lipdp.core.metadata": ("lipdp.core.config",),
     "lipdp.core.noise": ("lipdp.core.validation", "lipdp.core.distribute"),
+    "lipdp.core.coupling": ("lipdp.core.layer_walk", "lipdp.core.compat"),
+    "lipdp.core.coupling_fix": (
+        "lipdp.core.coupling",
+        "lipdp.core.layer_walk",
+        "lipdp.core.compat",
+    ),
     "lipdp.core.batch_independence": (
+        "lipdp.core.coupling",
+        "lipdp.core.coupling_fix",
         "lipdp.core.layer_walk",
         "lipdp.core.compat",
         "lipdp.core.variables",
@@ -40,11 +48,13 @@ ALLOWED = {
     "lipdp.core": ("lipdp.core", "lipdp.accounting"),
     # the two families build on the shared base, never on each other
     "lipdp.clipless": ("lipdp.clipless", "lipdp.core", "lipdp.accounting"),
-    # the clipped family's JAX step: the shared base and the clipping configuration only,
-    # never the TensorFlow step (lipdp.clipped.model, lipdp.clipped.per_example)
+    # the clipped family's JAX step: the shared base, the clipping configuration and the
+    # layer checks only, never the TensorFlow step (lipdp.clipped.model,
+    # lipdp.clipped.per_example)
     "lipdp.clipped.jax": (
         "lipdp.clipped.jax",
         "lipdp.clipped.clipping",
+        "lipdp.clipped.layer_support",
         "lipdp.core",
         "lipdp.accounting",
     ),
@@ -190,6 +200,10 @@ def test_no_import_circle():
 JAX_PATH = [
     "lipdp.clipped.jax",
     "lipdp.clipped.clipping",
+    "lipdp.clipped.layer_support",
+    "lipdp.core.coupling",
+    "lipdp.core.coupling_fix",
+    "lipdp.core.layer_walk",
     "lipdp.core.noise",
     "lipdp.core.ledger",
     "lipdp.core.callbacks",

@@ -28,14 +28,24 @@ The privacy plan, ``DP_Accountant``, ``privacy_report`` and
 multiplier ``sigma`` per step, rate ``q = b / N``): the epsilon planned is the epsilon
 logged (rule S11).
 
-**Refused** (one line naming the fix): a trainable ``BatchNormalization`` at any depth, and
-at the first step any layer that updates non-trainable state in a training call
-(``Dropout``'s and other random layers' seed state, a stateful RNN): under ``vmap`` that
-state would be shared or coupled between the rows; weight and activity regularisers and
-``add_loss`` (terms outside the clipped per-example losses); mixed precision; per-layer
-clipping and noise, dynamic clipping, declared hyper-parameter searches, sharpness-aware
-and adversarial training (the TensorFlow backend has them). Fixed-size batches must have
-exactly ``b`` rows (rule S5).
+**Rows isolated by construction** (rule S2, :mod:`lipdp.clipped.jax.isolation`): both
+paths compute each row's loss on that row alone (``jax.vmap`` of a batch of one), so a
+layer or a loss that reads the batch cannot move another row's term; a ``custom_vmap``
+rule, a host callback or a foreign function in the forward pass or the loss (which could)
+is refused when the step is traced.
+
+**Refused** (one line naming the fix): the layers the TensorFlow models refuse, by the
+same walk and with the same messages (:func:`lipdp.clipped.layer_support.check_keras_layers`:
+a trainable batch normalisation of any Keras class at any depth, a layer declaring
+``couples_examples = True``, a stateful recurrent layer, ``SpectralNormalization``,
+activity regularisers); at the first step any layer that updates non-trainable state in
+a training call (``Dropout``'s and other random layers' seed state, a running
+statistic): under ``vmap`` that state would be shared or coupled between the rows, and
+saved with the model without noise; weight regularisers and ``add_loss`` (terms outside
+the clipped per-example losses); mixed precision; per-layer clipping and noise, dynamic
+clipping, declared hyper-parameter searches, sharpness-aware and adversarial training
+(the TensorFlow backend has them). Fixed-size batches must have exactly ``b`` rows (rule
+S5).
 
 **Data parallelism.** Under ``keras.distribution.DataParallel`` Keras shards each batch
 over the devices and ``jit`` compiles the same program for the global batch: the clipped
@@ -54,8 +64,9 @@ import numpy as np
 
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.clipped.clipping import ClippedGradientBound, Clipping
-from lipdp.clipped.jax import ghost, keys, ledger, per_example
+from lipdp.clipped.jax import ghost, isolation, keys, ledger, per_example
 from lipdp.clipped.jax.batches import PoissonBatches
+from lipdp.clipped.layer_support import check_keras_layers
 from lipdp.core import compat, noise
 from lipdp.core.layer_walk import nested_layers
 from lipdp.core.ledger import step_row
@@ -75,22 +86,13 @@ JAX_GRADIENT_METHODS = ("vmap", "ghost")
 
 
 def check_network(network) -> None:
-    """Refuse, before any step, what the JAX step cannot bound (module docstring)."""
+    """Refuse, before any step, what the JAX step cannot bound (module docstring): the
+    TensorFlow models' walk of the layers (:func:`lipdp.clipped.layer_support.check_keras_layers`,
+    same messages), then the weight regularisers the JAX step does not add."""
     if not isinstance(network, keras.Model):
         raise TypeError(f"DPSGD_JaxModel wraps a keras.Model, got {type(network).__name__}.")
     compat.refuse_foreign_layers([network])
-    for path, layer in nested_layers([network]):
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-            raise ValueError(
-                f"Layer {path!r} is a trainable BatchNormalization: its batch statistics "
-                "couple the examples of a batch. Use GroupNormalization or "
-                "LayerNormalization, or freeze it (layer.trainable = False)."
-            )
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise ValueError(
-                f"Layer {path!r} has an activity_regularizer: a loss term outside the "
-                "clipped per-example losses. Remove it."
-            )
+    check_keras_layers([network])
     for variable in network.trainable_variables:
         if getattr(variable, "regularizer", None) is not None:
             raise ValueError(
@@ -338,6 +340,7 @@ class DPSGD_JaxModel(keras.Model):
         if sample_weight is not None:
             weights = jnp.clip(jnp.reshape(sample_weight, (rows,)).astype("float32"), 0.0, 1.0)
         weights = jnp.where(finite, weights, 0.0)
+        self._refuse_cross_row_primitives(trainable, non_trainable, x, y)
 
         ghosted = None
         if self.gradient_method == "ghost":
@@ -365,6 +368,23 @@ class DPSGD_JaxModel(keras.Model):
             metrics_variables, x, y, y_pred, losses, counted, jnp.sum(~finite)
         )
         return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+    def _refuse_cross_row_primitives(self, trainable, non_trainable, x, y) -> None:
+        """Rule S2 (:mod:`lipdp.clipped.jax.isolation`): one row's loss and gradient,
+        unbatched, use no primitive whose batching could see other rows. Python, when the
+        step is traced (one more trace of one row, no cost per step)."""
+        import jax
+
+        def one_row(t):
+            return jax.ShapeDtypeStruct(t.shape[1:], t.dtype)
+
+        row_loss = self._row_loss_function(non_trainable)
+        isolation.refuse_cross_row_primitives(
+            jax.value_and_grad(row_loss, has_aux=True),
+            [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in trainable],
+            keras.tree.map_structure(one_row, x),
+            keras.tree.map_structure(one_row, y),
+        )
 
     def _vmap_clipped_sum(self, trainable, non_trainable, x, y, weights):
         """``(clipped sum, losses, y_pred)`` from per-example gradients."""
