@@ -194,3 +194,20 @@ def test_a_private_model_and_a_model_of_several_inputs_are_refused_by_make_priva
     outputs = keras.layers.Dense(h.CLASSES)(keras.layers.Concatenate()([values, extra]))
     with pytest.raises(ValueError, match="several inputs: the JAX backend trains models of one"):
         lipdp.make_private(keras.Model([values, extra], outputs), **budget)
+
+
+def test_fix_batch_coupling_runs_on_jax_and_its_copy_trains():
+    """``lipdp.fix_batch_coupling`` (:mod:`lipdp.core.coupling_fix`, no TensorFlow) on a
+    JAX network: the trainable BatchNormalization becomes a GroupNormalization with its
+    gamma, and the copy trains."""
+    bn = keras.layers.BatchNormalization(name="bn", gamma_initializer="ones")
+    network = _with(keras.layers.Dense(16), bn)
+    bn.gamma.assign(np.arange(16, dtype=np.float32))
+    fixed, report = lipdp.fix_batch_coupling(network)
+    assert report.complete and [r.new_class for r in report.replaced] == ["GroupNormalization"]
+    group = next(layer for layer in fixed.layers if layer.name == "bn_gn")
+    np.testing.assert_array_equal(group.gamma.numpy(), np.arange(16, dtype=np.float32))
+    model = h.private(fixed)
+    x, y = h.data(16)
+    model.train_on_batch(x, y, sample_weight=np.ones(16, np.float32))
+    assert int(model.noisy_steps.numpy()) == 1
