@@ -29,6 +29,10 @@ def test_a_trainable_batch_normalization_is_refused_and_a_frozen_one_trains():
     x, y = h.data(16)
     model.train_on_batch(x, y, sample_weight=np.ones(16, np.float32))
     assert int(model.noisy_steps.numpy()) == 1
+    frozen.trainable = True  # unfrozen after construction: the walk runs before every fit
+    with pytest.raises(ValueError, match="normalises with batch statistics in training"):
+        model.train_on_batch(x, y, sample_weight=np.ones(16, np.float32))
+    assert int(model.noisy_steps.numpy()) == 1
 
 
 def test_a_layer_updating_state_in_training_is_refused_at_the_first_step():

@@ -293,6 +293,7 @@ class DPSGD_JaxModel(keras.Model):
                 "step would release nothing. Unfreeze a layer and compile again."
             )
         _refuse_mixed_precision(self.network)
+        check_network(self.network)  # again: a layer may have been unfrozen since
         self._set_noise_key()
         plan = self._plan_step()
         configuration = (plan, tuple(id(v) for v in self.trainable_variables))
