@@ -3,8 +3,8 @@ on both backends.
 
 :func:`check_keras_layers` is the one check of a clipped model's layers, run by the
 TensorFlow models (:class:`lipdp.clipped.model.DPSGD_Model`, when built) and by the JAX
-model (:func:`lipdp.clipped.jax.model.check_network`, at construction), with the same
-messages: the layers that couple the examples of a batch
+model (:func:`lipdp.clipped.jax.model.check_network`, at construction and before every
+fit), with the same messages: the layers that couple the examples of a batch
 (:func:`lipdp.core.coupling.refuse_coupling_layers`, rule S2), activity regularisers, and
 :func:`check_layer_support` below. It imports no TensorFlow.
 

@@ -8,7 +8,8 @@ output cotangents ``G_i`` (ghost path), its norm, its factor ``C_i``, its weight
 the test that its values are finite -- is computed by ``jax.vmap`` of a function of
 *one* row (a batch of one: ``x[i][None]``) over the rows, or row by row from those:
 
-* ``vmap`` path: ``jax.vmap(jax.grad(row_loss))`` (:func:`lipdp.clipped.jax.per_example.per_example_gradients`);
+* ``vmap`` path: ``jax.vmap(jax.grad(row_loss))``
+  (:func:`lipdp.clipped.jax.per_example.per_example_gradients`);
 * ghost path: ``jax.vmap(row)`` of the tapped forward of one row, differentiated with
   respect to per-row probes (:mod:`lipdp.clipped.jax.ghost`): the network is never
   called on the batch there either; the norms and the clipped sum are per-row
