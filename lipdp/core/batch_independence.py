@@ -246,7 +246,6 @@ PROBE_SEED = 2602
 PROBE_TOLERANCE = 1e-10
 
 
-
 # ------------------------------------------------------------- per-example losses
 def _loss_name(loss) -> str:
     return str(getattr(loss, "name", None) or getattr(loss, "__name__", None) or repr(loss))

@@ -324,7 +324,6 @@ def _is_model(layer) -> bool:
     return isinstance(layer, keras.Sequential) or compat.is_functional(layer)
 
 
-
 __all__ = [
     "MIN_GROUP_VALUES",
     "BatchCouplingFix",
