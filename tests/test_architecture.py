@@ -57,13 +57,15 @@ ALLOWED = {
         "lipdp.clipless",
         "lipdp.data",
     ),
-    "lipdp.entry": (
+    # make_private; lipdp.entry, its former path, re-exports it
+    "lipdp.privatize": (
         "lipdp.core",
         "lipdp.accounting",
         "lipdp.data",
         "lipdp.clipless",
         "lipdp.clipped",
     ),
+    "lipdp.entry": ("lipdp.privatize",),
     "lipdp.recipes": (
         "lipdp.recipes",
         "lipdp.core",
@@ -195,6 +197,7 @@ JAX_PATH = [
     "lipdp.core.callbacks",
     "lipdp.core.parameters",
     "lipdp.core.report",
+    "lipdp.privatize",
     "lipdp.entry",
     "lipdp.accounting",
     "lipdp.core.metadata",
