@@ -123,7 +123,7 @@ CONDITIONS = (
         ("group_norm_alpha",),
         lambda run: run.group_norm is not None,
         "needs group_norm (without it the network has no group normalisation): set "
-        "group_norm or drop group_norm_alpha",
+        "group_norm or drop it",
     ),
     Condition(
         ("momentum",),

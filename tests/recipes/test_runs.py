@@ -179,7 +179,7 @@ def test_fashion_mnist_networks_take_their_own_defaults():
         runs.ModelRecipe(dataset="fashion_mnist", optimizer="adam").resolved()
     adam = runs.ModelRecipe(dataset="fashion_mnist", optimizer="adam", learning_rate=0.001)
     assert adam.resolved().momentum is None
-    with pytest.raises(ValueError, match="momentum=0.5 applies to optimizer='sgd' only"):
+    with pytest.raises(ValueError, match=r"momentum \(--momentum\) applies to optimizer sgd only"):
         runs.ModelRecipe(momentum=0.5)
     runs.ModelRecipe(dataset="fashion_mnist", momentum=0.5)  # its network's SGD
 
