@@ -66,6 +66,24 @@ ALLOWED = {
         "lipdp.clipped",
     ),
     "lipdp.entry": ("lipdp.privatize",),
+    # a run's configuration, below the model it builds and the run that trains it (the
+    # command line reads the first two without TensorFlow)
+    "lipdp.recipes.defaults": (),
+    "lipdp.recipes.method_settings": ("lipdp.recipes.defaults",),
+    "lipdp.recipes.recipe_config": (
+        "lipdp.recipes.defaults",
+        "lipdp.recipes.method_settings",
+        "lipdp.core.config",
+        "lipdp.core.validation",
+    ),
+    "lipdp.recipes.model_factory": (
+        "lipdp.recipes.defaults",
+        "lipdp.recipes.recipe_config",
+        "lipdp.recipes.zoo",
+        "lipdp.core",
+        "lipdp.clipless",
+        "lipdp.clipped",
+    ),
     "lipdp.recipes": (
         "lipdp.recipes",
         "lipdp.core",
