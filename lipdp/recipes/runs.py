@@ -20,17 +20,9 @@ from typing import NamedTuple
 
 from lipdp.core import validation
 from lipdp.recipes import defaults as D
-from lipdp.recipes.model_factory import (
-    adversarial,
-    architecture,
-    ascent,
-    build_model,
-    clipping,
-    dp_parameters,
-    keras_layers,
-    optimizer,
-    run_metadata,
-)
+from lipdp.recipes import model_factory, recipe_config
+from lipdp.recipes.model_factory import *  # noqa: F403  (the old names of this module)
+from lipdp.recipes.model_factory import build_model, run_metadata
 from lipdp.recipes.recipe_config import ModelRecipe, RunConfig
 
 
@@ -263,24 +255,14 @@ def train(run: RunConfig, data=None, strategy=None, callbacks=(), verbose=0) -> 
     return TrainedRun(prepared.model, history, metrics_on_test_set(prepared.model, prepared.data))
 
 
+#: The run's names, then the old module's names now defined by the other two.
 __all__ = [
-    "ModelRecipe",
-    "RunConfig",
     "PreparedRun",
     "TrainedRun",
     "set_seed",
     "load_data",
     "one_hot",
-    "run_metadata",
     "training_arrays",
-    "dp_parameters",
-    "optimizer",
-    "clipping",
-    "ascent",
-    "adversarial",
-    "architecture",
-    "keras_layers",
-    "build_model",
     "model_and_arrays",
     "prepare",
     "feature_head",
@@ -288,4 +270,6 @@ __all__ = [
     "fit",
     "metrics_on_test_set",
     "train",
+    *recipe_config.__all__,
+    *model_factory.__all__,
 ]

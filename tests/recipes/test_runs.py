@@ -304,3 +304,24 @@ def test_a_recipe_is_frozen():
     recipe = runs.ModelRecipe()
     with pytest.raises(dataclasses.FrozenInstanceError):
         recipe.method = "dp-sgd"
+
+
+#: The public names of lipdp.recipes.runs before its split (issue 38).
+RUNS_NAMES_BEFORE_THE_SPLIT = [
+    "ModelRecipe", "RunConfig", "PreparedRun", "TrainedRun", "set_seed", "load_data",
+    "one_hot", "run_metadata", "training_arrays", "dp_parameters", "optimizer", "clipping",
+    "ascent", "adversarial", "architecture", "keras_layers", "build_model",
+    "model_and_arrays", "prepare", "feature_head", "training_callbacks", "fit",
+    "metrics_on_test_set", "train",
+]  # fmt: skip
+
+
+def test_the_names_of_runs_before_the_split_still_import_from_it():
+    """``from lipdp.recipes.runs import build_model`` (benchmarks, tutorials, users) names
+    the object of the module that defines it now."""
+    from lipdp.recipes import model_factory, recipe_config
+
+    assert sorted(runs.__all__) == sorted(RUNS_NAMES_BEFORE_THE_SPLIT)
+    for module in (recipe_config, model_factory):
+        for name in module.__all__:
+            assert getattr(runs, name) is getattr(module, name), name
