@@ -36,8 +36,8 @@ __version__ = _version()
 #: ``import lipdp`` does not import TensorFlow.
 _LAZY = {
     "fix_batch_coupling": "lipdp.core.coupling_fix",
-    "make_private": "lipdp.entry",
-    "private_batches": "lipdp.entry",
+    "make_private": "lipdp.privatize",
+    "private_batches": "lipdp.privatize",
 }
 
 

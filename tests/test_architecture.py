@@ -67,10 +67,30 @@ ALLOWED = {
         "lipdp.clipless",
         "lipdp.data",
     ),
-    "lipdp.entry": (
+    # make_private; lipdp.entry, its former path, re-exports it
+    "lipdp.privatize": (
         "lipdp.core",
         "lipdp.accounting",
         "lipdp.data",
+        "lipdp.clipless",
+        "lipdp.clipped",
+    ),
+    "lipdp.entry": ("lipdp.privatize",),
+    # a run's configuration, below the model it builds and the run that trains it (the
+    # command line reads the first two without TensorFlow)
+    "lipdp.recipes.defaults": (),
+    "lipdp.recipes.method_settings": ("lipdp.recipes.defaults",),
+    "lipdp.recipes.recipe_config": (
+        "lipdp.recipes.defaults",
+        "lipdp.recipes.method_settings",
+        "lipdp.core.config",
+        "lipdp.core.validation",
+    ),
+    "lipdp.recipes.model_factory": (
+        "lipdp.recipes.defaults",
+        "lipdp.recipes.recipe_config",
+        "lipdp.recipes.zoo",
+        "lipdp.core",
         "lipdp.clipless",
         "lipdp.clipped",
     ),
@@ -209,6 +229,7 @@ JAX_PATH = [
     "lipdp.core.callbacks",
     "lipdp.core.parameters",
     "lipdp.core.report",
+    "lipdp.privatize",
     "lipdp.entry",
     "lipdp.accounting",
     "lipdp.core.metadata",
