@@ -89,4 +89,4 @@ def check_refusal(case, refuse) -> None:
     """``refuse()`` raises ``ValueError`` with exactly ``MESSAGES[case]``."""
     with pytest.raises(ValueError) as raised:
         refuse()
-    assert str(raised.value) == MESSAGES[case]
+    assert str(raised.value) == MESSAGES[case], str(raised.value)

@@ -55,7 +55,7 @@ from lipdp.clipped.clipping import ClippedGradientBound, Clipping
 from lipdp.clipped.jax import ghost, keys, ledger, per_example
 from lipdp.clipped.jax.batches import PoissonBatches
 from lipdp.core import compat, noise
-from lipdp.core.layer_walk import nested_layers
+from lipdp.core.layer_walk import children, nested_layers
 from lipdp.core.private_base import (
     PrivateModelBase,
     one_target_per_output,
@@ -201,7 +201,9 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
         return self.network(inputs, training=training)
 
     def _all_layers(self) -> list:
-        return [self.network]
+        """The network's layers (as the TensorFlow models' ``dp_layers``: the refusals name
+        them by the same paths); nested ones are walked by the refusals."""
+        return children(self.network) or [self.network]
 
     # ------------------------------------------------------------- privacy
     def _noise_coefficients(self) -> list[float]:
