@@ -23,16 +23,20 @@ step (``train_step(state, data) -> (logs, state)``, compiled by ``jax.jit``):
    (:mod:`lipdp.clipped.jax.ledger`) are updated inside the step, model variables saved
    in ``.keras`` files (rule S10).
 
-The privacy plan, ``DP_Accountant``, ``privacy_report`` and
-``calibrate_noise_multiplier`` are the TensorFlow models' (one subsampled Gaussian of
-multiplier ``sigma`` per step, rate ``q = b / N``): the epsilon planned is the epsilon
-logged (rule S11).
+The privacy surface is the TensorFlow models' own, written once in
+:class:`lipdp.core.private_base.PrivateModelBase`: sigma, the noise standard deviation (by
+:func:`lipdp.core.noise.noise_stddevs`), the privacy plan (one subsampled Gaussian of
+multiplier ``sigma`` per step, rate ``q = b / N``: the epsilon planned is the epsilon
+logged, rule S11), the ledger row, and the guards of ``compile``, ``fit``, ``save``,
+``set_weights`` and ``load_weights`` with their messages; ``DP_Accountant``,
+``privacy_report`` and ``calibrate_noise_multiplier`` are shared too.
 
 **Refused** (one line naming the fix): a trainable ``BatchNormalization`` at any depth, and
 at the first step any layer that updates non-trainable state in a training call
 (``Dropout``'s and other random layers' seed state, a stateful RNN): under ``vmap`` that
 state would be shared or coupled between the rows; weight and activity regularisers and
-``add_loss`` (terms outside the clipped per-example losses); mixed precision; per-layer
+``add_loss`` (terms outside the clipped per-example losses); any floating compute dtype
+but float32; per-layer
 clipping and noise, dynamic clipping, declared hyper-parameter searches, sharpness-aware
 and adversarial training (the TensorFlow backend has them). Fixed-size batches must have
 exactly ``b`` rows (rule S5).
