@@ -20,6 +20,11 @@ MESSAGES = {
         "the slack of the sensitivity bounds (an input clipped to norm 1 can come out above "
         "1). Use keras.mixed_precision.set_global_policy('float32')."
     ),
+    "nested float64 layer": (
+        "Mixed precision is not supported (layer 'block/wide' (float64)): float16 round-off "
+        "exceeds the slack of the sensitivity bounds (an input clipped to norm 1 can come out "
+        "above 1). Use keras.mixed_precision.set_global_policy('float32')."
+    ),
     "sum reduction": (
         "Loss reduction 'sum' is not supported: sensitivities are computed for the mean over "
         "the batch. Use reduction=SUM_OVER_BATCH_SIZE (the default)."
@@ -60,8 +65,9 @@ def data(rows=N, seed=0):
 def refusals(make, keras):
     """``{case: function raising the refusal}`` for a backend's model.
 
-    ``make(dtype=..., partial_last_batch=...)`` builds an uncompiled private model of the
-    module docstring (the first ``Dense`` of ``dtype``, fixed-size batches of 8)."""
+    ``make(dtype=..., nested=..., partial_last_batch=...)`` builds an uncompiled private
+    model of the module docstring (the first ``Dense`` of ``dtype``, inside a
+    ``Sequential`` named ``"block"`` if ``nested``; fixed-size batches of 8)."""
     loss = keras.losses.CategoricalCrossentropy(from_logits=True)
 
     def compiled(**kwargs):
@@ -75,6 +81,9 @@ def refusals(make, keras):
     sum_loss = keras.losses.CategoricalCrossentropy(from_logits=True, reduction="sum")
     return {
         "float64 layer": lambda: make(dtype="float64").compile(optimizer="sgd", loss=loss),
+        "nested float64 layer": lambda: make(dtype="float64", nested=True).compile(
+            optimizer="sgd", loss=loss
+        ),
         "sum reduction": lambda: make().compile(optimizer="sgd", loss=sum_loss),
         "loss weights": lambda: make().compile(optimizer="sgd", loss=loss, loss_weights=[2.0]),
         "h5 file": lambda: compiled().save("model.h5"),

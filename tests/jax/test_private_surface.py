@@ -10,13 +10,12 @@ from lipdp.core.parameters import DPParameters
 from tests import private_surface as surface
 
 
-def _model(dtype="float32", partial_last_batch=False):
+def _model(dtype="float32", nested=False, partial_last_batch=False):
+    first = keras.layers.Dense(8, activation="tanh", dtype=dtype, name="wide")
+    if nested:
+        first = keras.Sequential([first], name="block")
     network = keras.Sequential(
-        [
-            keras.Input((surface.FEATURES,)),
-            keras.layers.Dense(8, activation="tanh", dtype=dtype, name="wide"),
-            keras.layers.Dense(surface.CLASSES),
-        ]
+        [keras.Input((surface.FEATURES,)), first, keras.layers.Dense(surface.CLASSES)]
     )
     metadata = DatasetMetadata(
         input_shape=(surface.FEATURES,), nb_classes=surface.CLASSES,
