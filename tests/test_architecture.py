@@ -45,6 +45,17 @@ ALLOWED = {
     ),
     "lipdp.data": ("lipdp.data", "lipdp.core.validation", "lipdp.core.metadata"),
     "lipdp.core.ledger": ("lipdp.accounting", "lipdp.core.layer_walk", "lipdp.core.variables"),
+    # the privacy surface of every backend's model (TensorFlow's PrivateModel, the JAX
+    # DPSGD_JaxModel): below both families, above the foundation it reads
+    "lipdp.core.private_base": (
+        "lipdp.accounting",
+        "lipdp.core.compat",
+        "lipdp.core.layer_walk",
+        "lipdp.core.ledger",
+        "lipdp.core.metadata",
+        "lipdp.core.noise",
+        "lipdp.core.parameters",
+    ),
     "lipdp.core": ("lipdp.core", "lipdp.accounting"),
     # the two families build on the shared base, never on each other
     "lipdp.clipless": ("lipdp.clipless", "lipdp.core", "lipdp.accounting"),
