@@ -46,9 +46,9 @@ a training call (``Dropout``'s and other random layers' seed state, a running
 statistic): under ``vmap`` that state would be shared or coupled between the rows, and
 saved with the model without noise; weight regularisers and ``add_loss`` (terms outside
 the clipped per-example losses); any floating compute dtype but float32; per-layer
-clipping and noise, dynamic clipping, declared hyper-parameter searches, sharpness-aware and adversarial training
-(the TensorFlow backend has them). Fixed-size batches must have exactly ``b`` rows (rule
-S5).
+clipping and noise, dynamic clipping, declared hyper-parameter searches, sharpness-aware
+and adversarial training (the TensorFlow backend has them). Fixed-size batches must have
+exactly ``b`` rows (rule S5).
 
 **Data parallelism.** Under ``keras.distribution.DataParallel`` Keras shards each batch
 over the devices and ``jit`` compiles the same program for the global batch: the clipped
