@@ -35,9 +35,9 @@ __version__ = _version()
 #: Top-level names and the module defining each, imported on first use so that
 #: ``import lipdp`` does not import TensorFlow.
 _LAZY = {
-    "fix_batch_coupling": "lipdp.core.batch_independence",
-    "make_private": "lipdp.entry",
-    "private_batches": "lipdp.entry",
+    "fix_batch_coupling": "lipdp.core.coupling_fix",
+    "make_private": "lipdp.privatize",
+    "private_batches": "lipdp.privatize",
 }
 
 

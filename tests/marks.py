@@ -199,20 +199,21 @@ THOROUGH_TESTS = {
     "tests/evaluation/test_diagnostics.py::test_signal_to_noise_callbacks",
     # test_robustness.py: by default, the certified Lipschitz ratios.
     "tests/evaluation/test_robustness.py::test_no_pgd_attack_succeeds_inside_the_certified_radius",
-    # test_attacks_issue26.py: by default, the bounded input, a frozen layer (clipless), restoring a
-    # checkpoint, the plan after freezing (DP-SGD), the per-row loss and every refusal.
-    "tests/test_attacks_issue26.py::test_a_custom_loop_holding_an_old_step_records_what_it_runs",
-    "tests/test_attacks_issue26.py::test_a_new_model_on_a_privately_trained_backbone_inherits_its_ledger",
-    "tests/test_attacks_issue26.py::test_adversarial_class_labels_never_fail_a_step",
-    "tests/test_attacks_issue26.py::test_an_out_of_range_token_id_does_not_fail_the_step[jacobian]",
-    "tests/test_attacks_issue26.py::test_clipless_losses_bound_rows_with_labels_outside_their_domain",
-    "tests/test_attacks_issue26.py::test_dropping_the_search_declaration_does_not_lower_epsilon",
-    "tests/test_attacks_issue26.py::test_flags_changed_after_compile_are_refused_until_compile_runs_again",
-    "tests/test_attacks_issue26.py::test_per_layer_noise_with_a_frozen_layer_stays_within_its_sensitivity[dp-sgd]",
-    "tests/test_attacks_issue26.py::test_restoring_earlier_weights_does_not_rewind_the_ledger[early-stopping]",
-    "tests/test_attacks_issue26.py::test_the_jacobian_method_clips_a_loss_reading_a_weight_with_each_row",
-    "tests/test_attacks_issue26.py::test_the_plan_after_freezing_without_recompiling_is_what_fit_runs[clipless]",
-    "tests/test_attacks_issue26.py::test_the_random_layer_alone_is_sound",
+    # test_attacks_couplings_records_ledger.py: by default, the bounded input, a frozen layer
+    # (clipless), restoring a checkpoint, the plan after freezing (DP-SGD), the per-row loss
+    # and every refusal.
+    "tests/test_attacks_couplings_records_ledger.py::test_a_custom_loop_holding_an_old_step_records_what_it_runs",
+    "tests/test_attacks_couplings_records_ledger.py::test_a_new_model_on_a_privately_trained_backbone_inherits_its_ledger",
+    "tests/test_attacks_couplings_records_ledger.py::test_adversarial_class_labels_never_fail_a_step",
+    "tests/test_attacks_couplings_records_ledger.py::test_an_out_of_range_token_id_does_not_fail_the_step[jacobian]",
+    "tests/test_attacks_couplings_records_ledger.py::test_clipless_losses_bound_rows_with_labels_outside_their_domain",
+    "tests/test_attacks_couplings_records_ledger.py::test_dropping_the_search_declaration_does_not_lower_epsilon",
+    "tests/test_attacks_couplings_records_ledger.py::test_flags_changed_after_compile_are_refused_until_compile_runs_again",
+    "tests/test_attacks_couplings_records_ledger.py::test_per_layer_noise_with_a_frozen_layer_stays_within_its_sensitivity[dp-sgd]",
+    "tests/test_attacks_couplings_records_ledger.py::test_restoring_earlier_weights_does_not_rewind_the_ledger[early-stopping]",
+    "tests/test_attacks_couplings_records_ledger.py::test_the_jacobian_method_clips_a_loss_reading_a_weight_with_each_row",
+    "tests/test_attacks_couplings_records_ledger.py::test_the_plan_after_freezing_without_recompiling_is_what_fit_runs[clipless]",
+    "tests/test_attacks_couplings_records_ledger.py::test_the_random_layer_alone_is_sound",
     # test_notebooks.py: by default, the README's snippets (19 s per notebook).
     "tests/test_notebooks.py::test_notebook_runs_in_quick_mode",
 }  # fmt: skip

@@ -24,7 +24,15 @@ ALLOWED = {
     "lipdp.core.layer_walk": (),
     "lipdp.core.metadata": ("lipdp.core.config",),
     "lipdp.core.noise": ("lipdp.core.validation", "lipdp.core.distribute"),
+    "lipdp.core.coupling": ("lipdp.core.layer_walk", "lipdp.core.compat"),
+    "lipdp.core.coupling_fix": (
+        "lipdp.core.coupling",
+        "lipdp.core.layer_walk",
+        "lipdp.core.compat",
+    ),
     "lipdp.core.batch_independence": (
+        "lipdp.core.coupling",
+        "lipdp.core.coupling_fix",
         "lipdp.core.layer_walk",
         "lipdp.core.compat",
         "lipdp.core.variables",
@@ -37,15 +45,27 @@ ALLOWED = {
     ),
     "lipdp.data": ("lipdp.data", "lipdp.core.validation", "lipdp.core.metadata"),
     "lipdp.core.ledger": ("lipdp.accounting", "lipdp.core.layer_walk", "lipdp.core.variables"),
+    # the privacy surface of every backend's model (TensorFlow's PrivateModel, the JAX
+    # DPSGD_JaxModel): below both families, above the foundation it reads
+    "lipdp.core.private_base": (
+        "lipdp.accounting",
+        "lipdp.core.compat",
+        "lipdp.core.layer_walk",
+        "lipdp.core.ledger",
+        "lipdp.core.metadata",
+        "lipdp.core.noise",
+        "lipdp.core.parameters",
+    ),
     "lipdp.core": ("lipdp.core", "lipdp.accounting"),
     # the two families build on the shared base, never on each other
     "lipdp.clipless": ("lipdp.clipless", "lipdp.core", "lipdp.accounting"),
-    # the clipped family's JAX step: the shared base, the clipping rule, the ghost-rule
-    # registry with its rules and the row scaling; never the TensorFlow step
-    # (lipdp.clipped.model, lipdp.clipped.per_example.engine)
+    # the clipped family's JAX step: the shared base, the clipping rule, the layer checks,
+    # the ghost-rule registry with its rules and the row scaling; never the TensorFlow
+    # step (lipdp.clipped.model, lipdp.clipped.per_example.engine)
     "lipdp.clipped.jax": (
         "lipdp.clipped.jax",
         "lipdp.clipped.clipping",
+        "lipdp.clipped.layer_support",
         "lipdp.clipped.per_example.registry",
         "lipdp.clipped.per_example.scale",
         "lipdp.clipped.per_example.dense",
@@ -62,10 +82,30 @@ ALLOWED = {
         "lipdp.clipless",
         "lipdp.data",
     ),
-    "lipdp.entry": (
+    # make_private; lipdp.entry, its former path, re-exports it
+    "lipdp.privatize": (
         "lipdp.core",
         "lipdp.accounting",
         "lipdp.data",
+        "lipdp.clipless",
+        "lipdp.clipped",
+    ),
+    "lipdp.entry": ("lipdp.privatize",),
+    # a run's configuration, below the model it builds and the run that trains it (the
+    # command line reads the first two without TensorFlow)
+    "lipdp.recipes.defaults": (),
+    "lipdp.recipes.method_settings": ("lipdp.recipes.defaults",),
+    "lipdp.recipes.recipe_config": (
+        "lipdp.recipes.defaults",
+        "lipdp.recipes.method_settings",
+        "lipdp.core.config",
+        "lipdp.core.validation",
+    ),
+    "lipdp.recipes.model_factory": (
+        "lipdp.recipes.defaults",
+        "lipdp.recipes.recipe_config",
+        "lipdp.recipes.zoo",
+        "lipdp.core",
         "lipdp.clipless",
         "lipdp.clipped",
     ),
@@ -195,11 +235,16 @@ def test_no_import_circle():
 JAX_PATH = [
     "lipdp.clipped.jax",
     "lipdp.clipped.clipping",
+    "lipdp.clipped.layer_support",
+    "lipdp.core.coupling",
+    "lipdp.core.coupling_fix",
+    "lipdp.core.layer_walk",
     "lipdp.core.noise",
     "lipdp.core.ledger",
     "lipdp.core.callbacks",
     "lipdp.core.parameters",
     "lipdp.core.report",
+    "lipdp.privatize",
     "lipdp.entry",
     "lipdp.accounting",
     "lipdp.core.metadata",

@@ -109,8 +109,19 @@ def test_original_paths_name_the_defining_modules_objects(original):
 
 THIN = ["layers", "losses", "dynamic", "model", "pipeline", "sensitivity", "utils"]
 
+#: Former paths of lipdp's own modules -> the module that holds their names now.
+FORMER = {"entry": "lipdp.privatize"}
 
-@pytest.mark.parametrize("name", THIN)
+
+@pytest.mark.parametrize("name", sorted(FORMER))
+def test_former_paths_name_the_same_objects(name):
+    module, home = importlib.import_module(f"lipdp.{name}"), importlib.import_module(FORMER[name])
+    assert module.__all__ == home.__all__
+    for exported in home.__all__:
+        assert getattr(module, exported) is getattr(home, exported), (name, exported)
+
+
+@pytest.mark.parametrize("name", THIN + sorted(FORMER))
 def test_original_paths_are_thin_re_exports(name):
     """Only a docstring, imports and ``__all__``: no code lives at the top of the package."""
     tree = ast.parse((Path(lipdp.__path__[0]) / f"{name}.py").read_text(encoding="utf-8"))
@@ -130,11 +141,12 @@ PACKAGES = ["accounting", "cli", "clipless", "clipped", "core", "data", "evaluat
 
 
 def test_the_top_of_the_package_is_the_entry_point_and_the_original_paths():
-    """At the top: the package, ``make_private``'s entry and the original paths; all else
-    lives in the layout's sub-packages (the ``lipdp`` command in ``lipdp/cli/``)."""
+    """At the top: the package, ``make_private``'s module (and its former path) and the
+    original paths; all else lives in the layout's sub-packages (the ``lipdp`` command in
+    ``lipdp/cli/``)."""
     root = Path(lipdp.__path__[0])
     top = sorted(p.stem for p in root.glob("*.py"))
-    assert top == sorted(["__init__", "entry", *THIN])
+    assert top == sorted(["__init__", "privatize", *FORMER, *THIN])
     assert sorted(p.parent.name for p in root.glob("*/__init__.py")) == PACKAGES
 
 

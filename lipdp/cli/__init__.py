@@ -19,10 +19,12 @@ that the run would ignore (another method's, clipping's or optimiser's flag, a t
 flag with ``evaluate --model``; :mod:`lipdp.cli.arguments`).
 
 The command holds no model, data or training code: :mod:`lipdp.cli.arguments` turns the
-options into a :class:`~lipdp.recipes.runs.RunConfig` (each option sets the recipe field
-of the same name), :mod:`lipdp.recipes.runs` and :mod:`lipdp.recipes.run_evaluation` build,
-train and measure, :mod:`lipdp.cli.output` words the results and :mod:`lipdp.cli.commands`
-prints them. A benchmark or a test that needs "the CLI's model" builds it from the recipes.
+options into a :class:`~lipdp.recipes.recipe_config.RunConfig` (each option sets the recipe
+field of the same name; which applies to which method is decided by
+:mod:`lipdp.recipes.method_settings`), :mod:`lipdp.recipes.model_factory`,
+:mod:`lipdp.recipes.runs` and :mod:`lipdp.recipes.run_evaluation` build, train and measure,
+:mod:`lipdp.cli.output` words the results and :mod:`lipdp.cli.commands` prints them. A
+benchmark or a test that needs "the CLI's model" builds it from the recipes.
 """
 
 from lipdp.cli.commands import main

@@ -1,6 +1,8 @@
 """The arguments of ``lipdp``: the parser and its help, the value checks, the refusal of a
 flag the run would ignore, and the arguments turned into a recipe
-(:class:`lipdp.recipes.runs.RunConfig`, :class:`lipdp.recipes.run_evaluation.EvaluationConfig`).
+(:class:`lipdp.recipes.recipe_config.RunConfig`,
+:class:`lipdp.recipes.run_evaluation.EvaluationConfig`). Which flag applies to which method
+is the recipes' decision (:mod:`lipdp.recipes.method_settings`), refused with their message.
 
 Every option's ``dest`` is the name of the recipe field it sets (``--clip-norm`` sets
 ``clip_norm``): :func:`model_recipe` copies them over.
@@ -15,6 +17,7 @@ import os
 import sys
 
 from lipdp.recipes import defaults as D
+from lipdp.recipes import method_settings
 
 #: ``lipdp --help``'s description: plain text (the module docstring's markup would show).
 DESCRIPTION = (
@@ -530,20 +533,16 @@ def _option_order(parser) -> list:
 
 def _inapplicable_options(args) -> dict:
     """``{flag: message}`` for every option that does not apply to the run ``args``
-    describes (whether typed or not: the caller keeps the typed ones)."""
+    describes (whether typed or not: the caller keeps the typed ones). Which setting
+    applies to which method is decided by :mod:`lipdp.recipes.method_settings`, the
+    recipes' table, with their messages."""
     if getattr(args, "model", None) is not None:
         refusals = _options_unused_by_a_saved_model()
     else:
-        refusals = _family_refusals(args)
-        refusals.update(_clipping_refusals(args))
-        refusals.update(_group_norm_refusals(args))
-        refusals.update(_adversarial_refusals(args))
-    if _optimizer(args) != "sgd":
-        refusals.setdefault(
-            "--momentum",
-            "--momentum applies to --optimizer sgd only (Adam keeps its own moment "
-            "estimates): drop --momentum or add --optimizer sgd.",
-        )
+        refusals = {
+            "--" + setting.replace("_", "-"): message
+            for setting, message in method_settings.inapplicable_settings(args).items()
+        }
     if args.dataset != "fashion_mnist":
         refusals["--data-dir"] = (
             f"--data-dir applies to --dataset fashion_mnist only ({args.dataset} is "
@@ -556,90 +555,6 @@ def _inapplicable_options(args) -> dict:
                 f"{flag} or give --attack-steps N >= 1."
             )
     return refusals
-
-
-def _family_refusals(args) -> dict:
-    """The options of the other family than ``--method``'s."""
-    if args.method != "dp-sgd":
-        why = (
-            f"--method {args.method} clips no gradient: its sensitivities come from the "
-            "layers' Lipschitz bounds"
-        )
-        flags = ("--clipping", "--clip-norm", "--clip-threshold", "--gradient-method")
-        refusals = {
-            f: f"{f} applies to --method dp-sgd only ({why}): drop {f} or add --method dp-sgd."
-            for f in flags
-        }
-        for flag in ("--bam", "--dp-sat"):
-            refusals[flag] = (
-                f"{flag} applies to --method dp-sgd only (the clipless methods have no "
-                f"sharpness-aware step): drop {flag} or add --method dp-sgd."
-            )
-        return refusals
-    return {
-        "--gradient-clip": "--gradient-clip applies to the clipless methods; dp-sgd clips "
-        "per-example gradients with --clip-norm.",
-        "--tau": "--tau applies to the clipless methods (their loss "
-        "DP_TauCategoricalCrossentropy); dp-sgd trains with the cross-entropy of the logits: "
-        "drop --tau.",
-        "--weight-norm-bound": "--weight-norm-bound applies to the clipless methods (lipdp, "
-        "lip-dp-sgd) only: dp-sgd's layers have unconstrained kernels (their gradients are "
-        "clipped at --clip-norm): drop --weight-norm-bound.",
-    }
-
-
-def _clipping_refusals(args) -> dict:
-    if args.method == "dp-sgd" and args.clipping != "global":
-        return {
-            "--clip-threshold": f"--clip-threshold applies to --clipping global only "
-            f"({args.clipping} clipping drops no example): drop --clip-threshold or add "
-            "--clipping global."
-        }
-    return {}
-
-
-def _group_norm_refusals(args) -> dict:
-    """Group normalisation: in the clipless networks (``--group-norm``, ``--group-norm-alpha``)
-    and in either family's scattering network (``--group-norm`` only: its alpha is fixed)."""
-    refusals = {}
-    scattering = resolved_scattering(args)
-    if args.method == "dp-sgd" and not scattering:
-        refusals["--group-norm"] = (
-            "--group-norm applies to the clipless methods, or to dp-sgd with --scattering "
-            "(dp-sgd's plain network has no group normalisation): drop --group-norm."
-        )
-    if scattering:
-        refusals["--group-norm-alpha"] = (
-            "--group-norm-alpha does not apply to --scattering, whose group normalisation "
-            "has its own alpha (lipdp.recipes.zoo.SCATTERING_ALPHA): drop --group-norm-alpha."
-        )
-    elif args.method == "dp-sgd":
-        refusals["--group-norm-alpha"] = (
-            "--group-norm-alpha applies to the clipless methods only (dp-sgd's plain "
-            "network has no group normalisation): drop --group-norm-alpha."
-        )
-    elif args.group_norm is None:
-        refusals["--group-norm-alpha"] = (
-            "--group-norm-alpha needs --group-norm G (without it the network has no group "
-            "normalisation): add --group-norm G or drop --group-norm-alpha."
-        )
-    return refusals
-
-
-def _adversarial_refusals(args) -> dict:
-    if args.adversarial_radius is None:
-        flags = ("--adversarial-norm", "--adversarial-steps", "--adversarial-mix", "--trades")
-        return {
-            f: f"{f} needs --adversarial-radius R (the ball of its attack; without it there "
-            f"is no adversarial training): add --adversarial-radius R or drop {f}."
-            for f in flags
-        }
-    if args.trades is not None:
-        return {
-            "--adversarial-mix": "--adversarial-mix does not apply with --trades (the TRADES "
-            "loss replaces the mixed loss): drop one of them."
-        }
-    return {}
 
 
 def _options_unused_by_a_saved_model() -> dict:
@@ -680,40 +595,23 @@ def refuse_missing_settings(args) -> None:
         )
 
 
-def resolved_scattering(args) -> bool:
-    """``--scattering`` / ``--no-scattering``, or the data set's default for the method."""
-    if args.scattering is not None:
-        return args.scattering
-    return D.default_scattering(args.dataset, args.method)
-
-
 def batch_size(args) -> int:
     """``--batch-size``, or the default of the data set and the network."""
     return args.batch_size or model_recipe(args).resolved().batch_size
 
 
-def _optimizer(args) -> str:
-    """``--optimizer``, or the default of the run's network (Adam for a saved model,
-    which takes no optimiser option)."""
-    if args.optimizer is not None:
-        return args.optimizer
-    if getattr(args, "model", None) is not None:
-        return "adam"
-    return D.default_optimizer(args.dataset, args.method, args.scattering)
-
-
 def model_recipe(args):
-    """The :class:`~lipdp.recipes.runs.ModelRecipe` of ``args``: every recipe field that is
+    """The :class:`~lipdp.recipes.recipe_config.ModelRecipe` of ``args``: every recipe field that is
     an option (the options are named after the fields)."""
-    from lipdp.recipes.runs import ModelRecipe
+    from lipdp.recipes.recipe_config import ModelRecipe
 
     names = [f.name for f in dataclasses.fields(ModelRecipe) if hasattr(args, f.name)]
     return ModelRecipe(**{name: getattr(args, name) for name in names})
 
 
 def run_config(args):
-    """The :class:`~lipdp.recipes.runs.RunConfig` of ``args``."""
-    from lipdp.recipes.runs import RunConfig
+    """The :class:`~lipdp.recipes.recipe_config.RunConfig` of ``args``."""
+    from lipdp.recipes.recipe_config import RunConfig
 
     return RunConfig(
         model_recipe(args),

@@ -34,7 +34,7 @@ def optimizer_detail(recipe) -> str:
 def method_detail(recipe) -> str:
     """The method's settings: clipping (dp-sgd) or kernel balls (clipless), and the PGD of
     adversarial training."""
-    from lipdp.recipes.runs import adversarial
+    from lipdp.recipes.model_factory import adversarial
 
     detail = _family_detail(recipe)
     attack = adversarial(recipe)

@@ -1,4 +1,12 @@
-"""Which Keras layers clipped DP-SGD trains, checked over every nested layer (rule S13).
+"""Which Keras layers clipped DP-SGD trains, checked over every nested layer (rules S2, S13),
+on both backends.
+
+:func:`check_keras_layers` is the one check of a clipped model's layers, run by the
+TensorFlow models (:class:`lipdp.clipped.model.DPSGD_Model`, when built) and by the JAX
+model (:func:`lipdp.clipped.jax.model.check_network`, at construction and before every
+fit), with the same messages: the layers that couple the examples of a batch
+(:func:`lipdp.core.coupling.refuse_coupling_layers`, rule S2), activity regularisers, and
+:func:`check_layer_support` below. It imports no TensorFlow.
 
 Per-example clipping (:mod:`lipdp.clipped.per_example`) trains any layer whose forward pass
 treats each example on its own and whose variables change only through the released
@@ -23,8 +31,8 @@ before any step runs: a layer reading another layer's variable without tracking 
 (:func:`lipdp.clipped.per_example.refuse_untracked_reads`, ghost norms) and ``add_loss`` of a
 tensor computed in a call
 (:meth:`~lipdp.core.private_model.PrivateModel.refuse_data_dependent_losses`).
-Layers that couple the examples of a batch (batch normalisation) are refused by
-:func:`lipdp.clipped.model.check_keras_layers`.
+Layers that couple the examples of a batch (batch normalisation, ``couples_examples``)
+are refused by :func:`check_keras_layers`.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import keras
 
 from lipdp.core import compat
+from lipdp.core.coupling import refuse_coupling_layers
 from lipdp.core.layer_walk import nested_layers
 
 
@@ -76,4 +85,25 @@ def check_layer_support(layers) -> None:
             raise ValueError(reason)
 
 
-__all__ = ["check_layer_support"]
+def check_keras_layers(layers) -> None:
+    """Refuse what per-example clipping cannot handle, with the fix in the message."""
+    layers = list(layers)
+    if not layers:
+        raise ValueError("A DP-SGD model needs at least one layer.")
+    seen = set()
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(f"{layer!r} is not a Keras layer.")
+        refuse_coupling_layers(layer)  # at any depth (rule S2)
+        if id(layer) in seen:
+            raise ValueError(f"Layer {layer.name!r} appears twice; use two layers.")
+        seen.add(id(layer))
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"Layer {layer.name!r} has an activity_regularizer: a loss term outside the "
+                "clipped per-example losses. Remove it."
+            )
+    check_layer_support(layers)  # every nested layer: stateful RNNs, ...
+
+
+__all__ = ["check_keras_layers", "check_layer_support"]

@@ -56,7 +56,7 @@ import keras
 import tensorflow as tf
 
 from lipdp.clipped.clipping import CLIPPING_MODES, ClippedGradientBound, Clipping
-from lipdp.clipped.layer_support import check_layer_support
+from lipdp.clipped.layer_support import check_keras_layers
 from lipdp.clipped.per_example import (
     GRADIENT_METHODS,
     Ascent,
@@ -67,7 +67,6 @@ from lipdp.clipped.per_example import (
 from lipdp.clipped.sharpness import ASCENT_MODES, SharpnessAscent
 from lipdp.core import distribute, validation
 from lipdp.core.adversarial import softmax_kl
-from lipdp.core.batch_independence import refuse_coupling_layers
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.private_model import DPParameters, PrivateModel, StepGradients
 from lipdp.core.records import kept_rows
@@ -80,29 +79,6 @@ def _refuse_replicas(what) -> None:
             f"{what} is not supported under a distribution strategy with several replicas: "
             "train on one device or use SharpnessAscent(mode='bam')."
         )
-
-
-def check_keras_layers(layers) -> None:
-    """Refuse what per-example clipping cannot handle, with the fix in the message."""
-    layers = list(layers)
-    if not layers:
-        raise ValueError("A DP-SGD model needs at least one layer.")
-    seen = set()
-    for layer in layers:
-        if not isinstance(layer, keras.layers.Layer):
-            raise TypeError(f"{layer!r} is not a Keras layer.")
-        refuse_coupling_layers(layer)  # at any depth (rule S2)
-        if id(layer) in seen:
-            raise ValueError(f"Layer {layer.name!r} appears twice; use two layers.")
-        seen.add(id(layer))
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise ValueError(
-                f"Layer {layer.name!r} has an activity_regularizer: a loss term outside the "
-                "clipped per-example losses. Remove it."
-            )
-    check_layer_support(
-        layers
-    )  # every nested layer: stateful RNNs, ... (lipdp.clipped.layer_support)
 
 
 class DPSGD_Model(PrivateModel):

@@ -248,6 +248,17 @@ def tf_nest_flatten(structure) -> list:
     return tf.nest.flatten(structure)
 
 
+def flatten(structure) -> list:
+    """The leaves of a nest of arrays on any backend: ``keras.tree.flatten`` on Keras 3
+    (no TensorFlow under JAX), ``tf.nest.flatten`` on Keras 2 (which has no
+    ``keras.tree``)."""
+    if keras_3():
+        import keras
+
+        return keras.tree.flatten(structure)
+    return tf_nest_flatten(structure)
+
+
 def op_name_scope(name):
     """Keras 3: a TensorFlow name scope ``name`` for the ops of layers a model calls itself
     (its forward loop in a training step or a symbolic build, not through the model's

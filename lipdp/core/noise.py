@@ -43,6 +43,7 @@ generator is tied to the strategy it was created under).
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -69,20 +70,28 @@ def noise_multipliers(strategy, sigma, nm_coefs) -> list[float]:
     return [float(sigma) * float(c) for c in nm_coefs]
 
 
-def noise_stddevs(strategy, sigma, sensitivities, nm_coefs) -> list:
+def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False) -> list:
     """Standard deviation of the noise on each variable (aligned with ``sensitivities``).
 
-    Works on Python floats and on tensors (in-graph: ``sensitivities`` may depend on
-    variables such as clip values).
+    ``on_host=False`` (the TensorFlow models): float32 tensors, from Python floats or
+    tensors (in-graph: ``sensitivities`` may depend on variables such as clip values).
+    ``on_host=True`` (the JAX step, whose standard deviation is a constant of the compiled
+    step): Python floats (float64), without TensorFlow. The rule is the same; for one
+    entry ``sqrt(Delta^2) = Delta`` exactly in IEEE arithmetic (a correctly rounded square
+    root of a correctly rounded square), so ``"global"`` gives ``sigma Delta``.
     """
-    import tensorflow as tf
-
     validation.choice("noisify_strategy", strategy, NOISIFY_STRATEGIES)
-    deltas = [tf.cast(d, tf.float32) for d in sensitivities]
-    if not deltas:
+    if not sensitivities:
         return []
+    if on_host:
+        cast, sqrt, add_n = float, math.sqrt, sum
+    else:
+        import tensorflow as tf
+
+        cast, sqrt, add_n = (lambda d: tf.cast(d, tf.float32)), tf.sqrt, tf.add_n
+    deltas = [cast(d) for d in sensitivities]
     if strategy == "global":
-        total = tf.sqrt(tf.add_n([tf.square(d) for d in deltas]))
+        total = sqrt(add_n([d * d for d in deltas]))
         return [float(sigma) * total] * len(deltas)
     return [float(sigma) * float(c) * d for d, c in zip(deltas, nm_coefs)]
 

@@ -1,15 +1,17 @@
 """What both model families share: a Keras model trained privately.
 
-:class:`PrivateModel` holds the privacy parameters (:class:`DPParameters`), the dataset
-metadata (batch size ``b``, ``N``, sampling), the noisy-step counter and the privacy
-ledger saved with the weights (rule S10, :mod:`lipdp.core.ledger`), the one forward loop over
-the layers, the privacy plan built from the ledger and the model's noise multipliers
-(rule S11), the one training step (:meth:`PrivateModel.train_step`: rule S9, the noise of
-:mod:`lipdp.core.noise` -- its standard deviations and the accountant's multipliers
-computed here, once, for both families --, the update, the ledger row, the logs), the
-non-private reference run (:attr:`PrivateModel._noiseless`), and the guards of ``fit``,
-``train_on_batch``, ``save``, ``set_weights`` and ``load_weights`` (rules S5, S9, S10,
-S12). A family says how its gradient is bounded:
+:class:`PrivateModel` is the TensorFlow model of
+:class:`lipdp.core.private_base.PrivateModelBase`, which holds what every backend shares
+(sigma, the accountant's multipliers and the noise standard deviations of
+:mod:`lipdp.core.noise`, the privacy plan, the ledger view and row, the non-private
+reference run, the guards of ``compile``, ``fit``, ``save``, ``set_weights`` and
+``load_weights``, the configuration). This class adds the TensorFlow side: the
+noisy-step counter and the privacy ledger as TensorFlow/Keras variables saved with the
+weights (rule S10, :mod:`lipdp.core.ledger`), the one forward loop over the layers, the
+one training step (:meth:`PrivateModel.train_step`: rule S9, the noise drawn by
+:func:`lipdp.core.noise.add_noise`, the update, the ledger row, the logs) and the guards
+of ``train_on_batch`` and of ``tf.data`` pipelines (rules S5, S9, S10, S12). A family says
+how its gradient is bounded:
 
 * :class:`lipdp.clipless.model.DP_Model` (clipless): sensitivities from the one bound pass of
   :mod:`lipdp.clipless.bounds`, the gradient of the batch loss, weights projected after
@@ -26,23 +28,27 @@ averaged gradient of a batch), and may override the hooks ``_check_layers``,
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 from typing import NamedTuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from lipdp.accounting.mechanisms import effective_noise_multiplier
-from lipdp.accounting.plan import PrivacyPlan
 from lipdp.core import batch_independence, compat, distribute, isolation, ledger, noise
 from lipdp.core.adversarial import PGD, softmax_kl
 from lipdp.core.layer_walk import nested_layers
-from lipdp.core.ledger import PrivacyLedger, step_row
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.ledger import PrivacyLedger
 from lipdp.core.parameters import DPParameters
+from lipdp.core.private_base import (
+    PrivateModelBase,
+    check_poisson_batches,
+    check_reduction,
+    one_target_per_output,
+)
+from lipdp.core.private_base import refuse_mixed_precision as _refuse_mixed_precision
+from lipdp.core.private_base import refuse_non_finite as _refuse_non_finite  # noqa: F401
+from lipdp.core.private_base import shown as _shown
 from lipdp.core.records import (
     finite_rows,
     ids_in_range,
@@ -69,9 +75,12 @@ class StepGradients(NamedTuple):
     loss_inputs: object
 
 
-class PrivateModel(keras.Model):
+class PrivateModel(PrivateModelBase, keras.Model):
     """A Keras model over a list of layers, trained under (epsilon, delta)-DP (module
-    docstring).
+    docstring). The privacy surface every backend shares (sigma, the noise multipliers,
+    the plan, the ledger, the guards of compile, fit, save and the weights, the
+    configuration) is :class:`lipdp.core.private_base.PrivateModelBase`'s; this class adds
+    the TensorFlow step.
 
     Args:
         dp_layers: the layers, applied in order (checked by the family's ``_check_layers``).
@@ -125,13 +134,8 @@ class PrivateModel(keras.Model):
         compat.refuse_foreign_layers(dp_layers)
         self._check_layers(dp_layers)
         self.adversarial = adversarial
-        if not isinstance(dp_parameters, DPParameters):
-            raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
-        if dataset_metadata is not None and not isinstance(dataset_metadata, DatasetMetadata):
-            raise TypeError("dataset_metadata must be a lipdp.core.metadata.DatasetMetadata.")
+        self._set_privacy_configuration(dp_parameters, dataset_metadata)
         self.dp_layers = list(dp_layers)
-        self.dp_parameters = dp_parameters
-        self.dataset_metadata = dataset_metadata
         self.debug = bool(debug)
         self.independence_probe = bool(independence_probe)
         if not isinstance(row_isolation, bool):
@@ -292,86 +296,31 @@ class PrivateModel(keras.Model):
         return list(reversed(self.dp_layers))
 
     @property
-    def batch_size(self) -> int:
-        """``b``: the sensitivities of the averaged gradient are ``bound / b``."""
-        return int(self._metadata_for("training").batch_size)
-
-    @property
     def loss_normalizer(self) -> int | None:
         """What the summed per-row loss of a batch is divided by (``None``: the rows of
         the batch, for a model without metadata)."""
         metadata = self.dataset_metadata
         return None if metadata is None else metadata.loss_normalizer
 
-    def _metadata_for(self, purpose) -> DatasetMetadata:
-        if self.dataset_metadata is None:
-            raise ValueError(
-                f"{type(self).__name__} needs dataset_metadata=DatasetMetadata(...) for "
-                f"{purpose}: the sensitivity depends on the batch size, the privacy "
-                "accounting on the sampling rate b/N and the steps per epoch."
-            )
-        return self.dataset_metadata
-
     def _all_layers(self):
         """Every layer whose dtype matters (wrapped blocks included)."""
         return list(self.dp_layers)
 
     # ---------------------------------------------------------------- compile
-    def _check_loss(self, loss) -> None:
-        """Refuse a loss whose per-example gradient the family cannot bound."""
-        if loss is None:
-            raise ValueError("compile(loss=...) is required.")
-        check_reduction(loss)
-
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
-        self._check_loss(loss)
-        _refuse_mixed_precision(self._all_layers())
+        self._check_compile_arguments(loss, kwargs)
         # Layers frozen at construction may have been unfrozen since (rule S2).
         batch_independence.refuse_coupling_layers(self.dp_layers)
         self._independence_probed.clear()  # another loss: probed again
-        if kwargs.get("loss_weights") is not None:
-            raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
         if self.debug:
             kwargs["run_eagerly"] = True
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     # ------------------------------------------------------------- sensitivity
-    def sensitivities(self):
-        """``[(entry, Delta)]``: sensitivity ``Delta`` of each Gaussian mechanism's part of
-        the averaged gradient (family hook); ``entry.key`` names it, ``entry.bound`` is one
-        example's bound, ``entry.nm_coef`` its noise coefficient ``c``."""
-        raise NotImplementedError
-
-    def _noise_coefficients(self) -> list[float]:
-        """``c`` of every entry of :meth:`sensitivities`, in its order (family hook): what
-        the accountant's multipliers are made of. A hook of its own because the plan is
-        made before training, when the sensitivities (which need the compiled loss and the
-        batch size) may not be computable yet."""
-        raise NotImplementedError
-
     def _noised_variables(self, entries) -> list[list]:
         """The trainable variables each entry of :meth:`sensitivities` covers, aligned with
         ``entries`` (family hook): its noise standard deviation applies to each of them."""
         raise NotImplementedError
-
-    @property
-    def _noiseless(self) -> bool:
-        """A non-private reference run (``DPParameters(non_private=True)``), the one place
-        the flag is read for the noise and the accounting: sigma is 0 (standard deviations
-        and multipliers 0), :meth:`noisify` draws nothing, the ledger records steps of
-        sigma 0 and the plan has no mechanism (epsilon infinite after any step)."""
-        return self.dp_parameters.non_private
-
-    def _sigma(self) -> float:
-        """The noise multiplier ``sigma`` of the steps (0 for a non-private reference)."""
-        return 0.0 if self._noiseless else self.dp_parameters.noise_multiplier
-
-    def noise_multipliers(self) -> list[float]:
-        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant:
-        ``[sigma]`` (``"global"``) or ``[sigma * c]`` for every entry of
-        :meth:`sensitivities` (``"per-layer"``), by :func:`lipdp.core.noise.noise_multipliers`."""
-        strategy = self.dp_parameters.noisify_strategy
-        return noise.noise_multipliers(strategy, self._sigma(), self._noise_coefficients())
 
     def noise_stddevs(self, sensitivities=None):
         """``{variable ref: standard deviation of its noise}`` by the noise rule of
@@ -380,63 +329,9 @@ class PrivateModel(keras.Model):
         (``"per-layer"``); 0 for a non-private model. ``sensitivities``: the result of
         :meth:`sensitivities` if already computed."""
         entries = self.sensitivities() if sensitivities is None else sensitivities
-        stddevs = noise.noise_stddevs(
-            self.dp_parameters.noisify_strategy,
-            self._sigma(),
-            [delta for _, delta in entries],
-            [entry.nm_coef for entry, _ in entries],
-        )
+        stddevs = self._entry_stddevs(entries)
         groups = self._noised_variables(entries)
         return {variable_key(v): std for group, std in zip(groups, stddevs) for v in group}
-
-    # ----------------------------------------------------------------- privacy
-    def privacy_plan(self) -> PrivacyPlan:
-        """Every mechanism a training run of this model releases (rule S11): the noisy
-        steps (noise multipliers of :meth:`noise_multipliers`, sampling rate and steps per
-        epoch of the metadata) and the family's other releases (:meth:`_other_releases`)."""
-        metadata = self._metadata_for("privacy accounting")
-        params = self.dp_parameters
-        noiseless = self._noiseless  # no mechanism: the multipliers are not read
-        return PrivacyPlan.for_training(
-            ledger=self.privacy_ledger,
-            steps_done=int(self.noisy_steps.numpy()),
-            noise_multipliers=1.0 if noiseless else self.noise_multipliers(),
-            sampling_rate=metadata.sampling_rate,
-            steps_per_epoch=metadata.nb_steps_per_epochs,
-            delta=params.delta,
-            other_releases=self._other_releases(metadata),
-            non_private=noiseless,
-            noise_multiplier=None if noiseless else self._sigma(),
-            search=params.hyperparameter_search,
-        )
-
-    def _other_releases(self, metadata) -> tuple:
-        """Releases besides the noisy steps (none by default)."""
-        return ()
-
-    @property
-    def privacy_ledger(self) -> PrivacyLedger:
-        """What this model has released so far (:mod:`lipdp.core.ledger`): its epsilon is the
-        composition of these mechanisms, whatever its configuration is now."""
-        return PrivacyLedger(self.privacy_ledger_table, self.privacy_ledger_counts)
-
-    def _step_row(self):
-        """The ledger row of one step of the current configuration: the effective noise
-        multiplier of its Gaussians (0 without noise), ``b``, ``N``, the sampling."""
-        metadata = self._metadata_for("training")
-        if self._noiseless:
-            sigma, gaussians = 0.0, 1
-        else:
-            sigmas = self.noise_multipliers()
-            sigma, gaussians = effective_noise_multiplier(sigmas), len(sigmas)
-        return step_row(
-            sigma,
-            metadata.batch_size,
-            metadata.nb_samples_train,
-            metadata.sampling == "poisson",
-            gaussians,
-            reproducible=noise.reproducible_noise_seed() is not None,
-        )
 
     def _step_configuration(self) -> tuple:
         """What a traced training step bakes in: the privacy parameters (noise), the
@@ -655,10 +550,6 @@ class PrivateModel(keras.Model):
             return list(gradients)
         return noise.add_noise(gradients, [stddevs[variable_key(v)] for v in variables])
 
-    def project(self):
-        """Bring the weights back into their constraint sets (none by default)."""
-        return None
-
     def release_step(self, gradients, variables):
         """The end of every family's training step, from the local gradients of the loss
         ``sum_i loss_i / n`` (``n``: the global loss normaliser): noise drawn once per
@@ -686,12 +577,7 @@ class PrivateModel(keras.Model):
         # A cached step keeps the noise, batch size and trainable variables it was traced
         # with: traced again when any of them changed (frozen layers take effect, and the
         # ledger records the mechanism that now runs).
-        if self.built and not self.trainable_variables:
-            raise ValueError(
-                f"{type(self).__name__} has no trainable variables (every layer is frozen): "
-                "a private step would release nothing. Unfreeze a layer (layer.trainable = "
-                "True) and compile again."
-            )
+        self._refuse_nothing_trainable()
         own = self.privacy_ledger
         others = {
             path: other
@@ -809,10 +695,6 @@ class PrivateModel(keras.Model):
         self._invalid_inputs.reset_state()
         self._invalid_labels.reset_state()
 
-    @property
-    def poisson_sampling(self) -> bool:
-        return self.dataset_metadata is not None and self.dataset_metadata.sampling == "poisson"
-
     def refuse_data_dependent_losses(self):
         """Refuse a loss added from the data in a forward pass (``add_loss`` of a tensor in
         a layer's call, an activity regulariser): the sensitivity bounds cover the
@@ -885,53 +767,11 @@ class PrivateModel(keras.Model):
             iterator, data_batch = None, compat.first_replica_spec(dataset)
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
-    def save(self, filepath, *args, **kwargs):
-        """Save in the ``.keras`` format only (rule S10).
-
-        Keras 2.15's SavedModel directory and HDF5 files do not restore everything a
-        privacy guarantee rests on (a SavedModel reload restores the optimizer's step count
-        as 0, and the DP configuration is not part of HDF5): a reload would under-count
-        epsilon. ``save_weights`` checkpoints keep the noisy step count (a model variable).
-        """
-        if not str(filepath).endswith(".keras"):
-            raise ValueError(
-                f"DP models are saved to .keras files (got {str(filepath)!r}): the SavedModel "
-                "and HDF5 formats do not carry the privacy state (step count, DP "
-                "configuration), so a reload would under-count epsilon."
-            )
-        return super().save(filepath, *args, **kwargs)
-
     def train_on_batch(self, *args, **kwargs):
         """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
         self._refuse_changed_trainable_state()
         self.project()
         return super().train_on_batch(*args, **kwargs)
-
-    def set_weights(self, weights):
-        """Set the weights, then project them onto their constraint sets (S12). The
-        privacy state is never rewound (:meth:`_keeping_the_privacy_state`)."""
-        with self._keeping_the_privacy_state():
-            super().set_weights(weights)
-        self.project()
-
-    @contextlib.contextmanager
-    def _keeping_the_privacy_state(self):
-        """Weights (and with them the ledger and the step count) may be restored to an
-        earlier state -- EarlyStopping's best weights, a best checkpoint -- chosen after
-        the later steps were released: what was recorded before stays recorded (rule
-        S10). A fresh model loading a checkpoint simply gets the checkpoint's ledger."""
-        before, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
-        yield
-        self.privacy_ledger.keep_at_least(before)
-        self.noisy_steps.assign(max(steps, int(self.noisy_steps.numpy())))
-
-    def load_weights(self, *args, **kwargs):
-        """Load the weights, then project them onto their constraint sets (S12)."""
-        with self._keeping_the_privacy_state():
-            status = super().load_weights(*args, **kwargs)
-        if self.built:
-            self.project()
-        return status
 
     def _refuse_invalid_labels(self, x, y) -> None:
         """Rule S9 for arrays: refuse class-index labels out of range (:func:`lipdp.core.records.
@@ -985,115 +825,54 @@ class PrivateModel(keras.Model):
                     "in that range. Remove or repair these rows before fit."
                 )
 
-    def _check_fit_arguments(self, x, y, batch_size, kwargs):
-        if not self._compiled_with_loss():
-            raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
-        self._refuse_changed_trainable_state()
-        b = self.batch_size
-        for unsupported in ("sample_weight", "class_weight"):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(f"{unsupported} is not supported: it changes the sensitivity.")
+    # ------------------------------------------- the backend's hooks of fit's guards
+    def _check_distributed_data(self, x) -> None:
         _check_distributed_data(x, self.distribute_strategy)
-        if self.poisson_sampling:
-            if not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
-                raise ValueError(
-                    "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
-                    "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)."
-                )
-            _check_poisson_pipeline(x, self.dataset_metadata)
-            _refuse_fixed_size_batches(x, self.dataset_metadata)
-            return
+
+    def _poisson_batches_facts(self, x):
+        """A ``tf.data`` pipeline's stated rate and steps (``lipdp.pipeline``), or ``None``
+        for other data."""
+        if not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+            return None
+        return _stated_poisson_facts(x)
+
+    def _check_poisson_batch_sizes(self, x) -> None:
+        _refuse_fixed_size_batches(x, self.dataset_metadata)
+
+    def _checked_data_source(self, x) -> bool:
+        """A ``tf.data`` pipeline of fixed-size batches yields the rows of a batch."""
+        if not isinstance(x, tf.data.Dataset):
+            return False
         metadata = self.dataset_metadata
-        if metadata.partial_last_batch:
+        static = tf.nest.flatten(x.element_spec)[0].shape[0]
+        if static is not None and static != metadata.rows_per_batch:
             raise ValueError(
-                "dataset_metadata.partial_last_batch: the last batch of each epoch is partial "
-                "and would be refused mid-training. Prepare the data with drop_remainder=True."
+                f"The dataset yields batches of {static}, the model expects "
+                f"{metadata.rows_per_batch} (batch_size={metadata.batch_size} x "
+                "multiplicity, dataset_metadata)."
             )
-        if isinstance(x, tf.data.Dataset):
-            static = tf.nest.flatten(x.element_spec)[0].shape[0]
-            if static is not None and static != metadata.rows_per_batch:
-                raise ValueError(
-                    f"The dataset yields batches of {static}, the model expects "
-                    f"{metadata.rows_per_batch} (batch_size={b} x multiplicity, "
-                    "dataset_metadata)."
-                )
-            return
-        if metadata.multiplicity:
-            raise ValueError(
-                "dataset_metadata.multiplicity > 0: pass the augmented tf.data pipeline of "
-                "lipdp.pipeline.load_and_prepare_images_data, not arrays."
-            )
-        if x is None or isinstance(x, (keras.utils.Sequence,)) or callable(x):
-            return
-        _refuse_non_finite(x, y)
+        return True
+
+    def _refuse_invalid_rows(self, x, y) -> None:
         self._refuse_invalid_inputs(x)
         self._refuse_invalid_labels(x, y)
-        n = len(tf.nest.flatten(x)[0])
-        if batch_size is not None and batch_size != b:
-            raise ValueError(
-                f"fit(batch_size={batch_size}) differs from the batch size "
-                f"{b} declared in dataset_metadata."
-            )
-        split = kwargs.get("validation_split") or 0.0
-        n_train = int(math.floor(n * (1.0 - split)))
-        if n_train != metadata.nb_samples_train:
-            raise ValueError(
-                f"fit receives {n_train} training examples but dataset_metadata declares "
-                f"nb_samples_train={metadata.nb_samples_train}: the sampling rate b/N of the "
-                "privacy accounting comes from it. Declare the number of examples trained on."
-            )
-        if n_train % b:
-            raise ValueError(
-                f"{n_train} training examples are not a multiple of batch_size={b}: the last "
-                f"batch would be partial. Use {n_train - n_train % b} examples, or a "
-                "tf.data pipeline with drop_remainder=True."
-            )
-        if kwargs.get("shuffle") is False:
-            logger.warning(
-                "fit(shuffle=False): batches are not random, so privacy "
-                "amplification by subsampling does not apply."
-            )
-
-    def _compiled_with_loss(self) -> bool:
-        if compat.keras_3():
-            return bool(self.compiled) and self.loss is not None
-        return self.compiled_loss is not None
 
     # ---------------------------------------------------------- serialisation
-    def get_compile_config(self):
-        return super().get_compile_config()
-
-    def compile_from_config(self, config):
-        compat.replay_compile_config(self, config)
-
-    def get_config(self):
+    def _model_config(self) -> dict:
         return {
             self._layers_key: [keras.layers.serialize(layer) for layer in self.dp_layers],
-            "dp_parameters": self.dp_parameters.to_config(),
-            "dataset_metadata": (
-                None if self.dataset_metadata is None else self.dataset_metadata.to_config()
-            ),
             "adversarial": None if self.adversarial is None else self.adversarial.to_config(),
             "debug": self.debug,
             "independence_probe": self.independence_probe,
             "row_isolation": self.row_isolation,
-            "name": self.name,
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        layers = [
+    def _network_from_config(cls, config, custom_objects):
+        return [
             keras.layers.deserialize(c, custom_objects=custom_objects)
             for c in config.pop(cls._layers_key)
         ]
-        metadata = config.pop("dataset_metadata")
-        return cls(
-            layers,
-            dp_parameters=DPParameters(**config.pop("dp_parameters")),
-            dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
-            **config,
-        )
 
 
 def _symbolic(input_shape):
@@ -1129,52 +908,26 @@ def _losses_from_a_call(layer) -> bool:
 
 
 def _one_target_per_output(labels, predictions):
-    """Targets ``(rows,)`` of predictions ``(rows, 1)`` as ``(rows, 1)``. Why: Keras' losses
-    squeeze such predictions to ``(rows,)`` and then average over their last axis -- the
-    batch --, one value for the whole batch (harmless for Keras' mean, wrong per row)."""
+    """:func:`lipdp.core.private_base.one_target_per_output` for dense tensors (ragged and
+    sparse labels or predictions are left as they are)."""
     if not isinstance(labels, tf.Tensor) or not isinstance(predictions, tf.Tensor):
         return labels
-    rank, last = predictions.shape.rank, predictions.shape[-1] if predictions.shape.rank else None
-    if rank is not None and rank >= 2 and last == 1 and labels.shape.rank == rank - 1:
-        return labels[..., None]
-    return labels
-
-
-def check_reduction(loss) -> None:
-    """The loss must be the mean over the batch (what the sensitivities divide by)."""
-    reduction = getattr(loss, "reduction", compat.Reduction.SUM_OVER_BATCH_SIZE)
-    allowed = (compat.Reduction.AUTO, compat.Reduction.SUM_OVER_BATCH_SIZE)
-    if reduction not in allowed:
-        raise ValueError(
-            f"Loss reduction {reduction!r} is not supported: sensitivities are computed for "
-            "the mean over the batch. Use reduction=SUM_OVER_BATCH_SIZE (the default)."
-        )
+    return one_target_per_output(labels, predictions)
 
 
 def _check_poisson_pipeline(dataset, metadata) -> None:
-    """A Poisson pipeline that states its rate must draw at the metadata's rate (the rate
-    the accountant uses): batches drawn 4x more often cost far more than reported."""
-    rate = getattr(dataset, "lipdp_sampling_rate", None)
-    if rate is None:
-        logger.warning(
-            "The Poisson pipeline does not state its sampling rate (pass the dataset "
-            "poisson_batches returns, before map/prefetch): the accountant assumes q = %g.",
-            metadata.sampling_rate,
-        )
-        return
-    if not math.isclose(rate, metadata.sampling_rate, rel_tol=1e-9):
-        raise ValueError(
-            f"The Poisson pipeline samples at rate {rate:g} but dataset_metadata declares "
-            f"q = batch_size / N = {metadata.sampling_rate:g}, the rate the privacy "
-            "accounting uses. Build the batches with metadata.sampling_rate."
-        )
-    steps = getattr(dataset, "lipdp_steps_per_epoch", None)
-    if steps is not None and steps != metadata.nb_steps_per_epochs:
-        raise ValueError(
-            f"The Poisson pipeline has {steps} steps per epoch but dataset_metadata declares "
-            f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong number "
-            "of steps. Build the batches with metadata.nb_steps_per_epochs."
-        )
+    """A Poisson pipeline that states its rate must draw at the metadata's rate
+    (:func:`lipdp.core.private_base.check_poisson_batches`)."""
+    check_poisson_batches(*_stated_poisson_facts(dataset), metadata)
+
+
+def _stated_poisson_facts(dataset) -> tuple:
+    """``(sampling rate, steps per epoch)`` a pipeline of ``lipdp.pipeline`` states
+    (``None`` for what it does not state)."""
+    return (
+        getattr(dataset, "lipdp_sampling_rate", None),
+        getattr(dataset, "lipdp_steps_per_epoch", None),
+    )
 
 
 def _refuse_fixed_size_batches(dataset, metadata) -> None:
@@ -1207,55 +960,6 @@ def _check_distributed_data(x, strategy) -> None:
         "workers: pass lipdp.pipeline.distributed_poisson_batches(strategy, x, y, "
         "sampling_rate, steps_per_epoch) with DatasetMetadata(sampling='poisson')."
     )
-
-
-def _refuse_mixed_precision(layers) -> None:
-    """Bounds, clipping and noise are computed for float32: refuse other compute dtypes."""
-    policy = keras.mixed_precision.global_policy()
-    names = [f"global policy {policy.name!r}"] if policy.compute_dtype != "float32" else []
-    names += [
-        f"layer {layer.name!r} ({layer.compute_dtype})"
-        for layer in layers
-        if _floating(getattr(layer, "compute_dtype", None)) not in ("float32", None)
-    ]
-    if names:
-        raise ValueError(
-            f"Mixed precision is not supported ({', '.join(names)}): float16 round-off "
-            "exceeds the slack of the sensitivity bounds (an input clipped to norm 1 can "
-            "come out above 1). Use keras.mixed_precision.set_global_policy('float32')."
-        )
-
-
-def _floating(dtype) -> str | None:
-    """``dtype``'s name if it is a floating type (integer and string preprocessing layers,
-    e.g. ``StringLookup``, compute in their own types), else ``None``."""
-    return dtype if dtype is not None and tf.as_dtype(dtype).is_floating else None
-
-
-def _refuse_non_finite(x, y) -> None:
-    """Rule S9 for arrays: refuse examples with a NaN or an infinity, naming their rows.
-
-    (Pipelines are neutralised in-graph instead: such examples count zero.)
-    """
-    for name, values in (("x", x), ("y", y)):
-        for array in tf.nest.flatten(values):
-            if array is None:
-                continue
-            array = np.asarray(array)
-            if array.dtype.kind not in "fc" or array.ndim == 0:
-                continue
-            bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
-            if bad.size:
-                raise ValueError(
-                    f"{name} has {bad.size} example(s) with NaN or infinite values (rows "
-                    f"{_shown(bad)}): such a record has no bounded contribution. Remove or "
-                    "repair these rows before fit."
-                )
-
-
-def _shown(rows) -> str:
-    """The first ten row indices, for an error message."""
-    return ", ".join(str(i) for i in rows[:10]) + (", ..." if len(rows) > 10 else "")
 
 
 __all__ = ["DPParameters", "PrivateModel", "StepGradients", "check_reduction"]

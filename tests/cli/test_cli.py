@@ -83,21 +83,21 @@ def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
             ["train", "--method", "dp-sgd", "--clipping", "global"],
             "--clipping global needs --clip-threshold Z",
         ),
-        (["train", "--bam", "0.1"], "--bam applies to --method dp-sgd only"),
-        (["train", "--momentum", "0.9"], "--momentum applies to --optimizer sgd only"),
+        (["train", "--bam", "0.1"], "bam (--bam) applies to method dp-sgd only"),
+        (["train", "--momentum", "0.9"], "momentum (--momentum) applies to optimizer sgd only"),
         (
             ["train", "--method", "dp-sgd", "--gradient-clip", "0.1"],
-            "--gradient-clip applies to the clipless methods",
+            "gradient_clip (--gradient-clip) applies to the clipless methods",
         ),
         (["train", "--dataset", "breast_cancer", "--scattering"], "--scattering needs images"),
         (
             ["train", "--dataset", "fashion_mnist", "--optimizer", "adam"],
             "--optimizer adam needs --learning-rate: the default 16 is the SGD rate",
         ),
-        (["train", "--trades", "2"], "--trades needs --adversarial-radius R"),
+        (["train", "--method", "dp-sgd", "--trades", "2"], "trades (--trades) needs adversarial"),
         (
             ["train", "--adversarial-radius", "0.1", "--trades", "2"],
-            "TRADES is not available for clipless models",
+            "trades (--trades) applies to method dp-sgd only",
         ),
         (
             ["train", "--method", "dp-sgd", "--adversarial-radius", "0.1", "--trades", "2"],
@@ -367,13 +367,14 @@ def test_cli_mirrored_training_reports_the_single_device_epsilon(capsys):
 
 
 # A flag the run would ignore: (argv, the one-line refusal). Refused before any training.
+# The settings of a method are refused with the recipes' message (name and flag).
 _DP_SGD_ONLY = (
-    "{f} applies to --method dp-sgd only (--method {m} clips no gradient: its sensitivities "
-    "come from the layers' Lipschitz bounds): drop {f} or add --method dp-sgd."
+    "{s} ({f}) applies to method dp-sgd only (method {m} clips no gradient: its "
+    "sensitivities come from the layers' Lipschitz bounds): drop it or set method dp-sgd."
 )
 _NEEDS_RADIUS = (
-    "{f} needs --adversarial-radius R (the ball of its attack; without it there is no "
-    "adversarial training): add --adversarial-radius R or drop {f}."
+    "{s} ({f}) needs adversarial_radius (the ball of its attack; without it there is no "
+    "adversarial training): set adversarial_radius or drop it."
 )
 _SAVED_MODEL = (
     "{f} configures training, and evaluate --model evaluates a saved model without "
@@ -383,69 +384,92 @@ _ATTACK_OFF = (
     "{f} applies to the PGD attack, which --attack-steps 0 turns off: drop {f} or give "
     "--attack-steps N >= 1."
 )
-_NO_GROUP_NORM_IN_DP_SGD = (
-    "--group-norm applies to the clipless methods, or to dp-sgd with --scattering "
-    "(dp-sgd's plain network has no group normalisation): drop --group-norm."
+_CLIPLESS_ONLY = (
+    "{s} ({f}) applies to the clipless methods (lipdp, lip-dp-sgd) only ({why}): drop it or "
+    "set method lipdp or lip-dp-sgd."
 )
-_TAU_IN_DP_SGD = (
-    "--tau applies to the clipless methods (their loss DP_TauCategoricalCrossentropy); "
-    "dp-sgd trains with the cross-entropy of the logits: drop --tau."
+_NO_GROUP_NORM_IN_DP_SGD = (
+    "group_norm (--group-norm) applies to the clipless methods (lipdp, lip-dp-sgd) and to the "
+    "scattering network only (dp-sgd's plain network has no group normalisation): drop it or "
+    "set scattering."
+)
+_TAU_IN_DP_SGD = _CLIPLESS_ONLY.format(
+    s="tau",
+    f="--tau",
+    why="the temperature of the clipless loss DP_TauCategoricalCrossentropy; dp-sgd trains "
+    "with the cross-entropy of the logits",
 )
 _SCATTERING_ALPHA = (
-    "--group-norm-alpha does not apply to --scattering, whose group normalisation has its "
-    "own alpha (lipdp.recipes.zoo.SCATTERING_ALPHA): drop --group-norm-alpha."
+    "group_norm_alpha (--group-norm-alpha) does not apply to the scattering network (its "
+    "group normalisation has its own alpha, lipdp.recipes.zoo.SCATTERING_ALPHA): drop it."
 )
 _MOMENTUM = (
-    "--momentum applies to --optimizer sgd only (Adam keeps its own moment estimates): drop "
-    "--momentum or add --optimizer sgd."
+    "momentum (--momentum) applies to optimizer sgd only (Adam keeps its own moment "
+    "estimates): drop it or set optimizer sgd."
+)
+_NO_ASCENT = (
+    "{s} ({f}) applies to method dp-sgd only (the clipless methods have no sharpness-aware "
+    "step): drop it or set method dp-sgd."
+)
+_TRADES_CLIPLESS = (
+    "trades (--trades) applies to method dp-sgd only (the gradient of the TRADES KL term "
+    "with respect to the clean logits has no bound in a clipless network): drop it or set "
+    "method dp-sgd."
 )
 INAPPLICABLE = [
-    (["train", "--clip-norm", "2"], _DP_SGD_ONLY.format(m="lipdp", f="--clip-norm")),
+    (["train", "--clip-norm", "2"], _DP_SGD_ONLY.format(m="lipdp", s="clip_norm", f="--clip-norm")),
     (
         ["train", "--method", "lip-dp-sgd", "--clipping", "automatic"],
-        _DP_SGD_ONLY.format(m="lip-dp-sgd", f="--clipping"),
+        _DP_SGD_ONLY.format(m="lip-dp-sgd", s="clipping", f="--clipping"),
     ),
-    (["train", "--clip-threshold", "5"], _DP_SGD_ONLY.format(m="lipdp", f="--clip-threshold")),
+    (
+        ["train", "--clip-threshold", "5"],
+        _DP_SGD_ONLY.format(m="lipdp", s="clip_threshold", f="--clip-threshold"),
+    ),
     (
         ["train", "--gradient-method", "jacobian"],
-        _DP_SGD_ONLY.format(m="lipdp", f="--gradient-method"),
+        _DP_SGD_ONLY.format(m="lipdp", s="gradient_method", f="--gradient-method"),
     ),
     (
         ["train", "--method", "dp-sgd", "--clip-threshold", "5"],
-        "--clip-threshold applies to --clipping global only (flat clipping drops no example): "
-        "drop --clip-threshold or add --clipping global.",
+        "clip_threshold (--clip-threshold) applies to clipping global only (flat clipping "
+        "drops no example): drop it or set clipping global.",
     ),
-    (
-        ["train", "--bam", "0.1"],
-        "--bam applies to --method dp-sgd only (the clipless methods have no sharpness-aware "
-        "step): drop --bam or add --method dp-sgd.",
-    ),
+    (["train", "--bam", "0.1"], _NO_ASCENT.format(s="bam", f="--bam")),
     (
         ["train", "--method", "lip-dp-sgd", "--dp-sat", "0.1"],
-        "--dp-sat applies to --method dp-sgd only (the clipless methods have no "
-        "sharpness-aware step): drop --dp-sat or add --method dp-sgd.",
+        _NO_ASCENT.format(s="dp_sat", f="--dp-sat"),
     ),
     (
         ["train", "--method", "dp-sgd", "--gradient-clip", "0.1"],
-        "--gradient-clip applies to the clipless methods; dp-sgd clips per-example gradients "
-        "with --clip-norm.",
+        _CLIPLESS_ONLY.format(
+            s="gradient_clip",
+            f="--gradient-clip",
+            why="dp-sgd clips each example's parameter gradient at clip_norm instead",
+        ),
     ),
     (
         ["train", "--method", "dp-sgd", "--weight-norm-bound", "2"],
-        "--weight-norm-bound applies to the clipless methods (lipdp, lip-dp-sgd) only: "
-        "dp-sgd's layers have unconstrained kernels (their gradients are clipped at "
-        "--clip-norm): drop --weight-norm-bound.",
+        _CLIPLESS_ONLY.format(
+            s="weight_norm_bound",
+            f="--weight-norm-bound",
+            why="dp-sgd's layers have unconstrained kernels; their gradients are clipped at "
+            "clip_norm",
+        ),
     ),
     (["train", "--method", "dp-sgd", "--group-norm", "4"], _NO_GROUP_NORM_IN_DP_SGD),
     (
         ["train", "--method", "dp-sgd", "--group-norm-alpha", "0.5"],
-        "--group-norm-alpha applies to the clipless methods only (dp-sgd's plain network has "
-        "no group normalisation): drop --group-norm-alpha.",
+        _CLIPLESS_ONLY.format(
+            s="group_norm_alpha",
+            f="--group-norm-alpha",
+            why="dp-sgd's plain network has no group normalisation",
+        ),
     ),
     (
         ["train", "--no-scattering", "--group-norm-alpha", "0.5"],
-        "--group-norm-alpha needs --group-norm G (without it the network has no group "
-        "normalisation): add --group-norm G or drop --group-norm-alpha.",
+        "group_norm_alpha (--group-norm-alpha) needs group_norm (without it the network has "
+        "no group normalisation): set group_norm or drop it.",
     ),
     (["train", "--scattering", "--group-norm", "9", "--group-norm-alpha", "2"], _SCATTERING_ALPHA),
     (["train", "--group-norm-alpha", "2"], _SCATTERING_ALPHA),  # digits: scattering by default
@@ -453,15 +477,29 @@ INAPPLICABLE = [
     (["train", "--method", "dp-sgd", "--scattering", "--group-norm-alpha", "2"], _SCATTERING_ALPHA),
     (["train", "--momentum", "0.9"], _MOMENTUM),
     (["train", "--momentum", "0"], _MOMENTUM),  # typed, even at its default value
-    (["train", "--adversarial-norm", "linf"], _NEEDS_RADIUS.format(f="--adversarial-norm")),
-    (["train", "--adversarial-steps", "3"], _NEEDS_RADIUS.format(f="--adversarial-steps")),
-    (["train", "--adversarial-mix", "0.5"], _NEEDS_RADIUS.format(f="--adversarial-mix")),
-    (["train", "--trades", "2"], _NEEDS_RADIUS.format(f="--trades")),
+    (
+        ["train", "--adversarial-norm", "linf"],
+        _NEEDS_RADIUS.format(s="adversarial_norm", f="--adversarial-norm"),
+    ),
+    (
+        ["train", "--adversarial-steps", "3"],
+        _NEEDS_RADIUS.format(s="adversarial_steps", f="--adversarial-steps"),
+    ),
+    (
+        ["train", "--adversarial-mix", "0.5"],
+        _NEEDS_RADIUS.format(s="adversarial_mix", f="--adversarial-mix"),
+    ),
+    (
+        ["train", "--method", "dp-sgd", "--trades", "2"],
+        _NEEDS_RADIUS.format(s="trades", f="--trades"),
+    ),
+    (["train", "--trades", "2"], _TRADES_CLIPLESS),  # the method is checked first
+    (["train", "--adversarial-radius", "0.1", "--trades", "2"], _TRADES_CLIPLESS),
     (
         ["train", "--method", "dp-sgd", "--adversarial-radius", "0.1", "--trades", "2"]
         + ["--adversarial-mix", "0.5"],
-        "--adversarial-mix does not apply with --trades (the TRADES loss replaces the mixed "
-        "loss): drop one of them.",
+        "adversarial_mix (--adversarial-mix) does not apply with trades (the TRADES loss "
+        "replaces the mixed loss): drop one of them.",
     ),
     (
         ["train", "--data-dir", "/tmp"],

@@ -87,7 +87,7 @@ def _assert_one_line_refusal(error, *fragments):
 def unchecked(monkeypatch):
     """The checks of this issue switched off: what the constructions cost before."""
     monkeypatch.setattr(batch_independence, "refuse_coupling_layers", lambda layers: None)
-    monkeypatch.setattr("lipdp.clipped.model.refuse_coupling_layers", lambda layers: None)
+    monkeypatch.setattr("lipdp.clipped.layer_support.refuse_coupling_layers", lambda layers: None)
     monkeypatch.setattr("lipdp.clipless.model.refuse_coupling_layers", lambda layers: None)
     monkeypatch.setattr(batch_independence, "check_per_example_values", lambda *a: None)
 
@@ -210,6 +210,23 @@ class _DPBlockWithBatchNorm(K.Layer, DPLayer):
 
     def call(self, inputs, training=None):
         return self.norm(inputs, training=training)
+
+
+def test_the_walk_and_the_fixer_are_one_module_each_under_their_old_names_too():
+    """The checker (lipdp.core.coupling) and the fixer (lipdp.core.coupling_fix), which the
+    JAX backend uses too, are what the old import paths give."""
+    from lipdp.clipped import layer_support
+    from lipdp.core import coupling, coupling_fix
+
+    assert batch_independence.fix_batch_coupling is coupling_fix.fix_batch_coupling
+    assert lipdp.fix_batch_coupling is coupling_fix.fix_batch_coupling
+    assert batch_independence.BatchCouplingFix is coupling_fix.BatchCouplingFix
+    assert batch_independence.refuse_coupling_layers is coupling.refuse_coupling_layers
+    assert batch_independence.COUPLES_EXAMPLES == coupling.COUPLES_EXAMPLES
+    assert layer_support.refuse_coupling_layers is coupling.refuse_coupling_layers
+    from lipdp.clipped.model import check_keras_layers
+
+    assert check_keras_layers is layer_support.check_keras_layers
 
 
 def test_the_clipless_walk_reaches_wrapped_residual_blocks():

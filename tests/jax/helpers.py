@@ -35,7 +35,7 @@ def cnn(seed=0):
 
 
 def private(network, *, sigma=1.0, clip_norm=1.0, batch_size=8, n=32, sampling="poisson",
-            lr=1.0, mode="flat", gradient_method=None, **clipping):  # fmt: skip
+            lr=1.0, mode="flat", gradient_method=None, loss=None, **clipping):  # fmt: skip
     """A compiled DPSGD_JaxModel (SGD of learning rate ``lr``: the update is ``-lr g``)."""
     shape = tuple(network.input_shape[1:])
     metadata = DatasetMetadata(
@@ -44,14 +44,14 @@ def private(network, *, sigma=1.0, clip_norm=1.0, batch_size=8, n=32, sampling="
     )  # fmt: skip
     model = DPSGD_JaxModel(
         network,
-        dp_parameters=DPParameters("global", sigma, 1e-5),
+        dp_parameters=DPParameters("global", sigma, 1e-5, non_private=sigma == 0),
         clipping=Clipping(mode, clip_norm, **clipping),
         dataset_metadata=metadata,
         **({} if gradient_method is None else {"gradient_method": gradient_method}),
     )
     model.compile(
         optimizer=keras.optimizers.SGD(lr),
-        loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+        loss=loss or keras.losses.CategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
     return model

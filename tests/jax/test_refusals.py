@@ -5,6 +5,7 @@ import importlib
 import keras
 import numpy as np
 import pytest
+from keras import ops
 
 import lipdp
 from lipdp.clipped.clipping import Clipping
@@ -12,6 +13,7 @@ from lipdp.clipped.jax.model import DPSGD_JaxModel
 from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
 from tests.jax import helpers as h
+from tests.marks import representatives
 
 
 def _with(*layers):
@@ -19,13 +21,17 @@ def _with(*layers):
 
 
 def test_a_trainable_batch_normalization_is_refused_and_a_frozen_one_trains():
-    with pytest.raises(ValueError, match="trainable BatchNormalization.*GroupNormalization"):
+    with pytest.raises(ValueError, match="BatchNormalization. normalises with batch statistics"):
         h.private(_with(keras.layers.BatchNormalization()))
     frozen = keras.layers.BatchNormalization()
     frozen.trainable = False
     model = h.private(_with(keras.layers.Dense(4), frozen))
     x, y = h.data(16)
     model.train_on_batch(x, y, sample_weight=np.ones(16, np.float32))
+    assert int(model.noisy_steps.numpy()) == 1
+    frozen.trainable = True  # unfrozen after construction: the walk runs before every fit
+    with pytest.raises(ValueError, match="normalises with batch statistics in training"):
+        model.train_on_batch(x, y, sample_weight=np.ones(16, np.float32))
     assert int(model.noisy_steps.numpy()) == 1
 
 
@@ -40,8 +46,91 @@ def test_a_layer_updating_state_in_training_is_refused_at_the_first_step():
 def test_regularisers_are_refused():
     with pytest.raises(ValueError, match="has a regularizer"):
         h.private(_with(keras.layers.Dense(4, kernel_regularizer="l2")))
-    with pytest.raises(ValueError, match="activity_regularizer"):
+    with pytest.raises(ValueError, match="has an activity regulariser: a loss computed"):
         h.private(_with(keras.layers.Dense(4, activity_regularizer="l2")))
+
+
+# The layers the TensorFlow models refuse, refused on JAX by the same walk with the same
+# messages (lipdp.clipped.layer_support.check_keras_layers). Before, JAX had its own copy.
+class SyncBatchNormalization(keras.layers.Layer):
+    """Another package's synchronised batch normalisation (not a subclass of Keras'):
+    batch statistics in training, and moving statistics updated from the batch."""
+
+    def build(self, shape):
+        self.moving_mean = self.add_weight(shape=shape[-1:], initializer="zeros", trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            self.moving_mean.assign(0.9 * self.moving_mean.value + 0.1 * ops.mean(x, axis=0))
+            return x - ops.mean(x, axis=0)
+        return x - self.moving_mean.value
+
+
+class BatchNormalizationV1(keras.layers.Layer):
+    """A copy of Keras 2's v1 class (batch statistics in training), without state."""
+
+    def call(self, x, training=None):
+        return x - ops.mean(x, axis=0) if training else x
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+class DeclaredCoupling(keras.layers.Layer):
+    """A user's layer declaring that it mixes the examples of a batch."""
+
+    couples_examples = True
+
+    def call(self, x):
+        return x - ops.mean(x, axis=0)
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def _rnn(stateful):
+    return keras.Sequential(
+        [keras.Input((4, h.FEATURES), batch_size=8), keras.layers.SimpleRNN(4, stateful=stateful),
+         keras.layers.Dense(h.CLASSES)]
+    )  # fmt: skip
+
+
+DRIFTS = {
+    # name: (network, what the TensorFlow walk says)
+    "sync-batch-normalization": (
+        lambda: _with(keras.layers.Dense(4), SyncBatchNormalization(name="sync")),
+        r"'sequential\w*/sync' \(SyncBatchNormalization\) normalises with batch statistics.*"
+        "fix_batch_coupling",
+    ),
+    "batch-normalization-v1": (
+        lambda: _with(keras.layers.Dense(4), BatchNormalizationV1(name="v1")),
+        r"\(BatchNormalizationV1\) normalises with batch statistics in training",
+    ),
+    "couples-examples": (
+        lambda: _with(keras.layers.Dense(4), DeclaredCoupling(name="mine")),
+        r"'sequential\w*/mine' \(DeclaredCoupling\) declares couples_examples = True.*"
+        "per_example_replacement",
+    ),
+    "stateful-rnn": (lambda: _rnn(True), r"\(SimpleRNN\) is stateful: .* Use stateful=False"),
+    "spectral-normalization": (
+        lambda: _with(keras.layers.SpectralNormalization(keras.layers.Dense(4))),
+        r"\(SpectralNormalization\) rewrites its kernel in every training call",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name", representatives(DRIFTS, default={"sync-batch-normalization", "couples-examples"})
+)
+def test_the_layers_the_tensorflow_models_refuse_are_refused_at_construction(name):
+    """Before (JAX's own copy of the walk): ``couples-examples`` and
+    ``batch-normalization-v1`` trained silently (their statistics over a batch of one);
+    ``sync-batch-normalization`` and ``spectral-normalization`` were refused only at the
+    first step, by the generic message of a state update; ``stateful-rnn`` failed at the
+    first step inside Keras (initial state of 8 rows, a batch of 1)."""
+    build, message = DRIFTS[name]
+    with pytest.raises(ValueError, match=message):
+        h.private(build())
 
 
 def test_options_of_the_tensorflow_backend_only_are_refused():
@@ -109,3 +198,20 @@ def test_a_private_model_and_a_model_of_several_inputs_are_refused_by_make_priva
     outputs = keras.layers.Dense(h.CLASSES)(keras.layers.Concatenate()([values, extra]))
     with pytest.raises(ValueError, match="several inputs: the JAX backend trains models of one"):
         lipdp.make_private(keras.Model([values, extra], outputs), **budget)
+
+
+def test_fix_batch_coupling_runs_on_jax_and_its_copy_trains():
+    """``lipdp.fix_batch_coupling`` (:mod:`lipdp.core.coupling_fix`, no TensorFlow) on a
+    JAX network: the trainable BatchNormalization becomes a GroupNormalization with its
+    gamma, and the copy trains."""
+    bn = keras.layers.BatchNormalization(name="bn", gamma_initializer="ones")
+    network = _with(keras.layers.Dense(16), bn)
+    bn.gamma.assign(np.arange(16, dtype=np.float32))
+    fixed, report = lipdp.fix_batch_coupling(network)
+    assert report.complete and [r.new_class for r in report.replaced] == ["GroupNormalization"]
+    group = next(layer for layer in fixed.layers if layer.name == "bn_gn")
+    np.testing.assert_array_equal(group.gamma.numpy(), np.arange(16, dtype=np.float32))
+    model = h.private(fixed)
+    x, y = h.data(16)
+    model.train_on_batch(x, y, sample_weight=np.ones(16, np.float32))
+    assert int(model.noisy_steps.numpy()) == 1

@@ -9,6 +9,8 @@ One module per concept:
 * :mod:`~lipdp.clipped.jax.ghost` -- ghost norms (``gradient_method="ghost"``, the
   default): the same norms and clipped sum from ``Dense``/``Conv2D`` inputs and output
   cotangents, without per-example gradients;
+* :mod:`~lipdp.clipped.jax.isolation` -- rule S2 by construction (each row's loss on a
+  batch of one under ``vmap``), and the primitives that would break it, refused;
 * :mod:`~lipdp.clipped.jax.keys` -- the noise keys (rule S8);
 * :mod:`~lipdp.clipped.jax.ledger` -- the privacy ledger held exactly in JAX variables
   (rule S10), read by the shared :class:`lipdp.core.ledger.PrivacyLedger`;

@@ -94,9 +94,22 @@ def create_variables(name="privacy_ledger"):
     return table, counts
 
 
+class WordsLedger(PrivacyLedger):
+    """The :class:`~lipdp.core.ledger.PrivacyLedger` of the JAX variables: it reads the
+    table through :class:`Float64Words` and records on the host by :func:`recorded` (the
+    rule of ``PrivacyLedger.record``), so that everything else -- reading, ``snapshot``,
+    ``keep_at_least``, ``add`` -- is the shared class's."""
+
+    def __init__(self, table_words, counts):
+        super().__init__(Float64Words(table_words), counts)
+
+    def record(self, row, count=1) -> None:
+        record_on_host(self.table.variable, self.counts, row, count)
+
+
 def ledger_view(table_words, counts) -> PrivacyLedger:
     """The :class:`~lipdp.core.ledger.PrivacyLedger` reading these variables."""
-    return PrivacyLedger(Float64Words(table_words), counts)
+    return WordsLedger(table_words, counts)
 
 
 #: Where the high word (sign, exponent, top of the mantissa) of a float64 is among its two
@@ -191,23 +204,10 @@ def record_on_host(table_words, counts, row, count=1) -> None:
     counts.assign(np.asarray(runs))
 
 
-def keep_at_least(table_words, counts, snapshot) -> None:
-    """Every row of ``snapshot`` (``(float64 table, counts)``) counted at least as many
-    times as there (as :meth:`PrivacyLedger.keep_at_least`)."""
-    for row, count in zip(*snapshot):
-        if count == 0:
-            continue
-        table, now = Float64Words(table_words).numpy(), counts.numpy()
-        same = np.all(table == row, axis=1)
-        have = int(now[same].sum()) if same.any() else 0
-        if count > have:
-            record_on_host(table_words, counts, row, int(count - have))
-
-
 __all__ = [
     "Float64Words",
+    "WordsLedger",
     "create_variables",
-    "keep_at_least",
     "ledger_view",
     "record_on_host",
     "recorded",

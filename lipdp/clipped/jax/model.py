@@ -23,16 +23,29 @@ step (``train_step(state, data) -> (logs, state)``, compiled by ``jax.jit``):
    (:mod:`lipdp.clipped.jax.ledger`) are updated inside the step, model variables saved
    in ``.keras`` files (rule S10).
 
-The privacy plan, ``DP_Accountant``, ``privacy_report`` and
-``calibrate_noise_multiplier`` are the TensorFlow models' (one subsampled Gaussian of
-multiplier ``sigma`` per step, rate ``q = b / N``): the epsilon planned is the epsilon
-logged (rule S11).
+The privacy surface is the TensorFlow models' own, written once in
+:class:`lipdp.core.private_base.PrivateModelBase`: sigma, the noise standard deviation (by
+:func:`lipdp.core.noise.noise_stddevs`), the privacy plan (one subsampled Gaussian of
+multiplier ``sigma`` per step, rate ``q = b / N``: the epsilon planned is the epsilon
+logged, rule S11), the ledger row, and the guards of ``compile``, ``fit``, ``save``,
+``set_weights`` and ``load_weights`` with their messages; ``DP_Accountant``,
+``privacy_report`` and ``calibrate_noise_multiplier`` are shared too.
 
-**Refused** (one line naming the fix): a trainable ``BatchNormalization`` at any depth, and
-at the first step any layer that updates non-trainable state in a training call
-(``Dropout``'s and other random layers' seed state, a stateful RNN): under ``vmap`` that
-state would be shared or coupled between the rows; weight and activity regularisers and
-``add_loss`` (terms outside the clipped per-example losses); mixed precision; per-layer
+**Rows isolated by construction** (rule S2, :mod:`lipdp.clipped.jax.isolation`): both
+paths compute each row's loss on that row alone (``jax.vmap`` of a batch of one), so a
+layer or a loss that reads the batch cannot move another row's term; a ``custom_vmap``
+rule, a host callback or a foreign function in the forward pass or the loss (which could)
+is refused when the step is traced.
+
+**Refused** (one line naming the fix): the layers the TensorFlow models refuse, by the
+same walk and with the same messages (:func:`lipdp.clipped.layer_support.check_keras_layers`:
+a trainable batch normalisation of any Keras class at any depth, a layer declaring
+``couples_examples = True``, a stateful recurrent layer, ``SpectralNormalization``,
+activity regularisers); at the first step any layer that updates non-trainable state in
+a training call (``Dropout``'s and other random layers' seed state, a running
+statistic): under ``vmap`` that state would be shared or coupled between the rows, and
+saved with the model without noise; weight regularisers and ``add_loss`` (terms outside
+the clipped per-example losses); any floating compute dtype but float32; per-layer
 clipping and noise, dynamic clipping, declared hyper-parameter searches, sharpness-aware
 and adversarial training (the TensorFlow backend has them). Fixed-size batches must have
 exactly ``b`` rows (rule S5).
@@ -47,20 +60,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import keras
 import numpy as np
 
-from lipdp.accounting.plan import PrivacyPlan
 from lipdp.clipped.clipping import ClippedGradientBound, Clipping
-from lipdp.clipped.jax import ghost, keys, ledger, per_example
+from lipdp.clipped.jax import ghost, isolation, keys, ledger, per_example
 from lipdp.clipped.jax.batches import PoissonBatches
+from lipdp.clipped.layer_support import check_keras_layers
 from lipdp.core import compat, noise
-from lipdp.core.layer_walk import nested_layers
-from lipdp.core.ledger import step_row
-from lipdp.core.metadata import DatasetMetadata
-from lipdp.core.parameters import DPParameters
+from lipdp.core.layer_walk import children
+from lipdp.core.private_base import (
+    PrivateModelBase,
+    one_target_per_output,
+    refuse_mixed_precision,
+)
 
 compat.require_supported_keras(compat.JAX_BACKEND)
 logger = logging.getLogger(__name__)
@@ -75,22 +89,13 @@ JAX_GRADIENT_METHODS = ("vmap", "ghost")
 
 
 def check_network(network) -> None:
-    """Refuse, before any step, what the JAX step cannot bound (module docstring)."""
+    """Refuse, before any step, what the JAX step cannot bound (module docstring): the
+    TensorFlow models' walk of the layers (:func:`lipdp.clipped.layer_support.check_keras_layers`,
+    same messages), then the weight regularisers the JAX step does not add."""
     if not isinstance(network, keras.Model):
         raise TypeError(f"DPSGD_JaxModel wraps a keras.Model, got {type(network).__name__}.")
     compat.refuse_foreign_layers([network])
-    for path, layer in nested_layers([network]):
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-            raise ValueError(
-                f"Layer {path!r} is a trainable BatchNormalization: its batch statistics "
-                "couple the examples of a batch. Use GroupNormalization or "
-                "LayerNormalization, or freeze it (layer.trainable = False)."
-            )
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise ValueError(
-                f"Layer {path!r} has an activity_regularizer: a loss term outside the "
-                "clipped per-example losses. Remove it."
-            )
+    check_keras_layers([network])
     for variable in network.trainable_variables:
         if getattr(variable, "regularizer", None) is not None:
             raise ValueError(
@@ -101,8 +106,6 @@ def check_network(network) -> None:
 
 
 def _check_parameters(dp_parameters, clipping) -> None:
-    if not isinstance(dp_parameters, DPParameters):
-        raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
     if dp_parameters.noisify_strategy != "global":
         raise ValueError(
             "The JAX backend adds one Gaussian to the whole clipped gradient: use "
@@ -135,8 +138,14 @@ class _StepPlan:
     ledger_row: tuple
 
 
-class DPSGD_JaxModel(keras.Model):
+class DPSGD_JaxModel(PrivateModelBase, keras.Model):
     """A Keras model trained with clipped DP-SGD on the JAX backend (module docstring).
+
+    The privacy surface it shares with the TensorFlow models (sigma, the noise multipliers
+    and standard deviation, the plan, the ledger view and row, the guards of compile, fit,
+    save and the weights, the configuration) is
+    :class:`lipdp.core.private_base.PrivateModelBase`'s; this class holds the JAX step,
+    its noise keys and its ledger variables (:mod:`lipdp.clipped.jax.ledger`).
 
     Args:
         network: the ``keras.Model`` to train (built: give it an input shape).
@@ -166,17 +175,13 @@ class DPSGD_JaxModel(keras.Model):
         #: The method the last traced step used (``"ghost"`` may fall back to ``"vmap"``).
         self.gradient_method_used = None
         clipping = Clipping.coerce(clipping)
+        self._set_privacy_configuration(dp_parameters, dataset_metadata)
         _check_parameters(dp_parameters, clipping)
         check_network(network)
-        if dataset_metadata is not None:
-            if not isinstance(dataset_metadata, DatasetMetadata):
-                raise TypeError("dataset_metadata must be a lipdp.core.metadata.DatasetMetadata.")
-            if dataset_metadata.multiplicity:
-                raise ValueError("Augmentation multiplicity is not supported on the JAX backend.")
+        if dataset_metadata is not None and dataset_metadata.multiplicity:
+            raise ValueError("Augmentation multiplicity is not supported on the JAX backend.")
         self.network = network
-        self.dp_parameters = dp_parameters
         self.clipping = clipping
-        self.dataset_metadata = dataset_metadata
         #: Rule S8: the key of the next step's noise (keys module; zeroed in saved files).
         self.noise_key = keras.Variable(
             np.zeros(keys.KEY_WORDS, np.uint32), dtype="uint32", trainable=False, name="noise_key"
@@ -193,28 +198,22 @@ class DPSGD_JaxModel(keras.Model):
         if network.built:
             self.built = True
 
+    #: The standard deviation is a constant of the compiled step, computed on the host.
+    _noise_on_host = True
+    _poisson_batches_hint = "lipdp.private_batches(model, x, y)"
+
     def call(self, inputs, training=None):
         return self.network(inputs, training=training)
 
+    def _all_layers(self) -> list:
+        """The network's layers (as the TensorFlow models' ``dp_layers``: the refusals name
+        them by the same paths); nested ones are walked by the refusals."""
+        return children(self.network) or [self.network]
+
     # ------------------------------------------------------------- privacy
-    @property
-    def batch_size(self) -> int:
-        return int(self._metadata_for("training").batch_size)
-
-    def _metadata_for(self, purpose) -> DatasetMetadata:
-        if self.dataset_metadata is None:
-            raise ValueError(
-                f"DPSGD_JaxModel needs dataset_metadata=DatasetMetadata(...) for {purpose}: "
-                "the sensitivity depends on the batch size, the accounting on b/N."
-            )
-        return self.dataset_metadata
-
-    def _sigma(self) -> float:
-        return 0.0 if self.dp_parameters.non_private else self.dp_parameters.noise_multiplier
-
-    def noise_multipliers(self) -> list[float]:
-        """``[sigma]``: one Gaussian mechanism per step."""
-        return noise.noise_multipliers("global", self._sigma(), [1.0])
+    def _noise_coefficients(self) -> list[float]:
+        """``[1]``: one Gaussian mechanism per step (``"global"`` noise only)."""
+        return [1.0]
 
     def sensitivities(self):
         """``[(ClippedGradientBound, R (1 + ROUNDOFF_SLACK) / b)]``: one entry for the whole
@@ -226,57 +225,19 @@ class DPSGD_JaxModel(keras.Model):
 
     def noise_stddev(self) -> float:
         """The standard deviation of the noise on every coordinate of the averaged
-        gradient: ``sigma R (1 + ROUNDOFF_SLACK) / b`` (0 for a non-private run)."""
-        return self._sigma() * self.sensitivities()[0][1]
+        gradient: ``sigma R (1 + ROUNDOFF_SLACK) / b`` (0 for a non-private run), by the
+        one noise rule (:func:`lipdp.core.noise.noise_stddevs`, on the host)."""
+        return self._entry_stddevs(self.sensitivities())[0]
 
-    @property
-    def privacy_ledger(self):
-        """What this model has released (:mod:`lipdp.core.ledger`, read exactly from the
-        JAX variables, :mod:`lipdp.clipped.jax.ledger`)."""
-        return ledger.ledger_view(self.privacy_ledger_table, self.privacy_ledger_counts)
-
-    def privacy_plan(self) -> PrivacyPlan:
-        """The TensorFlow models' plan (rule S11): what the ledger holds, then subsampled
-        Gaussian steps of multiplier ``sigma`` at rate ``b / N``."""
-        metadata = self._metadata_for("privacy accounting")
-        noiseless = self.dp_parameters.non_private
-        return PrivacyPlan.for_training(
-            ledger=self.privacy_ledger,
-            steps_done=int(self.noisy_steps.numpy()),
-            noise_multipliers=1.0 if noiseless else self.noise_multipliers(),
-            sampling_rate=metadata.sampling_rate,
-            steps_per_epoch=metadata.nb_steps_per_epochs,
-            delta=self.dp_parameters.delta,
-            non_private=noiseless,
-            noise_multiplier=None if noiseless else self._sigma(),
-        )
-
-    def _step_row(self) -> np.ndarray:
-        metadata = self._metadata_for("training")
-        return step_row(
-            self._sigma(),
-            metadata.batch_size,
-            metadata.nb_samples_train,
-            metadata.sampling == "poisson",
-            1,
-            reproducible=noise.reproducible_noise_seed() is not None,
-        )
+    @staticmethod
+    def _ledger_view(table, counts):
+        """The ledger read exactly from the JAX variables (:mod:`lipdp.clipped.jax.ledger`)."""
+        return ledger.ledger_view(table, counts)
 
     # -------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
-        if loss is None:
-            raise ValueError("compile(loss=...) is required.")
-        _check_reduction(loss)
-        if kwargs.get("loss_weights") is not None:
-            raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
-        _refuse_mixed_precision(self.network)
+        self._check_compile_arguments(loss, kwargs)
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
-
-    def get_compile_config(self):
-        return super().get_compile_config()
-
-    def compile_from_config(self, config):
-        compat.replay_compile_config(self, config)
 
     # ------------------------------------------------------------ training
     def make_train_function(self, force=False):
@@ -285,12 +246,9 @@ class DPSGD_JaxModel(keras.Model):
         again when they changed. Keras' JAX ``fit`` calls it before ``on_train_begin``
         (where ``BackupAndRestore`` restores the ledger), so nothing here may depend on
         the ledger's contents: the step places its run itself (``ledger.recorded``)."""
-        if not self.trainable_variables:
-            raise ValueError(
-                "DPSGD_JaxModel has no trainable variables (every layer is frozen): a private "
-                "step would release nothing. Unfreeze a layer and compile again."
-            )
-        _refuse_mixed_precision(self.network)
+        self._refuse_nothing_trainable()
+        refuse_mixed_precision(self._all_layers())
+        check_network(self.network)  # again: a layer may have been unfrozen since
         self._set_noise_key()
         plan = self._plan_step()
         configuration = (plan, tuple(id(v) for v in self.trainable_variables))
@@ -338,6 +296,7 @@ class DPSGD_JaxModel(keras.Model):
         if sample_weight is not None:
             weights = jnp.clip(jnp.reshape(sample_weight, (rows,)).astype("float32"), 0.0, 1.0)
         weights = jnp.where(finite, weights, 0.0)
+        self._refuse_cross_row_primitives(trainable, non_trainable, x, y)
 
         ghosted = None
         if self.gradient_method == "ghost":
@@ -365,6 +324,23 @@ class DPSGD_JaxModel(keras.Model):
             metrics_variables, x, y, y_pred, losses, counted, jnp.sum(~finite)
         )
         return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+    def _refuse_cross_row_primitives(self, trainable, non_trainable, x, y) -> None:
+        """Rule S2 (:mod:`lipdp.clipped.jax.isolation`): one row's loss and gradient,
+        unbatched, use no primitive whose batching could see other rows. Python, when the
+        step is traced (one more trace of one row, no cost per step)."""
+        import jax
+
+        def one_row(t):
+            return jax.ShapeDtypeStruct(t.shape[1:], t.dtype)
+
+        row_loss = self._row_loss_function(non_trainable)
+        isolation.refuse_cross_row_primitives(
+            jax.value_and_grad(row_loss, has_aux=True),
+            [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in trainable],
+            keras.tree.map_structure(one_row, x),
+            keras.tree.map_structure(one_row, y),
+        )
 
     def _vmap_clipped_sum(self, trainable, non_trainable, x, y, weights):
         """``(clipped sum, losses, y_pred)`` from per-example gradients."""
@@ -400,7 +376,7 @@ class DPSGD_JaxModel(keras.Model):
             with ghost.tapped(layers, tap):
                 y_pred = self._stateless_forward(scope_params, non_trainable, batch)
             calls[:] = [layer for layer, _ in tap.inputs]
-            value = loss_fn(_one_target_per_output(y_row[None], y_pred), y_pred)
+            value = loss_fn(one_target_per_output(y_row[None], y_pred), y_pred)
             value = jnp.reshape(value, (1, -1)).mean(axis=1)[0]
             return value, (value, y_pred[0], [a for _, a in tap.inputs], tap.outputs)
 
@@ -473,7 +449,7 @@ class DPSGD_JaxModel(keras.Model):
         def row_loss(params, x_row, y_row):
             batch = keras.tree.map_structure(lambda t: t[None], x_row)
             y_pred = self._stateless_forward(params, non_trainable, batch)
-            value = loss_fn(_one_target_per_output(y_row[None], y_pred), y_pred)
+            value = loss_fn(one_target_per_output(y_row[None], y_pred), y_pred)
             value = jnp.reshape(value, (1, -1)).mean(axis=1)[0]
             return value, (value, y_pred[0])
 
@@ -549,43 +525,18 @@ class DPSGD_JaxModel(keras.Model):
             batch_size = self.batch_size
         return super().fit(x, y, batch_size, *args, **kwargs)
 
-    def _check_fit_arguments(self, x, y, batch_size, kwargs) -> None:
-        if not self.compiled or self.loss is None:
-            raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
-        for unsupported in ("sample_weight", "class_weight"):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(f"{unsupported} is not supported: it changes the sensitivity.")
-        metadata = self._metadata_for("training")
-        if metadata.sampling == "poisson":
-            _check_poisson_batches(x, metadata)
-            return
+    def _poisson_batches_facts(self, x):
+        """The rate and steps of padded Poisson batches (:mod:`lipdp.clipped.jax.batches`),
+        or ``None`` for other data."""
+        return (x.sampling_rate, len(x)) if isinstance(x, PoissonBatches) else None
+
+    def _checked_data_source(self, x) -> bool:
         if isinstance(x, PoissonBatches):
             raise ValueError(
                 "Poisson batches given to a model declared with sampling='shuffle': declare "
                 "DatasetMetadata(sampling='poisson')."
             )
-        if x is None or isinstance(x, keras.utils.PyDataset) or not hasattr(x, "__len__"):
-            return  # batch sizes are checked when the step is traced
-        b = metadata.batch_size
-        if batch_size is not None and batch_size != b:
-            raise ValueError(
-                f"fit(batch_size={batch_size}) differs from the batch size {b} declared in "
-                "dataset_metadata."
-            )
-        _refuse_non_finite(x, y)
-        n = len(keras.tree.flatten(x)[0])
-        n_train = int(math.floor(n * (1.0 - (kwargs.get("validation_split") or 0.0))))
-        if n_train != metadata.nb_samples_train:
-            raise ValueError(
-                f"fit receives {n_train} training examples but dataset_metadata declares "
-                f"nb_samples_train={metadata.nb_samples_train}: the sampling rate b/N of the "
-                "privacy accounting comes from it."
-            )
-        if n_train % b:
-            raise ValueError(
-                f"{n_train} training examples are not a multiple of batch_size={b}: the last "
-                f"batch would be partial. Use {n_train - n_train % b} examples."
-            )
+        return False
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         if class_weight is not None:
@@ -595,15 +546,6 @@ class DPSGD_JaxModel(keras.Model):
         return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
     # ------------------------------------------------------- privacy state
-    def save(self, filepath, *args, **kwargs):
-        """``.keras`` files only: they carry the step count and the ledger (rule S10)."""
-        if not str(filepath).endswith(".keras"):
-            raise ValueError(
-                f"DP models are saved to .keras files (got {str(filepath)!r}): other formats "
-                "do not carry the privacy state, so a reload would under-count epsilon."
-            )
-        return super().save(filepath, *args, **kwargs)
-
     def save_own_variables(self, store):
         """Every variable but the noise key, written as zeros (rule S8: a file never holds
         a key; a reloaded model draws a fresh one before it trains)."""
@@ -612,56 +554,24 @@ class DPSGD_JaxModel(keras.Model):
             key = variable is self.noise_key
             store[f"{i}"] = np.zeros(keys.KEY_WORDS, np.uint32) if key else variable
 
-    def set_weights(self, weights):
-        """Set the weights; the privacy state is never rewound (rule S10) and the noise key
-        stays this model's own (rule S8: another model's key would replay its noise)."""
-        state = self._privacy_state()
-        super().set_weights(weights)
-        self._keep_privacy_state(*state)
-
-    def load_weights(self, *args, **kwargs):
-        """Load the weights, keeping the privacy state and the noise key as
-        :meth:`set_weights` does."""
-        state = self._privacy_state()
-        status = super().load_weights(*args, **kwargs)
-        self._keep_privacy_state(*state)
-        return status
-
-    def _privacy_state(self) -> tuple:
-        """``(ledger snapshot, steps, noise key)`` now."""
+    def _own_state(self):
+        """Loaded or set weights never bring a noise key: it stays this model's own (rule
+        S8: another model's key would replay its noise)."""
         key = np.array(self.noise_key.numpy())
-        return self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy()), key
-
-    def _keep_privacy_state(self, snapshot, steps, key) -> None:
-        ledger.keep_at_least(self.privacy_ledger_table, self.privacy_ledger_counts, snapshot)
-        self.noisy_steps.assign(max(steps, int(self.noisy_steps.numpy())))
-        self.noise_key.assign(key)
+        return lambda: self.noise_key.assign(key)
 
     # ------------------------------------------------------- serialisation
-    def get_config(self):
-        metadata = self.dataset_metadata
+    def _model_config(self) -> dict:
         return {
             "network": keras.saving.serialize_keras_object(self.network),
-            "dp_parameters": self.dp_parameters.to_config(),
-            "clipping": self.clipping.to_config(),
-            "dataset_metadata": None if metadata is None else metadata.to_config(),
+            "clipping": self.clipping.to_config(),  # its dict: Clipping.coerce takes it
             "gradient_method": self.gradient_method,
-            "name": self.name,
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        network = keras.saving.deserialize_keras_object(
+    def _network_from_config(cls, config, custom_objects):
+        return keras.saving.deserialize_keras_object(
             config.pop("network"), custom_objects=custom_objects
-        )
-        metadata = config.pop("dataset_metadata")
-        return cls(
-            network,
-            dp_parameters=DPParameters(**config.pop("dp_parameters")),
-            clipping=Clipping.from_config(config.pop("clipping")),
-            dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
-            **config,
         )
 
 
@@ -707,73 +617,6 @@ def _per_row_loss(loss):
     """The compiled loss as ``(y_true, y_pred) -> per-row values`` (no reduction)."""
     loss = keras.losses.get(loss)
     return loss.call if isinstance(loss, keras.losses.Loss) else loss
-
-
-def _one_target_per_output(labels, predictions):
-    """Targets ``(rows,)`` of predictions ``(rows, 1)`` as ``(rows, 1)``: Keras' losses would
-    otherwise average over the batch axis."""
-    if predictions.ndim >= 2 and predictions.shape[-1] == 1 and labels.ndim == predictions.ndim - 1:
-        return labels[..., None]
-    return labels
-
-
-def _check_reduction(loss) -> None:
-    reduction = getattr(keras.losses.get(loss), "reduction", "sum_over_batch_size")
-    if reduction not in ("sum_over_batch_size", None):
-        raise ValueError(
-            f"Loss reduction {reduction!r} is not supported: the step averages the clipped "
-            "per-example gradients over b. Use the default reduction."
-        )
-
-
-def _refuse_mixed_precision(network) -> None:
-    policy = keras.mixed_precision.global_policy()
-    names = [f"global policy {policy.name!r}"] if policy.compute_dtype != "float32" else []
-    names += [
-        f"layer {path!r} ({layer.compute_dtype})"
-        for path, layer in nested_layers([network])
-        if layer.compute_dtype in ("float16", "bfloat16")
-    ]
-    if names:
-        raise ValueError(
-            f"Mixed precision is not supported ({', '.join(names)}): norms and clipping are "
-            "computed for float32. Use keras.mixed_precision.set_global_policy('float32')."
-        )
-
-
-def _refuse_non_finite(x, y) -> None:
-    """Rule S9 for arrays: refuse rows with a NaN or an infinity, naming them."""
-    for name, values in (("x", x), ("y", y)):
-        for array in keras.tree.flatten(values):
-            array = np.asarray(array)
-            if array.dtype.kind not in "fc" or array.ndim == 0:
-                continue
-            bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
-            if bad.size:
-                shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
-                raise ValueError(
-                    f"{name} has {bad.size} example(s) with NaN or infinite values (rows "
-                    f"{shown}): such a record has no bounded contribution. Remove or repair "
-                    "these rows before fit."
-                )
-
-
-def _check_poisson_batches(x, metadata) -> None:
-    if not isinstance(x, PoissonBatches):
-        raise ValueError(
-            "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
-            "lipdp.private_batches(model, x, y)."
-        )
-    if not math.isclose(x.sampling_rate, metadata.sampling_rate, rel_tol=1e-9):
-        raise ValueError(
-            f"The Poisson batches sample at rate {x.sampling_rate:g} but dataset_metadata "
-            f"declares q = b / N = {metadata.sampling_rate:g}, the rate the accounting uses."
-        )
-    if len(x) != metadata.nb_steps_per_epochs:
-        raise ValueError(
-            f"The Poisson batches have {len(x)} steps per epoch but dataset_metadata declares "
-            f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong steps."
-        )
 
 
 __all__ = ["JAX_CLIPPING_MODES", "JAX_GRADIENT_METHODS", "DPSGD_JaxModel", "check_network"]

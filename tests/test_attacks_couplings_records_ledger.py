@@ -1,4 +1,7 @@
-"""Issue 26 attacked as an outside verifier would, on both families.
+"""Attacks of an outside verifier on both families (written for issue 26): batch couplings
+hidden from the layer walk (S2), losses reading a weight and hostile records (S9, S13),
+the privacy ledger, the plan and the sampling rate (S10), frozen layers and flagged noise
+(S8).
 
 Each attack is one of:
 

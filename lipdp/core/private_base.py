@@ -1,0 +1,547 @@
+r"""The privacy surface of a private model, written once for every backend.
+
+:class:`PrivateModelBase` is a mixin of the Keras model classes that train privately --
+:class:`lipdp.core.private_model.PrivateModel` (TensorFlow, Keras 2 and 3: both families)
+and :class:`lipdp.clipped.jax.model.DPSGD_JaxModel` (Keras 3's JAX backend) -- in the way
+Keras 3 itself writes one backend-neutral ``Trainer`` (``keras/src/trainers/trainer.py``)
+and one thin trainer per backend. It holds, once, every fact of the privacy surface that
+does not depend on how a step is compiled:
+
+* ``sigma`` (0 for a non-private reference run), the accountant's noise multipliers and
+  the noise standard deviations, all by the one noise rule of :mod:`lipdp.core.noise`;
+* the privacy plan (rule S11), the privacy ledger's view and the ledger row of one step
+  (rule S10), the metadata a purpose needs;
+* the guards of ``compile``, ``fit``, ``save``, ``set_weights`` and ``load_weights``: a
+  loss that is the mean over the batch, no loss weights, float32 only, one sampling rate
+  for the batches and the accountant (rules S5, S7, S9), the privacy state never rewound
+  (rule S10), ``.keras`` files only;
+* the configuration of the privacy parameters in ``get_config``/``from_config`` and the
+  replay of ``compile`` on load.
+
+A backend model keeps what truly differs (its hooks below): the compiled step and how it
+draws its noise; how its ledger variables are stored (``float64`` on TensorFlow, the
+float64 words in ``int32`` variables on JAX, :mod:`lipdp.clipped.jax.ledger`:
+:meth:`_ledger_view`); where the noise standard deviation is evaluated
+(:attr:`_noise_on_host`: in the TensorFlow graph in float32, on the host in float64 for
+JAX's compiled constants); which data sources it takes (``tf.data`` pipelines, padded
+Poisson batches: :meth:`_checked_data_source`, :meth:`_poisson_batches_facts`).
+
+Everything here runs on the host, in Python and numpy: it imports neither TensorFlow nor
+JAX, and nothing Keras-3-only (Keras 2's differences are in :mod:`lipdp.core.compat`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import keras
+import numpy as np
+
+from lipdp.accounting.mechanisms import effective_noise_multiplier
+from lipdp.accounting.plan import PrivacyPlan
+from lipdp.core import compat, noise
+from lipdp.core.layer_walk import nested_layers
+from lipdp.core.ledger import PrivacyLedger, step_row
+from lipdp.core.metadata import DatasetMetadata
+from lipdp.core.parameters import DPParameters
+
+logger = logging.getLogger(__name__)
+
+
+class PrivateModelBase:
+    """What every private Keras model holds, whatever its backend (module docstring).
+
+    A mixin placed before ``keras.Model`` (``class M(PrivateModelBase, keras.Model)``): its
+    ``save``, ``set_weights``, ``load_weights`` and configuration methods wrap Keras'.
+    The model sets ``dp_parameters``, ``dataset_metadata`` (by
+    :meth:`_set_privacy_configuration`), ``noisy_steps`` and the two ledger variables
+    ``privacy_ledger_table`` and ``privacy_ledger_counts``, and implements the hooks
+    :meth:`sensitivities`, :meth:`_noise_coefficients` and :meth:`_all_layers`.
+    """
+
+    #: Where :func:`lipdp.core.noise.noise_stddevs` evaluates the standard deviations:
+    #: ``False``, float32 tensors (TensorFlow: in the graph, where a sensitivity may be a
+    #: tensor); ``True``, float64 Python floats (JAX: constants of the compiled step).
+    _noise_on_host = False
+    #: What to pass for Poisson sampling, in the refusal of other data (backend hook).
+    _poisson_batches_hint = "lipdp.pipeline.poisson_batches(x, y, sampling_rate, steps_per_epoch)"
+
+    # ------------------------------------------------------------- configuration
+    def _set_privacy_configuration(self, dp_parameters, dataset_metadata) -> None:
+        """Check and set the privacy parameters and the dataset metadata."""
+        if not isinstance(dp_parameters, DPParameters):
+            raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
+        if dataset_metadata is not None and not isinstance(dataset_metadata, DatasetMetadata):
+            raise TypeError("dataset_metadata must be a lipdp.core.metadata.DatasetMetadata.")
+        self.dp_parameters = dp_parameters
+        self.dataset_metadata = dataset_metadata
+
+    @property
+    def batch_size(self) -> int:
+        """``b``: the sensitivities of the averaged gradient are ``bound / b``."""
+        return int(self._metadata_for("training").batch_size)
+
+    @property
+    def poisson_sampling(self) -> bool:
+        return self.dataset_metadata is not None and self.dataset_metadata.sampling == "poisson"
+
+    def _metadata_for(self, purpose) -> DatasetMetadata:
+        if self.dataset_metadata is None:
+            raise ValueError(
+                f"{type(self).__name__} needs dataset_metadata=DatasetMetadata(...) for "
+                f"{purpose}: the sensitivity depends on the batch size, the privacy "
+                "accounting on the sampling rate b/N and the steps per epoch."
+            )
+        return self.dataset_metadata
+
+    def _all_layers(self) -> list:
+        """The layers whose compute dtype matters (backend hook; nested layers are
+        walked by :func:`refuse_mixed_precision`)."""
+        raise NotImplementedError
+
+    def project(self):
+        """Bring the weights back into their constraint sets (none by default)."""
+        return None
+
+    # --------------------------------------------------------------------- noise
+    def sensitivities(self):
+        """``[(entry, Delta)]``: sensitivity ``Delta`` of each Gaussian mechanism's part of
+        the averaged gradient (family hook); ``entry.key`` names it, ``entry.bound`` is one
+        example's bound, ``entry.nm_coef`` its noise coefficient ``c``."""
+        raise NotImplementedError
+
+    def _noise_coefficients(self) -> list[float]:
+        """``c`` of every entry of :meth:`sensitivities`, in its order (family hook): what
+        the accountant's multipliers are made of. A hook of its own because the plan is
+        made before training, when the sensitivities (which need the compiled loss and the
+        batch size) may not be computable yet."""
+        raise NotImplementedError
+
+    @property
+    def _noiseless(self) -> bool:
+        """A non-private reference run (``DPParameters(non_private=True)``), the one place
+        the flag is read for the noise and the accounting: sigma is 0 (standard deviations
+        and multipliers 0), no noise is drawn, the ledger records steps of sigma 0 and the
+        plan has no mechanism (epsilon infinite after any step)."""
+        return self.dp_parameters.non_private
+
+    def _sigma(self) -> float:
+        """The noise multiplier ``sigma`` of the steps (0 for a non-private reference)."""
+        return 0.0 if self._noiseless else self.dp_parameters.noise_multiplier
+
+    def noise_multipliers(self) -> list[float]:
+        """Noise multipliers of the Gaussian mechanisms of one step, for the accountant:
+        ``[sigma]`` (``"global"``) or ``[sigma * c]`` for every entry of
+        :meth:`sensitivities` (``"per-layer"``), by :func:`lipdp.core.noise.noise_multipliers`."""
+        strategy = self.dp_parameters.noisify_strategy
+        return noise.noise_multipliers(strategy, self._sigma(), self._noise_coefficients())
+
+    def _entry_stddevs(self, entries) -> list:
+        """The standard deviation of the noise of each entry of :meth:`sensitivities`
+        (``entries``), by :func:`lipdp.core.noise.noise_stddevs`: ``sigma sqrt(sum
+        Delta^2)`` for every entry (``"global"``), ``sigma c Delta`` (``"per-layer"``)."""
+        return noise.noise_stddevs(
+            self.dp_parameters.noisify_strategy,
+            self._sigma(),
+            [delta for _, delta in entries],
+            [entry.nm_coef for entry, _ in entries],
+            on_host=self._noise_on_host,
+        )
+
+    # ------------------------------------------------------------------ privacy
+    def privacy_plan(self) -> PrivacyPlan:
+        """Every mechanism a training run of this model releases (rule S11): the noisy
+        steps (noise multipliers of :meth:`noise_multipliers`, sampling rate and steps per
+        epoch of the metadata) and the family's other releases (:meth:`_other_releases`)."""
+        metadata = self._metadata_for("privacy accounting")
+        params = self.dp_parameters
+        noiseless = self._noiseless  # no mechanism: the multipliers are not read
+        return PrivacyPlan.for_training(
+            ledger=self.privacy_ledger,
+            steps_done=int(self.noisy_steps.numpy()),
+            noise_multipliers=1.0 if noiseless else self.noise_multipliers(),
+            sampling_rate=metadata.sampling_rate,
+            steps_per_epoch=metadata.nb_steps_per_epochs,
+            delta=params.delta,
+            other_releases=self._other_releases(metadata),
+            non_private=noiseless,
+            noise_multiplier=None if noiseless else self._sigma(),
+            search=params.hyperparameter_search,
+        )
+
+    def _other_releases(self, metadata) -> tuple:
+        """Releases besides the noisy steps (none by default)."""
+        return ()
+
+    @property
+    def privacy_ledger(self) -> PrivacyLedger:
+        """What this model has released so far (:mod:`lipdp.core.ledger`): its epsilon is the
+        composition of these mechanisms, whatever its configuration is now."""
+        return self._ledger_view(self.privacy_ledger_table, self.privacy_ledger_counts)
+
+    @staticmethod
+    def _ledger_view(table, counts) -> PrivacyLedger:
+        """The :class:`~lipdp.core.ledger.PrivacyLedger` reading the ledger variables
+        (backend hook: how they are stored)."""
+        return PrivacyLedger(table, counts)
+
+    def _step_row(self):
+        """The ledger row of one step of the current configuration: the effective noise
+        multiplier of its Gaussians (0 without noise), ``b``, ``N``, the sampling."""
+        metadata = self._metadata_for("training")
+        if self._noiseless:
+            sigma, gaussians = 0.0, 1
+        else:
+            sigmas = self.noise_multipliers()
+            sigma, gaussians = effective_noise_multiplier(sigmas), len(sigmas)
+        return step_row(
+            sigma,
+            metadata.batch_size,
+            metadata.nb_samples_train,
+            metadata.sampling == "poisson",
+            gaussians,
+            reproducible=noise.reproducible_noise_seed() is not None,
+        )
+
+    # ------------------------------------------------------------------ compile
+    def _check_loss(self, loss) -> None:
+        """Refuse a loss whose per-example gradient the family cannot bound (hook)."""
+        if loss is None:
+            raise ValueError("compile(loss=...) is required.")
+        check_reduction(loss)
+
+    def _check_compile_arguments(self, loss, kwargs) -> None:
+        """The guards of ``compile``: the loss (:meth:`_check_loss`), float32 only, no
+        loss weights (they rescale the sensitivity)."""
+        self._check_loss(loss)
+        refuse_mixed_precision(self._all_layers())
+        if kwargs.get("loss_weights") is not None:
+            raise ValueError("loss_weights is not supported: it rescales the sensitivity.")
+
+    def _compiled_with_loss(self) -> bool:
+        if compat.keras_3():
+            return bool(self.compiled) and self.loss is not None
+        return self.compiled_loss is not None
+
+    def _refuse_nothing_trainable(self) -> None:
+        """A private step with no trainable variable would release nothing."""
+        if self.built and not self.trainable_variables:
+            raise ValueError(
+                f"{type(self).__name__} has no trainable variables (every layer is frozen): "
+                "a private step would release nothing. Unfreeze a layer (layer.trainable = "
+                "True) and compile again."
+            )
+
+    # ---------------------------------------------------------------------- fit
+    def _check_fit_arguments(self, x, y, batch_size, kwargs) -> None:
+        """The guards of ``fit``, before any step: sample and class weights change the
+        sensitivity; Poisson sampling needs Poisson batches drawn at the accountant's rate
+        (:meth:`_poisson_batches_facts`); fixed-size batches need ``N`` a multiple of
+        ``b`` and the ``N`` declared (the sampling rate ``b/N``); arrays are checked row by
+        row (rule S9: :func:`refuse_non_finite`, :meth:`_refuse_invalid_rows`)."""
+        if not self._compiled_with_loss():
+            raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
+        self._refuse_changed_trainable_state()
+        metadata = self._metadata_for("training")
+        b = metadata.batch_size
+        for unsupported in ("sample_weight", "class_weight"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(f"{unsupported} is not supported: it changes the sensitivity.")
+        self._check_distributed_data(x)
+        if self.poisson_sampling:
+            facts = self._poisson_batches_facts(x)
+            if facts is None:
+                raise ValueError(
+                    "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
+                    f"{self._poisson_batches_hint}."
+                )
+            check_poisson_batches(*facts, metadata)
+            self._check_poisson_batch_sizes(x)
+            return
+        if metadata.partial_last_batch:
+            raise ValueError(
+                "dataset_metadata.partial_last_batch: the last batch of each epoch is partial "
+                "and would be refused mid-training. Prepare the data with drop_remainder=True."
+            )
+        if self._checked_data_source(x):
+            return
+        if metadata.multiplicity:
+            raise ValueError(
+                "dataset_metadata.multiplicity > 0: pass the augmented tf.data pipeline of "
+                "lipdp.pipeline.load_and_prepare_images_data, not arrays."
+            )
+        if _not_arrays(x):  # batch sizes are checked when the step is traced
+            return
+        refuse_non_finite(x, y)
+        self._refuse_invalid_rows(x, y)
+        n = len(compat.flatten(x)[0])
+        if batch_size is not None and batch_size != b:
+            raise ValueError(
+                f"fit(batch_size={batch_size}) differs from the batch size "
+                f"{b} declared in dataset_metadata."
+            )
+        split = kwargs.get("validation_split") or 0.0
+        n_train = int(math.floor(n * (1.0 - split)))
+        if n_train != metadata.nb_samples_train:
+            raise ValueError(
+                f"fit receives {n_train} training examples but dataset_metadata declares "
+                f"nb_samples_train={metadata.nb_samples_train}: the sampling rate b/N of the "
+                "privacy accounting comes from it. Declare the number of examples trained on."
+            )
+        if n_train % b:
+            raise ValueError(
+                f"{n_train} training examples are not a multiple of batch_size={b}: the last "
+                f"batch would be partial. Use {n_train - n_train % b} examples, or a "
+                "pipeline with drop_remainder=True."
+            )
+        if kwargs.get("shuffle") is False:
+            logger.warning(
+                "fit(shuffle=False): batches are not random, so privacy "
+                "amplification by subsampling does not apply."
+            )
+
+    def _refuse_changed_trainable_state(self) -> None:
+        """Refuse layers frozen or unfrozen since ``compile`` where the backend would train
+        the compiled ones (hook; none by default)."""
+
+    def _check_distributed_data(self, x) -> None:
+        """Refuse data that several workers could read twice (hook; none by default)."""
+
+    def _poisson_batches_facts(self, x):
+        """``(sampling rate or None, steps per epoch or None)`` that the Poisson batches
+        ``x`` state, or ``None`` when ``x`` is not Poisson batches (backend hook)."""
+        raise NotImplementedError
+
+    def _check_poisson_batch_sizes(self, x) -> None:
+        """Refuse batches whose sizes show they are not Poisson samples (hook; none by
+        default)."""
+
+    def _checked_data_source(self, x) -> bool:
+        """Check the backend's own pipelines (``tf.data``, padded Poisson batches) and say
+        so: ``True`` when the array checks of ``fit`` do not apply (backend hook)."""
+        raise NotImplementedError
+
+    def _refuse_invalid_rows(self, x, y) -> None:
+        """Rule S9 for arrays beyond NaN and infinities (hook; none by default)."""
+
+    # ------------------------------------------------------------ privacy state
+    def save(self, filepath, *args, **kwargs):
+        """Save in the ``.keras`` format only (rule S10).
+
+        Keras 2.15's SavedModel directory and HDF5 files do not restore everything a
+        privacy guarantee rests on (a SavedModel reload restores the optimizer's step count
+        as 0, and the DP configuration is not part of HDF5): a reload would under-count
+        epsilon. ``save_weights`` checkpoints keep the noisy step count (a model variable).
+        """
+        if not str(filepath).endswith(".keras"):
+            raise ValueError(
+                f"DP models are saved to .keras files (got {str(filepath)!r}): the SavedModel "
+                "and HDF5 formats do not carry the privacy state (step count, DP "
+                "configuration), so a reload would under-count epsilon."
+            )
+        return super().save(filepath, *args, **kwargs)
+
+    def set_weights(self, weights):
+        """Set the weights, then project them onto their constraint sets (S12). The
+        privacy state is never rewound (:meth:`_keeping_the_privacy_state`)."""
+        with self._keeping_the_privacy_state():
+            super().set_weights(weights)
+        self.project()
+
+    def load_weights(self, *args, **kwargs):
+        """Load the weights, then project them onto their constraint sets (S12); the
+        privacy state is kept as by :meth:`set_weights`."""
+        with self._keeping_the_privacy_state():
+            status = super().load_weights(*args, **kwargs)
+        if self.built:
+            self.project()
+        return status
+
+    @contextlib.contextmanager
+    def _keeping_the_privacy_state(self):
+        """Weights (and with them the ledger and the step count) may be restored to an
+        earlier state -- EarlyStopping's best weights, a best checkpoint -- chosen after
+        the later steps were released: what was recorded before stays recorded (rule
+        S10). A fresh model loading a checkpoint simply gets the checkpoint's ledger.
+        State of the backend's own (JAX's noise key) is kept by :meth:`_own_state`."""
+        before, steps = self.privacy_ledger.snapshot(), int(self.noisy_steps.numpy())
+        restore = self._own_state()
+        yield
+        self.privacy_ledger.keep_at_least(before)
+        self.noisy_steps.assign(max(steps, int(self.noisy_steps.numpy())))
+        restore()
+
+    def _own_state(self):
+        """A function restoring the model's own state that loaded weights must not replace
+        (backend hook; nothing by default)."""
+        return lambda: None
+
+    # ----------------------------------------------------------- serialisation
+    def get_compile_config(self):
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        compat.replay_compile_config(self, config)
+
+    def get_config(self):
+        """The model's own entries (:meth:`_model_config`), the privacy parameters and the
+        dataset metadata, the name."""
+        metadata = self.dataset_metadata
+        return {
+            **self._model_config(),
+            "dp_parameters": self.dp_parameters.to_config(),
+            "dataset_metadata": None if metadata is None else metadata.to_config(),
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        network = cls._network_from_config(config, custom_objects)
+        metadata = config.pop("dataset_metadata")
+        return cls(
+            network,
+            dp_parameters=DPParameters(**config.pop("dp_parameters")),
+            dataset_metadata=None if metadata is None else DatasetMetadata.from_config(metadata),
+            **config,
+        )
+
+    def _model_config(self) -> dict:
+        """The configuration entries of the network and the backend's options (hook)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _network_from_config(cls, config, custom_objects):
+        """The first argument of the constructor (the layers, the network), popped from
+        ``config`` and deserialised (hook)."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------- guards
+def check_reduction(loss) -> None:
+    """The loss must be the mean over the batch (what the sensitivities divide by)."""
+    reduction = getattr(loss, "reduction", compat.Reduction.SUM_OVER_BATCH_SIZE)
+    allowed = (compat.Reduction.AUTO, compat.Reduction.SUM_OVER_BATCH_SIZE)
+    if reduction not in allowed:
+        raise ValueError(
+            f"Loss reduction {reduction!r} is not supported: sensitivities are computed for "
+            "the mean over the batch. Use reduction=SUM_OVER_BATCH_SIZE (the default)."
+        )
+
+
+def one_target_per_output(labels, predictions):
+    """Targets ``(rows,)`` of predictions ``(rows, 1)`` as ``(rows, 1)``. Why: Keras' losses
+    squeeze such predictions to ``(rows,)`` and then average over their last axis -- the
+    batch --, one value for the whole batch (harmless for Keras' mean, wrong per row).
+    Any backend's dense arrays (a TensorFlow shape of unknown rank: unchanged)."""
+    rank = _rank(predictions.shape)
+    last = predictions.shape[-1] if rank else None
+    if rank is not None and rank >= 2 and last == 1 and _rank(labels.shape) == rank - 1:
+        return labels[..., None]
+    return labels
+
+
+def _rank(shape) -> int | None:
+    """The rank of an array's shape: a tuple, or a TensorFlow ``TensorShape`` (``rank``,
+    ``None`` when unknown)."""
+    return shape.rank if hasattr(shape, "rank") else len(shape)
+
+
+def refuse_mixed_precision(layers) -> None:
+    """Bounds, clipping and noise are computed for float32: refuse every other floating
+    compute dtype (float16, bfloat16, float64, ...) of the global policy or of a layer at
+    any depth of ``layers``. Integer and string layers (e.g. ``StringLookup``) compute in
+    their own types."""
+    policy = keras.mixed_precision.global_policy()
+    names = [f"global policy {policy.name!r}"] if policy.compute_dtype != "float32" else []
+    names += [
+        f"layer {path!r} ({layer.compute_dtype})"
+        for path, layer in nested_layers(list(layers))
+        if _floating(getattr(layer, "compute_dtype", None)) not in ("float32", None)
+    ]
+    if names:
+        raise ValueError(
+            f"Mixed precision is not supported ({', '.join(names)}): float16 round-off "
+            "exceeds the slack of the sensitivity bounds (an input clipped to norm 1 can "
+            "come out above 1). Use keras.mixed_precision.set_global_policy('float32')."
+        )
+
+
+def _floating(dtype) -> str | None:
+    """``dtype``'s name if it is a floating type (Keras names them ``float*`` and
+    ``bfloat16``), else ``None``."""
+    name = None if dtype is None else str(getattr(dtype, "name", dtype))
+    return name if name is not None and name.startswith(("float", "bfloat")) else None
+
+
+def refuse_non_finite(x, y) -> None:
+    """Rule S9 for arrays: refuse examples with a NaN or an infinity, naming their rows.
+
+    (Pipelines are neutralised in the step instead: such examples count zero.)
+    """
+    for name, values in (("x", x), ("y", y)):
+        for array in compat.flatten(values):
+            if array is None:
+                continue
+            array = np.asarray(array)
+            if array.dtype.kind not in "fc" or array.ndim == 0:
+                continue
+            bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
+            if bad.size:
+                raise ValueError(
+                    f"{name} has {bad.size} example(s) with NaN or infinite values (rows "
+                    f"{shown(bad)}): such a record has no bounded contribution. Remove or "
+                    "repair these rows before fit."
+                )
+
+
+def check_poisson_batches(rate, steps, metadata) -> None:
+    """Poisson batches that state their sampling rate must draw at the metadata's rate
+    (the rate the accountant uses: batches drawn 4x more often cost far more than
+    reported), and their steps per epoch must be the metadata's; a rate not stated
+    (``None``) is warned about."""
+    if rate is None:
+        logger.warning(
+            "The Poisson pipeline does not state its sampling rate (pass the dataset "
+            "poisson_batches returns, before map/prefetch): the accountant assumes q = %g.",
+            metadata.sampling_rate,
+        )
+        return
+    if not math.isclose(rate, metadata.sampling_rate, rel_tol=1e-9):
+        raise ValueError(
+            f"The Poisson pipeline samples at rate {rate:g} but dataset_metadata declares "
+            f"q = batch_size / N = {metadata.sampling_rate:g}, the rate the privacy "
+            "accounting uses. Build the batches with metadata.sampling_rate."
+        )
+    if steps is not None and steps != metadata.nb_steps_per_epochs:
+        raise ValueError(
+            f"The Poisson pipeline has {steps} steps per epoch but dataset_metadata declares "
+            f"{metadata.nb_steps_per_epochs}: the accountant would count the wrong number "
+            "of steps. Build the batches with metadata.nb_steps_per_epochs."
+        )
+
+
+def _not_arrays(x) -> bool:
+    """Whether ``x`` is no data, a ``keras.utils.Sequence`` (``PyDataset``), a callable or a
+    generator: a source whose rows are not counted before ``fit``."""
+    if x is None or isinstance(x, keras.utils.Sequence) or callable(x):
+        return True
+    return not hasattr(compat.flatten(x)[0], "__len__")
+
+
+def shown(rows) -> str:
+    """The first ten row indices, for an error message."""
+    return ", ".join(str(i) for i in rows[:10]) + (", ..." if len(rows) > 10 else "")
+
+
+__all__ = [
+    "PrivateModelBase",
+    "check_poisson_batches",
+    "check_reduction",
+    "one_target_per_output",
+    "refuse_mixed_precision",
+    "refuse_non_finite",
+    "shown",
+]
