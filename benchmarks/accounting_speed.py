@@ -33,7 +33,7 @@ from lipdp import accounting  # noqa: E402
 from lipdp.accounting import DPGD_Mechanism, get_eps_delta, training_dp_event  # noqa: E402
 from lipdp.clipless import layers
 from lipdp.clipless.model import DP_Sequential, DPParameters  # noqa: E402
-from lipdp.core.metadata import DatasetMetadata  # noqa: E402
+from lipdp.foundation.metadata import DatasetMetadata  # noqa: E402
 from lipdp.sensitivity import get_max_epochs  # noqa: E402
 
 SIGMA, BATCH, N, DELTA = 2.0, 1000, 60000, 1e-5

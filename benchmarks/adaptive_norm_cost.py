@@ -28,7 +28,7 @@ from common import machine_description  # noqa: E402
 
 from lipdp.clipless import losses  # noqa: E402
 from lipdp.clipless.model import DPParameters  # noqa: E402
-from lipdp.core.metadata import DatasetMetadata  # noqa: E402
+from lipdp.foundation.metadata import DatasetMetadata  # noqa: E402
 from lipdp.recipes import zoo
 
 NETWORKS = {

@@ -55,8 +55,8 @@ from common import dp_sgd_epsilon, machine_description  # noqa: E402
 from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: E402
 from lipdp.clipless import losses  # noqa: E402
 from lipdp.clipless.model import DPParameters  # noqa: E402
-from lipdp.core.metadata import DatasetMetadata  # noqa: E402
 from lipdp.data.sources import load_breast_cancer  # noqa: E402
+from lipdp.foundation.metadata import DatasetMetadata  # noqa: E402
 from lipdp.pipeline import poisson_batches  # noqa: E402
 from lipdp.recipes import zoo
 

@@ -87,8 +87,8 @@ from lipdp.accounting import calibrate_noise_multiplier, get_eps_delta  # noqa: 
 from lipdp.clipless import layers as L  # noqa: E402
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters  # noqa: E402
-from lipdp.core.metadata import DatasetMetadata  # noqa: E402
 from lipdp.data import sources as datasets  # noqa: E402
+from lipdp.foundation.metadata import DatasetMetadata  # noqa: E402
 from lipdp.pipeline import bound_normalize, poisson_batches  # noqa: E402
 from lipdp.recipes import zoo
 

@@ -71,8 +71,8 @@ from lipdp.clipless import losses  # noqa: E402
 from lipdp.clipless.model import DPParameters  # noqa: E402
 from lipdp.clipped.model import Clipping, DPSGD_Sequential  # noqa: E402
 from lipdp.core.adversarial import PGD  # noqa: E402
-from lipdp.core.metadata import DatasetMetadata  # noqa: E402
 from lipdp.evaluation import outputs, robustness  # noqa: E402
+from lipdp.foundation.metadata import DatasetMetadata  # noqa: E402
 
 EPSILON = 3.8
 CLIPPED_EPOCHS, CLIPPED_LR, CLIP = 8, 1e-2, 1.0

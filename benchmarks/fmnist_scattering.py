@@ -83,9 +83,9 @@ from lipdp.clipless import losses
 from lipdp.clipless.features import fixed_features  # noqa: E402
 from lipdp.clipless.model import DP_Sequential, DPParameters  # noqa: E402
 from lipdp.clipped.model import Clipping, DPSGD_Sequential  # noqa: E402
-from lipdp.core.metadata import DatasetMetadata  # noqa: E402
 from lipdp.core.report import privacy_report  # noqa: E402
 from lipdp.data import sources as datasets  # noqa: E402
+from lipdp.foundation.metadata import DatasetMetadata  # noqa: E402
 from lipdp.pipeline import poisson_batches  # noqa: E402
 from lipdp.recipes import zoo
 from lipdp.recipes.tuning import SearchResult, private_random_search  # noqa: E402

@@ -74,8 +74,8 @@ def build(contender, batch, weights):
     elif contender in ("lipdp", "lipdp-ghost"):
         from lipdp.clipped.clipping import Clipping
         from lipdp.clipped.jax.model import DPSGD_JaxModel
-        from lipdp.core.metadata import DatasetMetadata
         from lipdp.core.parameters import DPParameters
+        from lipdp.foundation.metadata import DatasetMetadata
 
         metadata = DatasetMetadata(
             input_shape=SHAPE, nb_classes=CLASSES, nb_samples_train=n, batch_size=batch

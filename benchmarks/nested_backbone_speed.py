@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from lipdp.clipless.model import DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 
 try:
     from benchmarks.common import machine_description

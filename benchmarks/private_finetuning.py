@@ -45,9 +45,9 @@ from lipdp.accounting import calibrate_noise_multiplier
 from lipdp.clipless.model import DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.core.callbacks import DP_Accountant
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
 from lipdp.data.sources import load_fashion_mnist
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.pipeline import poisson_batches
 
 try:

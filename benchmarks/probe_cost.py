@@ -45,7 +45,7 @@ def child(method, version, batch_size, baseline):
     import numpy as np
 
     from lipdp.core import batch_independence
-    from lipdp.core.metadata import DatasetMetadata
+    from lipdp.foundation.metadata import DatasetMetadata
     from lipdp.recipes.runs import ModelRecipe, build_model
 
     if version == "baseline":

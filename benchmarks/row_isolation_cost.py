@@ -61,9 +61,9 @@ def build(name, isolated):
     from lipdp.clipless.layers import DP_ClipGradient
     from lipdp.clipless.model import DP_Sequential
     from lipdp.clipped.model import Clipping, DPSGD_Sequential
-    from lipdp.core import compat
-    from lipdp.core.metadata import DatasetMetadata
     from lipdp.core.parameters import DPParameters
+    from lipdp.foundation import compat
+    from lipdp.foundation.metadata import DatasetMetadata
     from lipdp.recipes import runs, zoo
 
     x, y = data(name)

@@ -7,7 +7,7 @@ Neural Network Way*, ICLR 2024).
 
 lipdp runs on Keras 3 with the TensorFlow backend (TensorFlow >= 2.16 and the ``keras``
 package) and on Keras 2 (TensorFlow 2.15); it sets no environment variable
-(:mod:`lipdp.core.compat`).
+(:mod:`lipdp.foundation.compat`).
 """
 
 

@@ -2,8 +2,9 @@
 
 The code now lives, one module per concept, in :mod:`lipdp.data`:
 
-* :class:`~lipdp.core.metadata.DatasetMetadata`, :data:`~lipdp.core.metadata.SAMPLING_MODES`,
-  :func:`~lipdp.core.metadata.default_delta_value`: :mod:`lipdp.core.metadata`;
+* :class:`~lipdp.foundation.metadata.DatasetMetadata`,
+  :data:`~lipdp.foundation.metadata.SAMPLING_MODES`,
+  :func:`~lipdp.foundation.metadata.default_delta_value`: :mod:`lipdp.foundation.metadata`;
 * :func:`~lipdp.data.sampling.poisson_batches` and the uniform-shuffle batching:
   :mod:`lipdp.data.sampling`;
 * :func:`~lipdp.data.input_bounds.bound_clip_value`,
@@ -18,12 +19,12 @@ The code now lives, one module per concept, in :mod:`lipdp.data`:
 New code should import from those modules.
 """
 
-from lipdp.core.metadata import SAMPLING_MODES, DatasetMetadata, default_delta_value  # noqa: F401
 from lipdp.data import images, input_bounds, sampling, tabular
 from lipdp.data.images import *  # noqa: F403  (the re-export is the point)
 from lipdp.data.input_bounds import *  # noqa: F403
 from lipdp.data.sampling import *  # noqa: F403
 from lipdp.data.tabular import *  # noqa: F403
+from lipdp.foundation.metadata import SAMPLING_MODES, DatasetMetadata, default_delta_value  # noqa: F401
 
 __all__ = sorted(
     {name for module in (images, input_bounds, sampling, tabular) for name in module.__all__}

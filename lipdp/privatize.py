@@ -44,9 +44,9 @@ import keras
 
 from lipdp.accounting import calibrate_noise_multiplier
 from lipdp.clipped.clipping import CLIPPING_MODES, Clipping
-from lipdp.core import compat, validation
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
+from lipdp.foundation import compat, validation
+from lipdp.foundation.metadata import DatasetMetadata
 
 logger = logging.getLogger(__name__)
 

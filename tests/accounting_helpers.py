@@ -5,7 +5,7 @@ import tensorflow as tf
 from lipdp.accounting import DPGD_Mechanism
 from lipdp.clipless import layers, losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 
 DELTA = 1e-5
 TUTORIAL_Q = 1000 / 60000

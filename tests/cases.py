@@ -13,7 +13,7 @@ import tensorflow as tf
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.recipes import zoo
 
 BATCH = 4

@@ -4,7 +4,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-# lipdp first, as a user may import it (it sets nothing; lipdp.core.compat).
+# lipdp first, as a user may import it (it sets nothing; lipdp.foundation.compat).
 import lipdp  # noqa: E402, F401, I001
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -33,8 +33,8 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.remove_one import _snapshot
 
 K = keras.layers

@@ -8,8 +8,8 @@ from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
-from lipdp.core import compat
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation import compat
+from lipdp.foundation.metadata import DatasetMetadata
 
 FEATURES, CLASSES, N = 6, 3, 64
 FAMILIES = ("clipless", "dp-sgd")

@@ -9,8 +9,8 @@ import tensorflow as tf
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.data import sources as datasets
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.recipes import runs
 
 

@@ -10,7 +10,7 @@ On TensorFlow 2.15 a missing install is an error, not a skip.
 
 import pytest
 
-from lipdp.core import compat
+from lipdp.foundation import compat
 
 requires_tensorflow_privacy = pytest.mark.skipif(
     compat.tensorflow_version() >= compat.KERAS_3_DEFAULT_SINCE,

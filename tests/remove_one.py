@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from lipdp.core import noise
 from lipdp.core.noise import ROUNDOFF_SLACK
-from lipdp.core.variables import variable_key
+from lipdp.foundation.variables import variable_key
 
 #: Released differences may exceed the declared sensitivity by float32 round-off only.
 TOLERANCE = ROUNDOFF_SLACK

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.core.noise import ROUNDOFF_SLACK
-from lipdp.core.variables import variable_key
+from lipdp.foundation.variables import variable_key
 
 #: The noise is calibrated for the bound times (1 + ROUNDOFF_SLACK): float32
 #: round-off may exceed the exact bound by that much, not more.

@@ -14,51 +14,57 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lipdp"
 #: module (or package prefix) -> lipdp modules it may import (prefixes). The first matching
 #: prefix applies, so a module listed alone comes before its package.
 ALLOWED = {
+    # the foundation, below the accountants: imports no other part of lipdp
+    "lipdp.foundation.compat": (),
+    "lipdp.foundation.variables": ("lipdp.foundation.compat",),
+    "lipdp.foundation.config": (),
+    "lipdp.foundation.validation": (),
+    "lipdp.foundation.layer_walk": (),
+    "lipdp.foundation.metadata": ("lipdp.foundation.config",),
+    "lipdp.foundation": (),
     # what both families share, bottom first
-    "lipdp.core.compat": (),
-    "lipdp.core.variables": ("lipdp.core.compat",),
-    "lipdp.core.config": (),
-    "lipdp.core.validation": (),
-    "lipdp.core.records": ("lipdp.core.compat",),
-    "lipdp.core.distribute": ("lipdp.core.compat",),
-    "lipdp.core.layer_walk": (),
-    "lipdp.core.metadata": ("lipdp.core.config",),
-    "lipdp.core.noise": ("lipdp.core.validation", "lipdp.core.distribute"),
-    "lipdp.core.coupling": ("lipdp.core.layer_walk", "lipdp.core.compat"),
+    "lipdp.core.records": ("lipdp.foundation.compat",),
+    "lipdp.core.distribute": ("lipdp.foundation.compat",),
+    "lipdp.core.noise": ("lipdp.foundation.validation", "lipdp.core.distribute"),
+    "lipdp.core.coupling": ("lipdp.foundation.layer_walk", "lipdp.foundation.compat"),
     "lipdp.core.coupling_fix": (
         "lipdp.core.coupling",
-        "lipdp.core.layer_walk",
-        "lipdp.core.compat",
+        "lipdp.foundation.layer_walk",
+        "lipdp.foundation.compat",
     ),
     "lipdp.core.batch_independence": (
         "lipdp.core.coupling",
         "lipdp.core.coupling_fix",
-        "lipdp.core.layer_walk",
-        "lipdp.core.compat",
-        "lipdp.core.variables",
+        "lipdp.foundation.layer_walk",
+        "lipdp.foundation.compat",
+        "lipdp.foundation.variables",
     ),
     "lipdp.accounting": (
         "lipdp.accounting",
-        "lipdp.core.validation",
-        "lipdp.core.metadata",
-        "lipdp.core.config",
+        "lipdp.foundation.validation",
+        "lipdp.foundation.metadata",
+        "lipdp.foundation.config",
     ),
-    "lipdp.data": ("lipdp.data", "lipdp.core.validation", "lipdp.core.metadata"),
-    "lipdp.core.ledger": ("lipdp.accounting", "lipdp.core.layer_walk", "lipdp.core.variables"),
+    "lipdp.data": ("lipdp.data", "lipdp.foundation.validation", "lipdp.foundation.metadata"),
+    "lipdp.core.ledger": (
+        "lipdp.accounting",
+        "lipdp.foundation.layer_walk",
+        "lipdp.foundation.variables",
+    ),
     # the privacy surface of every backend's model (TensorFlow's PrivateModel, the JAX
     # DPSGD_JaxModel): below both families, above the foundation it reads
     "lipdp.core.private_base": (
         "lipdp.accounting",
-        "lipdp.core.compat",
-        "lipdp.core.layer_walk",
+        "lipdp.foundation.compat",
+        "lipdp.foundation.layer_walk",
         "lipdp.core.ledger",
-        "lipdp.core.metadata",
+        "lipdp.foundation.metadata",
         "lipdp.core.noise",
         "lipdp.core.parameters",
     ),
-    "lipdp.core": ("lipdp.core", "lipdp.accounting"),
+    "lipdp.core": ("lipdp.foundation", "lipdp.core", "lipdp.accounting"),
     # the two families build on the shared base, never on each other
-    "lipdp.clipless": ("lipdp.clipless", "lipdp.core", "lipdp.accounting"),
+    "lipdp.clipless": ("lipdp.clipless", "lipdp.foundation", "lipdp.core", "lipdp.accounting"),
     # the clipped family's JAX step: the shared base, the clipping rule, the layer checks,
     # the ghost-rule registry with its rules and the row scaling; never the TensorFlow
     # step (lipdp.clipped.model, lipdp.clipped.per_example.engine)
@@ -70,13 +76,15 @@ ALLOWED = {
         "lipdp.clipped.per_example.scale",
         "lipdp.clipped.per_example.dense",
         "lipdp.clipped.per_example.convolution",
+        "lipdp.foundation",
         "lipdp.core",
         "lipdp.accounting",
     ),
-    "lipdp.clipped": ("lipdp.clipped", "lipdp.core", "lipdp.accounting"),
+    "lipdp.clipped": ("lipdp.clipped", "lipdp.foundation", "lipdp.core", "lipdp.accounting"),
     # above both families
     "lipdp.evaluation": (
         "lipdp.evaluation",
+        "lipdp.foundation",
         "lipdp.core",
         "lipdp.accounting",
         "lipdp.clipless",
@@ -84,6 +92,7 @@ ALLOWED = {
     ),
     # make_private; lipdp.entry, its former path, re-exports it
     "lipdp.privatize": (
+        "lipdp.foundation",
         "lipdp.core",
         "lipdp.accounting",
         "lipdp.data",
@@ -98,19 +107,21 @@ ALLOWED = {
     "lipdp.recipes.recipe_config": (
         "lipdp.recipes.defaults",
         "lipdp.recipes.method_settings",
-        "lipdp.core.config",
-        "lipdp.core.validation",
+        "lipdp.foundation.config",
+        "lipdp.foundation.validation",
     ),
     "lipdp.recipes.model_factory": (
         "lipdp.recipes.defaults",
         "lipdp.recipes.recipe_config",
         "lipdp.recipes.zoo",
+        "lipdp.foundation",
         "lipdp.core",
         "lipdp.clipless",
         "lipdp.clipped",
     ),
     "lipdp.recipes": (
         "lipdp.recipes",
+        "lipdp.foundation",
         "lipdp.core",
         "lipdp.accounting",
         "lipdp.data",
@@ -238,7 +249,7 @@ JAX_PATH = [
     "lipdp.clipped.layer_support",
     "lipdp.core.coupling",
     "lipdp.core.coupling_fix",
-    "lipdp.core.layer_walk",
+    "lipdp.foundation.layer_walk",
     "lipdp.core.noise",
     "lipdp.core.ledger",
     "lipdp.core.callbacks",
@@ -247,8 +258,8 @@ JAX_PATH = [
     "lipdp.privatize",
     "lipdp.entry",
     "lipdp.accounting",
-    "lipdp.core.metadata",
-    "lipdp.core.compat",
+    "lipdp.foundation.metadata",
+    "lipdp.foundation.compat",
 ]
 
 
@@ -269,3 +280,43 @@ def test_the_jax_backend_s_modules_import_no_tensorflow():
     for path in on_path:
         tf = [n for n in _module_level_imports(path) if n.split(".")[0] == "tensorflow"]
         assert not tf, f"{_module_name(path)} imports {tf} at module level"
+
+
+#: The bottom of the package, layer by layer: each imports only itself and what lies below
+#: (no arrow back up between packages, not only between modules: issue 38).
+PACKAGE_LAYERS = ["lipdp.foundation", "lipdp.accounting", "lipdp.core"]
+
+#: The former paths of the foundation's modules: each a module that *is* its new one.
+FORMER_PATHS = [
+    f"lipdp.core.{name}"
+    for name in ("config", "validation", "metadata", "compat", "variables", "layer_walk")
+]
+
+
+def _in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("level", range(len(PACKAGE_LAYERS)), ids=PACKAGE_LAYERS)
+def test_the_bottom_packages_import_only_downwards(level):
+    package, above = PACKAGE_LAYERS[level], PACKAGE_LAYERS[level + 1 :]
+    paths = sorted((PACKAGE / package.split(".")[1]).rglob("*.py"), key=str)
+    assert paths
+    for path in paths:
+        if _module_name(path) in FORMER_PATHS:
+            continue
+        upward = [n for n in _lipdp_imports(path) if any(_in_package(n, a) for a in above)]
+        assert not upward, f"{_module_name(path)} imports {upward} from a package above it"
+
+
+def test_no_module_imports_a_former_path_and_former_paths_still_import():
+    import importlib
+
+    for path in sorted(PACKAGE.rglob("*.py"), key=str):
+        if _module_name(path) in FORMER_PATHS:
+            continue
+        former = [n for n in _lipdp_imports(path) if n in FORMER_PATHS]
+        assert not former, f"{_module_name(path)} imports {former}: use lipdp.foundation"
+    for name in FORMER_PATHS:
+        moved = importlib.import_module(name.replace("lipdp.core.", "lipdp.foundation."))
+        assert importlib.import_module(name) is moved

@@ -37,10 +37,10 @@ from lipdp.clipless import layers as DL
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
-from lipdp.core import compat
 from lipdp.core.callbacks import DP_Accountant
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.data.sampling import stating_rate
+from lipdp.foundation import compat
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.pipeline import poisson_batches
 from tests.remove_one import TOLERANCE, released_gradient, remove_one_ratios
 

@@ -10,8 +10,8 @@ import tensorflow as tf
 
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.clipped.per_example import ghost_rule, per_example_gradients, unregister_ghost_rule
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
+from lipdp.foundation.metadata import DatasetMetadata
 
 GUIDE = Path(__file__).parents[1] / "CONTRIBUTING.md"
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-import lipdp.core.metadata
 import lipdp.data
 import lipdp.data.images
 import lipdp.data.input_bounds
 import lipdp.data.sampling
 import lipdp.data.sources
 import lipdp.data.tabular
+import lipdp.foundation.metadata
 import lipdp.pipeline
 
 #: Where each name of ``lipdp.pipeline`` lives now.
@@ -40,9 +40,9 @@ PIPELINE_HOMES = {
     "TABULAR_SCALINGS": lipdp.data.tabular,
     "prepare_tabular_data": lipdp.data.tabular,
     "load_adbench_data": lipdp.data.sources,
-    "DatasetMetadata": lipdp.core.metadata,
-    "SAMPLING_MODES": lipdp.core.metadata,
-    "default_delta_value": lipdp.core.metadata,
+    "DatasetMetadata": lipdp.foundation.metadata,
+    "SAMPLING_MODES": lipdp.foundation.metadata,
+    "default_delta_value": lipdp.foundation.metadata,
 }
 
 
@@ -63,7 +63,7 @@ def test_old_pipeline_imports():
         prepare_tabular_data,
     )
 
-    assert DatasetMetadata is lipdp.core.metadata.DatasetMetadata
+    assert DatasetMetadata is lipdp.foundation.metadata.DatasetMetadata
     assert load_and_prepare_data is load_and_prepare_images_data
 
 
@@ -137,7 +137,17 @@ def test_original_paths_are_thin_re_exports(name):
 
 
 #: The sub-packages of the layout (DESIGN.md section 5), the command's included.
-PACKAGES = ["accounting", "cli", "clipless", "clipped", "core", "data", "evaluation", "recipes"]
+PACKAGES = [
+    "accounting",
+    "cli",
+    "clipless",
+    "clipped",
+    "core",
+    "data",
+    "evaluation",
+    "foundation",
+    "recipes",
+]
 
 
 def test_the_top_of_the_package_is_the_entry_point_and_the_original_paths():

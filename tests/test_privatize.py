@@ -20,8 +20,8 @@ from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential
 from lipdp.clipped.model import DPSGD_Sequential
 from lipdp.clipped.per_example import per_example_gradients
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.marks import representatives
 from tests.remove_one import TOLERANCE, released_gradient, remove_one_ratios
 

@@ -6,7 +6,7 @@ from autodp import mechanism_zoo, transformer_zoo
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 
 N, B = 512, 64
 

@@ -12,8 +12,8 @@ import logging
 from lipdp.accounting.mechanisms import Release, release_from_config
 from lipdp.accounting.plan import PrivacyPlan
 from lipdp.accounting.registry import get_accountant
-from lipdp.core import validation
-from lipdp.core.metadata import steps_per_epoch
+from lipdp.foundation import validation
+from lipdp.foundation.metadata import steps_per_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def calibrate_noise_multiplier(
 
     The analogue of Opacus's ``make_private_with_epsilon``. Either from numbers
     (``batch_size``, ``nb_samples``, ``delta``: steps per epoch
-    ``nb_samples // batch_size`` as :func:`lipdp.core.metadata.steps_per_epoch`, rate
+    ``nb_samples // batch_size`` as :func:`lipdp.foundation.metadata.steps_per_epoch`, rate
     ``batch_size / nb_samples``, plus the ``dynamic_clipping`` releases, a legacy config
     dict or a :class:`~lipdp.clipless.dynamic.DynamicClippingSpec` for one dynamic clip layer), or
     from ``model=``: the model's own plan with its noise multiplier(s) rescaled (the

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lipdp.core import validation
-from lipdp.core.config import Config
+from lipdp.foundation import validation
+from lipdp.foundation.config import Config
 
 DYNAMIC_MODES = ("laplace", "quantiles")
 

@@ -33,8 +33,8 @@ from lipdp.accounting.mechanisms import (
 )
 from lipdp.accounting.registry import get_accountant
 from lipdp.accounting.tuning_cost import RandomSearch, search_epsilon
-from lipdp.core import validation
-from lipdp.core.config import Config
+from lipdp.foundation import validation
+from lipdp.foundation.config import Config
 
 logger = logging.getLogger(__name__)
 

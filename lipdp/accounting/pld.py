@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 #: Default discretisation of the privacy loss (module docstring).
 PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-4

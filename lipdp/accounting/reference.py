@@ -22,7 +22,7 @@ from lipdp.accounting.mechanisms import (
     release_from_config,
     subsample_autodp,
 )
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 MODES = ("global", "per-layer")
 

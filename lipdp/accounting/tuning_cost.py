@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lipdp.core import validation
-from lipdp.core.config import Config
+from lipdp.foundation import validation
+from lipdp.foundation.config import Config
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
 from lipdp.clipless.layers.residual import DP_WrappedResidual
-from lipdp.core import compat
+from lipdp.foundation import compat
 
 #: Default largest ``h * w * c_in`` for which a convolution matrix is materialised.
 DEFAULT_MAX_EXACT_SIZE = 4096

@@ -88,10 +88,11 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.clipless.layers import DP_ClipGradient
-from lipdp.core import distribute, validation
+from lipdp.core import distribute
 from lipdp.core.callbacks import epochs_trained
 from lipdp.core.ledger import release_row
 from lipdp.core.parameters import DynamicClippingSpec
+from lipdp.foundation import validation
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class CotangentNorms:
     Differentiating w.r.t. the *output* of a ``DP_ClipGradient`` gives its cotangent
     before its own clipping (the layer clips what it passes to its input). The
     gradient is taken of ``sum_i loss_i / s`` and multiplied by ``s``, where ``s`` is
-    the model's loss normaliser (:attr:`lipdp.core.metadata.DatasetMetadata.loss_normalizer`,
+    the model's loss normaliser (:attr:`lipdp.foundation.metadata.DatasetMetadata.loss_normalizer`,
     the number of rows when the model has no metadata), the one the clip layers receive:
     clip layers further down then clip ``g_i / s`` at ``C / s``, exactly as in training
     (differentiating the plain sum would let them clip ``g_i`` at ``C / s``). Rows are

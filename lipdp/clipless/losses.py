@@ -64,8 +64,8 @@ import math
 import keras
 import tensorflow as tf
 
-from lipdp.core import compat, validation
 from lipdp.core.records import neutralised_losses
+from lipdp.foundation import compat, validation
 
 __all__ = [
     "DP_Loss",

@@ -35,7 +35,6 @@ from lipdp.clipless.bounds import bound_pass, parameterized_variables
 from lipdp.clipless.dynamic import dynamic_clip_layers
 from lipdp.clipless.layers import DP_BoundedInput, DP_InputLayer, DPLayer
 from lipdp.core.batch_independence import refuse_coupling_layers
-from lipdp.core.layer_walk import children
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.private_model import (  # noqa: F401  (DPParameters and the guards: public here too)
     DPParameters,
@@ -46,7 +45,8 @@ from lipdp.core.private_model import (  # noqa: F401  (DPParameters and the guar
     _refuse_non_finite,
     check_reduction,
 )
-from lipdp.core.variables import variable_key
+from lipdp.foundation.layer_walk import children
+from lipdp.foundation.variables import variable_key
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class DP_Model(PrivateModel):
     Args:
         dp_layers: list of DP layers, the first being :class:`DP_BoundedInput`.
         dp_parameters: :class:`DPParameters`.
-        dataset_metadata: :class:`lipdp.core.metadata.DatasetMetadata` (the batch size
+        dataset_metadata: :class:`lipdp.foundation.metadata.DatasetMetadata` (the batch size
             ``b`` and ``N``); required for training.
         debug: run eagerly and log every step's sensitivities and noise levels.
         row_isolation: ``True`` (default): ``DP_Lambda`` functions, DP layers that are not

@@ -24,7 +24,7 @@ variables' keys, :attr:`~lipdp.clipless.bounds.VariableBound.key`, are the wrapp
 (``training=True``) and per-example losses
 (:meth:`~lipdp.core.private_model.PrivateModel.per_example_losses`: a row with an unusable
 label counts 0), each loss divided by the loss normaliser ``n``
-(:attr:`~lipdp.core.metadata.DatasetMetadata.loss_normalizer`) before differentiation and
+(:attr:`~lipdp.foundation.metadata.DatasetMetadata.loss_normalizer`) before differentiation and
 the norms multiplied back by ``n``: a :class:`~lipdp.clipless.layers.DP_ClipGradient` then
 clips every example's cotangent at its ``C`` exactly as in a training step. Every example
 runs as a batch of one row (``tf.vectorized_map`` over the rows of a chunk of
@@ -69,8 +69,8 @@ import tensorflow as tf
 
 from lipdp.clipless.layers.residual import DP_WrappedResidual
 from lipdp.clipless.model import DP_Model
-from lipdp.core import validation
 from lipdp.core.noise import ROUNDOFF_SLACK
+from lipdp.foundation import validation
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ import math
 
 import numpy as np
 
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 #: Kymatio's Morlet design constants: width ``0.8 * 2^j``, centre frequency
 #: ``(3 pi / 4) / 2^j``, slant ``4 / L``.

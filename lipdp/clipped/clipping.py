@@ -5,7 +5,7 @@ is calibrated on.
 
 The rule is written once, for both backends: :meth:`Clipping.factors` and
 :meth:`Clipping.layer_factors` compute in the array namespace of
-:func:`lipdp.core.compat.array_ops` (``keras.ops``; a TensorFlow shim on Keras 2), on the
+:func:`lipdp.foundation.compat.array_ops` (``keras.ops``; a TensorFlow shim on Keras 2), on the
 norms' own dtype: float64 from the TensorFlow engine (:mod:`lipdp.clipped.per_example`),
 float32 from the JAX step (:mod:`lipdp.clipped.jax.per_example`, whose norms are an upper
 bound computed without overflow or underflow). Importing this module imports neither
@@ -18,8 +18,8 @@ import math
 import operator
 from dataclasses import dataclass
 
-from lipdp.core import compat, validation
-from lipdp.core.config import Config
+from lipdp.foundation import compat, validation
+from lipdp.foundation.config import Config
 
 #: Clipping modes (per-example factor rules, :class:`Clipping`).
 CLIPPING_MODES = ("flat", "per-layer", "automatic", "global")
@@ -141,7 +141,7 @@ class ClippedGradientBound:
 
 
 def _capped(norms, radius):
-    """``min(1, r / ||g||)``, 1 for a zero gradient (:func:`lipdp.core.compat.array_ops`)."""
+    """``min(1, r / ||g||)``, 1 for a zero gradient (:func:`lipdp.foundation.compat.array_ops`)."""
     ops = compat.array_ops()
     r = ops.cast(radius, norms.dtype)
     return r / ops.maximum(norms, r)

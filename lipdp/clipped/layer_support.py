@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import keras
 
-from lipdp.core import compat
 from lipdp.core.coupling import refuse_coupling_layers
-from lipdp.core.layer_walk import nested_layers
+from lipdp.foundation import compat
+from lipdp.foundation.layer_walk import nested_layers
 
 
 def _stateful(layer) -> bool:

@@ -2,7 +2,7 @@ r"""Clipped DP-SGD in the same API: ordinary Keras layers, per-example gradient 
 
 The second family of lipdp (issue 13). Everything around the step
 is shared with the clipless family: :class:`~lipdp.clipless.model.DPParameters`,
-:class:`~lipdp.core.metadata.DatasetMetadata`, Poisson sampling, the privacy plan (the same
+:class:`~lipdp.foundation.metadata.DatasetMetadata`, Poisson sampling, the privacy plan (the same
 subsampled Gaussian per step), :class:`~lipdp.core.callbacks.DP_Accountant`,
 :func:`~lipdp.core.report.privacy_report`, ``.keras`` saving with the step count (rule S10)
 and the noise generator of :mod:`lipdp.core.noise`.
@@ -65,12 +65,13 @@ from lipdp.clipped.per_example import (
     weighted_layers,
 )
 from lipdp.clipped.sharpness import ASCENT_MODES, SharpnessAscent
-from lipdp.core import distribute, validation
+from lipdp.core import distribute
 from lipdp.core.adversarial import softmax_kl
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.private_model import DPParameters, PrivateModel, StepGradients
 from lipdp.core.records import kept_rows
-from lipdp.core.variables import state_variable, variable_key
+from lipdp.foundation import validation
+from lipdp.foundation.variables import state_variable, variable_key
 
 
 def _refuse_replicas(what) -> None:
@@ -91,7 +92,8 @@ class DPSGD_Model(PrivateModel):
             one Gaussian mechanism on the whole clipped gradient; ``"per-layer"`` (with
             per-layer clipping only): one per weighted layer, of sensitivity ``R_l``.
         clipping: a :class:`Clipping` (or its config dict).
-        dataset_metadata: :class:`~lipdp.core.metadata.DatasetMetadata`, required for training.
+        dataset_metadata: :class:`~lipdp.foundation.metadata.DatasetMetadata`, required for
+            training.
         gradient_method: ``"ghost"`` (default) or ``"jacobian"``, how per-example gradient
             norms are computed (:mod:`lipdp.clipped.per_example`; the same numbers).
         ascent: a :class:`SharpnessAscent` (BAM or DP-SAT), or ``None``.

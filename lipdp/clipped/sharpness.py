@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lipdp.core import validation
-from lipdp.core.config import Config
+from lipdp.foundation import validation
+from lipdp.foundation.config import Config
 
 #: Ascent steps before the clipped gradient (:class:`SharpnessAscent`).
 ASCENT_MODES = ("bam", "dp-sat")

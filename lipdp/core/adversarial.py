@@ -63,9 +63,9 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from lipdp.core import validation
-from lipdp.core.config import Config
 from lipdp.core.records import finite_rows
+from lipdp.foundation import validation
+from lipdp.foundation.config import Config
 
 #: The balls of the attack.
 NORMS = ("l2", "linf")

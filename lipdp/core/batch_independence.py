@@ -162,7 +162,6 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.ops import stateful_random_ops
 
-from lipdp.core import compat
 from lipdp.core.coupling import (  # the structural walk, re-exported (one module for every backend)
     COUPLES_EXAMPLES,
     coupling_layers,
@@ -179,8 +178,9 @@ from lipdp.core.coupling_fix import (  # the fixer, re-exported (its old import 
     fix_batch_coupling,
     group_count,
 )
-from lipdp.core.layer_walk import nested_layers
-from lipdp.core.variables import variable_key
+from lipdp.foundation import compat
+from lipdp.foundation.layer_walk import nested_layers
+from lipdp.foundation.variables import variable_key
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import keras
 
 from lipdp.accounting.budget import get_eps_delta
 from lipdp.accounting.registry import get_accountant, is_approximate
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class DP_Accountant(keras.callbacks.Callback):
 
     Epochs are counted from the model's first training step: a model trained by
     several ``fit`` calls, reloaded, or recompiled keeps its count (``model.noisy_steps``,
-    converted by :meth:`lipdp.core.metadata.DatasetMetadata.epochs_for_steps`: a partial epoch
+    converted by :meth:`lipdp.foundation.metadata.DatasetMetadata.epochs_for_steps`: a partial epoch
     counts as a whole one). ``epsilon`` is that of the model's privacy plan
     (:meth:`lipdp.clipless.model.DP_Model.privacy_plan`), the plan ``get_eps_delta`` and
     ``get_max_epochs`` read before training: the composition of what the model released

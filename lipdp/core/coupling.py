@@ -4,7 +4,8 @@ function for every backend and both families.
 Both families release ``sum_i g_i / n`` (``g_i``: the gradient of row ``i``'s loss) with
 noise calibrated to one row's share; a layer that uses a statistic of the batch in
 training lets one row move every other row's gradient. :func:`refuse_coupling_layers`
-walks every layer reachable from a model's layers (:func:`lipdp.core.layer_walk.nested_layers`:
+walks every layer reachable from a model's layers
+(:func:`lipdp.foundation.layer_walk.nested_layers`:
 sub-models, wrappers, lipdp's residual blocks, the sub-layers a custom layer tracks) and
 refuses, naming its path and the fix:
 
@@ -26,8 +27,8 @@ what it refuses.
 
 from __future__ import annotations
 
-from lipdp.core import compat
-from lipdp.core.layer_walk import nested_layers
+from lipdp.foundation import compat
+from lipdp.foundation.layer_walk import nested_layers
 
 #: The attribute by which a layer declares that it couples the examples of a batch in
 #: training: ``couples_examples = True`` on the class or the instance. Such a layer is
@@ -64,7 +65,7 @@ def runs_in_inference_mode(layer) -> bool:
     """A frozen Keras ``BatchNormalization``: with ``trainable = False`` it runs in
     inference mode even when called with ``training=True`` (moving statistics, not
     updated; documented by Keras). Keras 2's v1 class keeps batch statistics, so it is
-    not (:func:`lipdp.core.compat.frozen_batch_norm_in_inference_mode`)."""
+    not (:func:`lipdp.foundation.compat.frozen_batch_norm_in_inference_mode`)."""
     return compat.frozen_batch_norm_in_inference_mode(layer)
 
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
-from lipdp.core import compat
 from lipdp.core.coupling import coupling_layers, coupling_reason, is_batch_normalization
-from lipdp.core.layer_walk import children
+from lipdp.foundation import compat
+from lipdp.foundation.layer_walk import children
 
 logger = logging.getLogger(__name__)
 

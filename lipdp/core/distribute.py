@@ -27,7 +27,7 @@ replica on that replica's part of the batch. A private step then does, on each r
 
 Keras 3 (3.15) needs three more adjustments, none of them touching what is released:
 the model is built from one replica's element spec rather than from a batch drawn and
-averaged over the replicas (:func:`lipdp.core.compat.first_replica_spec`: parts of
+averaged over the replicas (:func:`lipdp.foundation.compat.first_replica_spec`: parts of
 unequal rows failed there), the step's logs are read once in cross-replica context
 (:func:`logs_across_replicas`) and, on several workers, as vectors of one value
 (:func:`reducible_logs`).
@@ -52,7 +52,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lipdp.core import compat
+from lipdp.foundation import compat
 
 
 def replica_context():

@@ -74,7 +74,7 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.ops.parallel_for import pfor as pfor_ops
 
-from lipdp.core import compat
+from lipdp.foundation import compat
 
 #: Stateful operations an isolated call may run: reads of variables (weights, frozen
 #: statistics) and lookup tables, random draws (state advanced by the amount drawn),

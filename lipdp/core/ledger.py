@@ -68,8 +68,8 @@ import numpy as np
 from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian, dynamic_clipping_label
 from lipdp.accounting.plan import GRADIENT_STEPS as STEPS_LABEL
 from lipdp.accounting.tuning_cost import RandomSearch
-from lipdp.core.layer_walk import nested_layers
-from lipdp.core.variables import state_variable, variable_key
+from lipdp.foundation.layer_walk import nested_layers
+from lipdp.foundation.variables import state_variable, variable_key
 
 if TYPE_CHECKING:  # annotations only: TensorFlow is imported on use
     import tensorflow as tf

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 if TYPE_CHECKING:  # annotations only: TensorFlow is imported on use
     import tensorflow as tf

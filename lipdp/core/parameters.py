@@ -3,7 +3,7 @@
 :class:`DPParameters` (noise, delta, strategy, and the other releases a run declares
 before training, rule S11) and :class:`DynamicClippingSpec` (what a dynamic-clipping
 callback of :mod:`lipdp.clipless.dynamic` releases). Both are frozen, validated and
-serialisable (:class:`lipdp.core.config.Config`).
+serialisable (:class:`lipdp.foundation.config.Config`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from lipdp.accounting.mechanisms import Laplace, Release, SubsampledGaussian, dynamic_clipping_label
 from lipdp.accounting.tuning_cost import RandomSearch
-from lipdp.core import validation
-from lipdp.core.config import Config
 from lipdp.core.noise import NOISIFY_STRATEGIES
+from lipdp.foundation import validation
+from lipdp.foundation.config import Config
 
 __all__ = ["DPParameters", "DynamicClippingSpec"]
 

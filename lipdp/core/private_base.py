@@ -27,7 +27,7 @@ JAX's compiled constants); which data sources it takes (``tf.data`` pipelines, p
 Poisson batches: :meth:`_checked_data_source`, :meth:`_poisson_batches_facts`).
 
 Everything here runs on the host, in Python and numpy: it imports neither TensorFlow nor
-JAX, and nothing Keras-3-only (Keras 2's differences are in :mod:`lipdp.core.compat`).
+JAX, and nothing Keras-3-only (Keras 2's differences are in :mod:`lipdp.foundation.compat`).
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ import numpy as np
 
 from lipdp.accounting.mechanisms import effective_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
-from lipdp.core import compat, noise
-from lipdp.core.layer_walk import nested_layers
+from lipdp.core import noise
 from lipdp.core.ledger import PrivacyLedger, step_row
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
+from lipdp.foundation import compat
+from lipdp.foundation.layer_walk import nested_layers
+from lipdp.foundation.metadata import DatasetMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class PrivateModelBase:
         if not isinstance(dp_parameters, DPParameters):
             raise TypeError(f"dp_parameters must be a DPParameters, got {type(dp_parameters)}.")
         if dataset_metadata is not None and not isinstance(dataset_metadata, DatasetMetadata):
-            raise TypeError("dataset_metadata must be a lipdp.core.metadata.DatasetMetadata.")
+            raise TypeError("dataset_metadata must be a lipdp.foundation.metadata.DatasetMetadata.")
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
 

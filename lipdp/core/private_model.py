@@ -35,9 +35,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lipdp.core import batch_independence, compat, distribute, isolation, ledger, noise
+from lipdp.core import batch_independence, distribute, isolation, ledger, noise
 from lipdp.core.adversarial import PGD, softmax_kl
-from lipdp.core.layer_walk import nested_layers
 from lipdp.core.ledger import PrivacyLedger
 from lipdp.core.parameters import DPParameters
 from lipdp.core.private_base import (
@@ -58,7 +57,9 @@ from lipdp.core.records import (
     read_ids,
     zero_rows,
 )
-from lipdp.core.variables import as_one_of, state_variable, variable_key
+from lipdp.foundation import compat
+from lipdp.foundation.layer_walk import nested_layers
+from lipdp.foundation.variables import as_one_of, state_variable, variable_key
 
 compat.require_supported_keras()
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
     Args:
         dp_layers: the layers, applied in order (checked by the family's ``_check_layers``).
         dp_parameters: :class:`DPParameters`.
-        dataset_metadata: :class:`lipdp.core.metadata.DatasetMetadata` (the batch size
+        dataset_metadata: :class:`lipdp.foundation.metadata.DatasetMetadata` (the batch size
             ``b`` and ``N``); required for training.
         adversarial: a :class:`lipdp.core.adversarial.PGD` (or its config): train on each
             row's adversarial version (or a mix), computed in the step from the current
@@ -492,7 +493,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
     def _track_loss(self, x, y, y_pred) -> None:
         """The loss of the logs (Keras' loss tracker), from the step's predictions: Keras 2's
         ``compute_loss`` updates the tracker itself, Keras 3's returns the loss (divided by
-        the replicas under a strategy: :func:`lipdp.core.compat.replica_loss`)."""
+        the replicas under a strategy: :func:`lipdp.foundation.compat.replica_loss`)."""
         loss = self.compute_loss(x, y, y_pred)
         if compat.keras_3():
             rows = tf.shape(tf.nest.flatten(x)[0])[0]
@@ -761,7 +762,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
         """Keras 3 only (Keras 2 has no such method): Keras' build at the start of ``fit``
         and ``evaluate`` under a strategy, on the spec of one replica's batches instead of a
         batch drawn and averaged over the replicas, which fails on parts of unequal row
-        counts and wastes a Poisson draw (:func:`lipdp.core.compat.first_replica_spec`)."""
+        counts and wastes a Poisson draw (:func:`lipdp.foundation.compat.first_replica_spec`)."""
         dataset = getattr(iterator, "_distributed_dataset", None)  # Keras' TFEpochIterator
         if dataset is not None and self._distribute_strategy is not None:
             iterator, data_batch = None, compat.first_replica_spec(dataset)

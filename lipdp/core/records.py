@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
-from lipdp.core import compat
+from lipdp.foundation import compat
 
 
 def finite_rows(values):
@@ -186,7 +186,7 @@ def _narrowest(ranges) -> IdRange | None:
 
 
 def _is_graph(layer) -> bool:
-    """A built functional model (:func:`lipdp.core.compat.is_graph_model`)."""
+    """A built functional model (:func:`lipdp.foundation.compat.is_graph_model`)."""
     return compat.is_graph_model(layer)
 
 

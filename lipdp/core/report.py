@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from lipdp.accounting.plan import GRADIENT_STEPS
 from lipdp.accounting.registry import is_approximate
-from lipdp.core import validation
 from lipdp.core.callbacks import epochs_trained
 from lipdp.core.noise import reproducible_noise_seed
+from lipdp.foundation import validation
 
 NEIGHBOURING = "add/remove one example"
 

@@ -10,8 +10,9 @@ One module per concept; this package re-exports their public names.
 * :mod:`lipdp.data.tabular`: feature scaling and the tabular pipeline.
 
 The public facts about a training set that the model and the accountant need
-(:class:`~lipdp.core.metadata.DatasetMetadata`) live in :mod:`lipdp.core.metadata`, which these
-modules import; nothing here imports the model, the layers or the accountant.
+(:class:`~lipdp.foundation.metadata.DatasetMetadata`) live in
+:mod:`lipdp.foundation.metadata`, which these modules import; nothing here imports the
+model, the layers or the accountant.
 """
 
 # Each submodule's __all__ is its public surface; the package re-exports their union.

@@ -16,9 +16,6 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lipdp.core import validation
-from lipdp.core.metadata import SAMPLING_MODES, DatasetMetadata
-from lipdp.core.validation import count
 from lipdp.data import sources
 from lipdp.data.input_bounds import ROUNDING_MARGIN, _parse_bound_fct
 from lipdp.data.sampling import (
@@ -28,6 +25,9 @@ from lipdp.data.sampling import (
     _partial_last_batch,
     _training_batches,
 )
+from lipdp.foundation import validation
+from lipdp.foundation.metadata import SAMPLING_MODES, DatasetMetadata
+from lipdp.foundation.validation import count
 
 # ----------------------------------------------------------------- colour spaces
 #: Colour spaces of :func:`load_and_prepare_images_data`. Conversions use ``tf.image``
@@ -226,7 +226,7 @@ def load_and_prepare_images_data(
         ``nb_steps_per_epochs`` batches of ``(images, one-hot float32 labels)``;
         ``ds_test``: the test set in order, batches of ``batch_size`` (the last one may
         be partial), same colour conversion and bound, no augmentation;
-        ``metadata``: :class:`~lipdp.core.metadata.DatasetMetadata`.
+        ``metadata``: :class:`~lipdp.foundation.metadata.DatasetMetadata`.
     """
     name = sources.canonical_name(dataset_name)
     space = _colorspace_name(colorspace)

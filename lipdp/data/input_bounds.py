@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from lipdp.core.validation import positive
+from lipdp.foundation.validation import positive
 
 #: Relative margin below the target norm used by the bound functions, and above the
 #: exact bound by :func:`~lipdp.data.images.colorspace_max_norm`: rounding a float64

@@ -1,5 +1,5 @@
 """How training batches are drawn
-(the ``sampling`` of :class:`~lipdp.core.metadata.DatasetMetadata`).
+(the ``sampling`` of :class:`~lipdp.foundation.metadata.DatasetMetadata`).
 
 * ``"poisson"``: :func:`poisson_batches`, every example enters each batch independently
   with probability ``q``: exactly the mechanism the accountant analyses.
@@ -20,7 +20,7 @@ import secrets
 import numpy as np
 import tensorflow as tf
 
-from lipdp.core.validation import count, probability
+from lipdp.foundation.validation import count, probability
 
 
 def poisson_batches(x, y, sampling_rate, steps_per_epoch, seed=None) -> tf.data.Dataset:

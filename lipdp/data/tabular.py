@@ -15,8 +15,6 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lipdp.core.metadata import SAMPLING_MODES, DatasetMetadata
-from lipdp.core.validation import choice
 from lipdp.data.input_bounds import _parse_bound_fct
 from lipdp.data.sampling import (
     _check_batch_size,
@@ -26,6 +24,8 @@ from lipdp.data.sampling import (
     _training_batches,
 )
 from lipdp.data.sources import load_adbench_data
+from lipdp.foundation.metadata import SAMPLING_MODES, DatasetMetadata
+from lipdp.foundation.validation import choice
 
 logger = logging.getLogger(__name__)
 

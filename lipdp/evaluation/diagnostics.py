@@ -10,7 +10,7 @@ For a batch ``(x_i, y_i)`` and every trainable variable ``v``:
 
 * per-row gradients ``g_i = grad_v loss(y_i, f(x_i))`` by ``tape.jacobian`` of the
   per-row losses ``model.loss.call(y, y_pred)``. The losses are divided by the
-  model's loss normaliser (:attr:`lipdp.core.metadata.DatasetMetadata.loss_normalizer`, the
+  model's loss normaliser (:attr:`lipdp.foundation.metadata.DatasetMetadata.loss_normalizer`, the
   number training divides by: ``b * m`` rows with augmentation multiplicity ``m``)
   before differentiation and the Jacobian multiplied back, so a
   :class:`~lipdp.clipless.layers.DP_ClipGradient` clips every row's cotangent at ``C`` exactly as
@@ -47,8 +47,8 @@ from lipdp.clipless.audit import (
     format_records,
 )
 from lipdp.core.noise import ROUNDOFF_SLACK
-from lipdp.core.variables import variable_key
 from lipdp.evaluation.outputs import new_figure
+from lipdp.foundation.variables import variable_key
 
 logger = logging.getLogger(__name__)
 

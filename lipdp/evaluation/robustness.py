@@ -70,8 +70,9 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.clipless.bounds import bound_pass
-from lipdp.core import adversarial, validation
+from lipdp.core import adversarial
 from lipdp.evaluation.outputs import class_indices, new_figure, predict_logits
+from lipdp.foundation import validation
 
 SQRT2 = math.sqrt(2.0)
 

@@ -21,10 +21,10 @@ from lipdp.recipes.recipe_config import ModelRecipe
 
 
 def run_metadata(recipe: ModelRecipe, data):
-    """The :class:`~lipdp.core.metadata.DatasetMetadata` of ``recipe`` on ``data``: the
+    """The :class:`~lipdp.foundation.metadata.DatasetMetadata` of ``recipe`` on ``data``: the
     public input bound of the data set; with ``sampling="shuffle"`` only whole batches
     (the remainder is dropped, rule S5); Poisson batches use every training example."""
-    from lipdp.core.metadata import DatasetMetadata
+    from lipdp.foundation.metadata import DatasetMetadata
 
     recipe = recipe.resolved()
     n_train = len(data.x_train)
@@ -148,7 +148,7 @@ def keras_layers(recipe: ModelRecipe, input_shape, nb_classes) -> list:
     with ``scattering`` the weightless scattering front-end and a Dense head."""
     import keras
 
-    from lipdp.core import compat
+    from lipdp.foundation import compat
 
     recipe = ModelRecipe.coerce(recipe).resolved()
     if recipe.scattering:
@@ -172,7 +172,7 @@ def _keras_scattering_layers(recipe, input_shape, nb_classes) -> list:
     import keras
 
     from lipdp.clipless import layers
-    from lipdp.core import compat
+    from lipdp.foundation import compat
     from lipdp.recipes import zoo
 
     groups = _scattering_groups(recipe.group_norm, input_shape[-1])

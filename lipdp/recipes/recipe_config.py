@@ -1,5 +1,5 @@
 """The configuration of a run of ``lipdp train`` / ``lipdp evaluate`` without the command
-line: two frozen, validated configurations (:class:`lipdp.core.config.Config`:
+line: two frozen, validated configurations (:class:`lipdp.foundation.config.Config`:
 ``to_config`` / ``from_config`` round-trip through plain dicts).
 
 * :class:`ModelRecipe`, everything the compiled model reads: the data set (its public input
@@ -30,8 +30,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from lipdp.core import validation
-from lipdp.core.config import Config
+from lipdp.foundation import validation
+from lipdp.foundation.config import Config
 from lipdp.recipes import defaults as D
 from lipdp.recipes import method_settings
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lipdp.core import validation
+from lipdp.foundation import validation
 from lipdp.recipes import defaults as D
 from lipdp.recipes import model_factory, recipe_config
 from lipdp.recipes.model_factory import *  # noqa: F403  (the old names of this module)
@@ -206,7 +206,7 @@ def _head_input(front, features) -> list:
     (clipless), a plain input layer (dp-sgd: its sensitivity is its clipping norm)."""
     from lipdp.clipless.features import front_end_bound
     from lipdp.clipless.layers import DP_BoundedInput
-    from lipdp.core import compat
+    from lipdp.foundation import compat
 
     shape = features.shape[1:]
     if isinstance(front[0], DP_BoundedInput):
@@ -220,7 +220,7 @@ def _with_input(model) -> list:
     import keras
 
     from lipdp.clipless.layers import DP_BoundedInput
-    from lipdp.core import compat
+    from lipdp.foundation import compat
 
     layers = list(model.layers)
     if isinstance(layers[0], (keras.layers.InputLayer, DP_BoundedInput)):

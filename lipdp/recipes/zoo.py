@@ -16,7 +16,7 @@ the model is made:
 :data:`ZOO`: ``zoo.build_model("strided_cnn", metadata, params, clip=0.3)``.
 
 Every builder takes the same three inputs, either from a ``metadata``
-(:class:`~lipdp.core.metadata.DatasetMetadata`: ``input_shape``, ``nb_classes`` and
+(:class:`~lipdp.foundation.metadata.DatasetMetadata`: ``input_shape``, ``nb_classes`` and
 ``max_norm``, the public bound on the norm of one example) or as keyword arguments
 ``input_shape``, ``upper_bound`` and ``nb_classes``, which take precedence.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from lipdp.clipless import layers
 from lipdp.clipless.model import DP_Sequential
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -605,7 +605,7 @@ def build_model(architecture, metadata, dp_parameters, **options) -> DP_Sequenti
 
     Args:
         architecture: a key of :data:`ZOO`.
-        metadata: the training set's :class:`~lipdp.core.metadata.DatasetMetadata` (input
+        metadata: the training set's :class:`~lipdp.foundation.metadata.DatasetMetadata` (input
             shape, classes and, unless ``upper_bound`` is among the options, the bound
             ``max_norm``).
         dp_parameters: a :class:`~lipdp.clipless.model.DPParameters`.

@@ -15,7 +15,7 @@ from lipdp.accounting import (
 from lipdp.clipless import layers
 from lipdp.clipless.dynamic import DynamicClippingSpec
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.accounting_helpers import DELTA, PUBLISHED, TUTORIAL_Q, autodp_epsilon, mnist_model
 
 

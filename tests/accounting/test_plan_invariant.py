@@ -24,8 +24,8 @@ from lipdp.clipless import losses
 from lipdp.clipless.dynamic import AdaptiveQuantileClipping, LaplaceAdaptiveLossGradientClipping
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.core.callbacks import DP_Accountant
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.pipeline import poisson_batches
 
 N, B, D, CLASSES, EPOCHS = 192, 32, 12, 4, 2

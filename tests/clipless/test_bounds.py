@@ -10,9 +10,9 @@ from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.bounds import ROUNDOFF_SLACK, bound_pass, parameterized_variables
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
-from lipdp.core.variables import variable_key
 from lipdp.evaluation.robustness import lipschitz_constant
+from lipdp.foundation.metadata import DatasetMetadata
+from lipdp.foundation.variables import variable_key
 from tests.cases import build
 
 SQRT2 = math.sqrt(2.0)

@@ -17,8 +17,8 @@ from deel.lip.layers import SpectralDense
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core import compat
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation import compat
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.soundness import measure
 
 

@@ -26,7 +26,7 @@ from lipdp.clipless.dynamic import (
     poisson_mask,
 )
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 
 N = 256
 BATCH = 32

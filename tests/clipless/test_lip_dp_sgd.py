@@ -12,7 +12,7 @@ import tensorflow as tf
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses, projections
 from lipdp.core.noise import ROUNDOFF_SLACK
-from lipdp.core.variables import variable_key
+from lipdp.foundation.variables import variable_key
 from tests.cases import IMG, VEC, build
 
 

@@ -28,7 +28,7 @@ from lipdp.clipless.losses import (  # noqa: E402
     DP_TauBCE,
     DP_TauCategoricalCrossentropy,
 )
-from lipdp.core import compat  # noqa: E402
+from lipdp.foundation import compat  # noqa: E402
 
 Reduction = compat.Reduction
 #: The reductions that are the mean over the batch: Keras 3 has no ``"auto"`` (Keras 2's
@@ -531,7 +531,7 @@ def _dp_model(family):
     from lipdp.clipless import layers as L
     from lipdp.clipless.model import DP_Sequential, DPParameters
     from lipdp.clipped.model import DPSGD_Sequential
-    from lipdp.core.metadata import DatasetMetadata
+    from lipdp.foundation.metadata import DatasetMetadata
 
     params = DPParameters("global", 1.0, 1e-5)
     metadata = DatasetMetadata(input_shape=(4,), nb_classes=3, nb_samples_train=40, batch_size=5)

@@ -16,8 +16,8 @@ from lipdp.clipless.model import (
     compute_gradient_bounds,
     global_sensitivity,
 )
-from lipdp.core.metadata import DatasetMetadata
-from lipdp.core.variables import variable_key
+from lipdp.foundation.metadata import DatasetMetadata
+from lipdp.foundation.variables import variable_key
 from tests.cases import build
 from tests.marks import thorough
 

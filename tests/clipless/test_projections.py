@@ -14,7 +14,7 @@ import tensorflow as tf
 from lipdp.clipless import audit, layers, projections
 from lipdp.clipless.layers.convolution import patch_overlap
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 
 S4_TOLERANCE = 1e-5
 

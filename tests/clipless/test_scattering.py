@@ -14,7 +14,7 @@ from lipdp.clipless import losses, wavelets
 from lipdp.clipless.features import fixed_features, front_end_bound
 from lipdp.clipless.layers.scattering import DP_ScatteringTransform
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.recipes import zoo
 
 

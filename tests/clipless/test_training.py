@@ -9,8 +9,9 @@ from sklearn.model_selection import train_test_split
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core import compat, noise
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.core import noise
+from lipdp.foundation import compat
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.marks import thorough
 
 N_TRAIN = 1536  # a multiple of every batch size used below: no partial batch

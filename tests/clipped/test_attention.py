@@ -21,7 +21,7 @@ import lipdp
 from lipdp.clipless.model import DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential, SharpnessAscent
 from lipdp.clipped.per_example import per_example_gradients
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.clipped.test_per_example import _naive_bam_sum
 from tests.marks import thorough
 from tests.remove_one import TOLERANCE, remove_one_ratios

@@ -15,8 +15,8 @@ import tensorflow as tf
 from lipdp.clipless.model import DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.clipped.per_example import ghost_rule, per_example_gradients
-from lipdp.core.metadata import DatasetMetadata
-from lipdp.core.variables import variable_key
+from lipdp.foundation.metadata import DatasetMetadata
+from lipdp.foundation.variables import variable_key
 from tests.marks import thorough
 from tests.remove_one import TOLERANCE, remove_one_ratios
 

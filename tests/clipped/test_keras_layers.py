@@ -26,8 +26,8 @@ import tensorflow as tf
 from lipdp.clipless.model import DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.clipped.per_example import per_example_gradients, row_loop_layers
-from lipdp.core import compat
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation import compat
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.marks import thorough
 from tests.remove_one import TOLERANCE, remove_one_ratios
 

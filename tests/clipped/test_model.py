@@ -9,9 +9,9 @@ from lipdp.accounting import get_eps_delta
 from lipdp.clipless.model import DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential, SharpnessAscent
 from lipdp.core import noise
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.report import privacy_report
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.pipeline import poisson_batches
 from tests.marks import thorough
 from tests.reference_helpers import requires_tensorflow_privacy

@@ -20,8 +20,8 @@ from lipdp.clipped.per_example import (
     registered_rules,
     unregister_ghost_rule,
 )
-from lipdp.core.metadata import DatasetMetadata
-from lipdp.core.variables import variable_key
+from lipdp.foundation.metadata import DatasetMetadata
+from lipdp.foundation.variables import variable_key
 from tests.clipped.test_per_example import _naive_bam_sum
 
 L = tf.keras.layers

@@ -13,8 +13,8 @@ from lipdp.clipped.model import Clipping
 from lipdp.core.adversarial import PGD, matching_l2_radius, softmax_kl
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.report import privacy_report
-from lipdp.core.variables import variable_key
 from lipdp.evaluation import robustness
+from lipdp.foundation.variables import variable_key
 from tests import cases
 from tests.clipped.test_model import BATCH, _batch, _model
 from tests.marks import thorough

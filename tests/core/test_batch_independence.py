@@ -21,9 +21,10 @@ from lipdp.clipless import losses
 from lipdp.clipless.layers.base import DPLayer
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
-from lipdp.core import batch_independence, compat
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.core import batch_independence
 from lipdp.core.report import privacy_report
+from lipdp.foundation import compat
+from lipdp.foundation.metadata import DatasetMetadata
 from tests import couplings
 from tests.marks import representatives
 from tests.remove_one import TOLERANCE, remove_one_ratios

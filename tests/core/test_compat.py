@@ -1,4 +1,4 @@
-"""lipdp.core.compat: lipdp runs on Keras 3 with the TensorFlow backend and on Keras 2
+"""lipdp.foundation.compat: lipdp runs on Keras 3 with the TensorFlow backend and on Keras 2
 (TensorFlow 2.15), sets no environment variable, and refuses another Keras 3 backend in one
 line naming the fix."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lipdp.core import compat
+from lipdp.foundation import compat
 
 KERAS_3 = keras.__version__.startswith("3.")
 

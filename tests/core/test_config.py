@@ -1,4 +1,4 @@
-"""Every configuration object shares lipdp.core.config.Config: frozen, validated, and one
+"""Every configuration object shares lipdp.foundation.config.Config: frozen, validated, and one
 serialisation (a JSON-able dict whose round trip gives an equal object; ``coerce``
 accepts the object, its dict, or ``None`` where the setting is optional)."""
 
@@ -11,9 +11,9 @@ from lipdp.accounting.tuning_cost import RandomSearch
 from lipdp.clipless.dynamic import DynamicClippingSpec
 from lipdp.clipped.model import Clipping, SharpnessAscent
 from lipdp.core.adversarial import PGD
-from lipdp.core.config import Config
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.private_model import DPParameters
+from lipdp.foundation.config import Config
+from lipdp.foundation.metadata import DatasetMetadata
 
 EXAMPLES = {
     "DPParameters": DPParameters(

@@ -15,10 +15,11 @@ import tensorflow as tf
 
 from lipdp.accounting import get_eps_delta
 from lipdp.clipped.model import SharpnessAscent
-from lipdp.core import compat, noise
+from lipdp.core import noise
 from lipdp.core.adversarial import PGD
 from lipdp.core.callbacks import DP_Accountant
 from lipdp.core.distribute import mirrored_strategy
+from lipdp.foundation import compat
 from lipdp.pipeline import distributed_poisson_batches, poisson_batches
 from tests import distribute_helpers as h
 

@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from lipdp.clipless.model import DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.records import ids_in_range, input_id_ranges
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.remove_one import released_gradient
 
 K = tf.keras.layers

@@ -20,8 +20,8 @@ from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import DPSGD_Sequential
 from lipdp.core.adversarial import PGD
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.records import labels_in_range, sparse_labels
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.marks import thorough
 from tests.remove_one import released_gradient
 

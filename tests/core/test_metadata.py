@@ -1,10 +1,11 @@
-"""lipdp.core.metadata: steps, epochs, normalisers, validation, serialisation, default delta."""
+"""lipdp.foundation.metadata: steps, epochs, normalisers, validation, serialisation, default
+delta."""
 
 import json
 
 import pytest
 
-from lipdp.core.metadata import (
+from lipdp.foundation.metadata import (
     SAMPLING_MODES,
     DatasetMetadata,
     default_delta_value,

@@ -8,8 +8,8 @@ from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.core import noise
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
+from lipdp.foundation.metadata import DatasetMetadata
 
 D, K, B = 6, 3, 8
 

@@ -14,8 +14,8 @@ import tensorflow as tf
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core.metadata import DatasetMetadata
-from lipdp.core.variables import variable_key
+from lipdp.foundation.metadata import DatasetMetadata
+from lipdp.foundation.variables import variable_key
 
 D, K, B = 6, 3, 4
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters, compute_gradient_bounds
-from lipdp.core.metadata import DatasetMetadata
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.pipeline import poisson_batches
 
 

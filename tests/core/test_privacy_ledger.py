@@ -24,8 +24,8 @@ from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.core.callbacks import DP_Accountant
 from lipdp.core.ledger import CAPACITY, KINDS, PrivacyLedger, placement, release_row, step_row
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.pipeline import poisson_batches
 from tests.ledger_cases import expected_after, ledger_cases, same_bits
 from tests.marks import representatives

@@ -21,10 +21,10 @@ from lipdp.accounting import get_eps_delta
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
-from lipdp.core import compat
 from lipdp.core.callbacks import DP_Accountant
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.report import privacy_report
+from lipdp.foundation import compat
+from lipdp.foundation.metadata import DatasetMetadata
 
 D, K, B, N = 6, 3, 8, 64
 

@@ -5,8 +5,8 @@ import keras
 import pytest
 
 from lipdp.clipped.model import DPSGD_Sequential
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
+from lipdp.foundation.metadata import DatasetMetadata
 from tests import private_surface as surface
 
 

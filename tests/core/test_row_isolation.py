@@ -24,11 +24,12 @@ from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
 from lipdp.clipped.per_example import per_example_gradients
-from lipdp.core import compat, noise
+from lipdp.core import noise
 from lipdp.core.isolation import isolated_call
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
 from lipdp.core.report import privacy_report
+from lipdp.foundation import compat
+from lipdp.foundation.metadata import DatasetMetadata
 from tests import couplings
 from tests.marks import representatives
 from tests.remove_one import TOLERANCE, released_gradient, remove_one_ratios

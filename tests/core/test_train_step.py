@@ -24,11 +24,11 @@ from lipdp.clipless import layers as DPL
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Model, DP_Sequential
 from lipdp.clipped.model import Clipping, DPSGD_Model, DPSGD_Sequential
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.parameters import DPParameters
 from lipdp.core.private_model import PrivateModel
-from lipdp.core.variables import variable_key
+from lipdp.foundation.metadata import DatasetMetadata
+from lipdp.foundation.variables import variable_key
 from tests.marks import thorough
 from tests.remove_one import TOLERANCE, remove_one_ratios
 

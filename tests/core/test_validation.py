@@ -1,11 +1,11 @@
-"""lipdp.core.validation: the shared argument validators."""
+"""lipdp.foundation.validation: the shared argument validators."""
 
 import math
 
 import numpy as np
 import pytest
 
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 
 def test_real_and_intervals():

@@ -15,9 +15,9 @@ from lipdp.clipless import layers as DPL
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.clipped.model import Clipping, DPSGD_Sequential
-from lipdp.core import compat
-from lipdp.core.metadata import DatasetMetadata
-from lipdp.core.variables import variable_key
+from lipdp.foundation import compat
+from lipdp.foundation.metadata import DatasetMetadata
+from lipdp.foundation.variables import variable_key
 from tests.marks import thorough
 from tests.remove_one import TOLERANCE, released_gradient, remove_one_ratios
 

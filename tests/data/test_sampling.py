@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lipdp.core.metadata import steps_per_epoch
 from lipdp.data import sources
 from lipdp.data.images import load_and_prepare_images_data
 from lipdp.data.sampling import (
@@ -15,6 +14,7 @@ from lipdp.data.sampling import (
     _shuffled_batches,
     poisson_batches,
 )
+from lipdp.foundation.metadata import steps_per_epoch
 from tests.data_helpers import batches, digest
 
 

@@ -22,10 +22,10 @@ from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.audit import SensitivityViolation
 from lipdp.clipless.model import DP_Sequential, DPParameters, compute_gradient_bounds
-from lipdp.core.metadata import DatasetMetadata
-from lipdp.core.variables import variable_key
 from lipdp.evaluation import diagnostics
 from lipdp.evaluation.diagnostics import gradient_statistics, per_example_variable_gradients
+from lipdp.foundation.metadata import DatasetMetadata
+from lipdp.foundation.variables import variable_key
 from tests.evaluation_helpers import digits_cnn, vector_model
 
 D, CLASSES, CLIP = 10, 4, 0.1

@@ -5,8 +5,8 @@ import numpy as np
 
 from lipdp.clipped.clipping import Clipping
 from lipdp.clipped.jax.model import DPSGD_JaxModel
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
+from lipdp.foundation.metadata import DatasetMetadata
 
 FEATURES, CLASSES = 6, 3
 

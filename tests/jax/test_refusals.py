@@ -10,8 +10,8 @@ from keras import ops
 import lipdp
 from lipdp.clipped.clipping import Clipping
 from lipdp.clipped.jax.model import DPSGD_JaxModel
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.core.parameters import DPParameters
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.jax import helpers as h
 from tests.marks import representatives
 

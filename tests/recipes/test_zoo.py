@@ -14,8 +14,8 @@ import tensorflow as tf
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters, compute_gradient_bounds
-from lipdp.core.metadata import DatasetMetadata
 from lipdp.evaluation import lipschitz_constant
+from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.recipes import defaults, runs, zoo
 
 PARAMS = DPParameters("global", 1.0, 1e-5)

@@ -28,7 +28,7 @@ A layer answers four questions:
   (pairs) override it.
 
 Layers that clip cotangents need the loss normaliser (rows the summed loss of a batch is
-divided by, :attr:`lipdp.core.metadata.DatasetMetadata.loss_normalizer`); they set
+divided by, :attr:`lipdp.foundation.metadata.DatasetMetadata.loss_normalizer`); they set
 ``uses_loss_normalizer = True`` and the model passes it to them as a call argument, so
 a layer holds no state that depends on the model it is used in.
 
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import keras
 
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 
 class DPLayer:

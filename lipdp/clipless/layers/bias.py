@@ -8,7 +8,7 @@ import keras
 
 from lipdp.clipless import projections
 from lipdp.clipless.layers.base import DPLayer, register, validate_nm_coef
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 
 @register

@@ -6,8 +6,8 @@ import keras
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
-from lipdp.core import validation
-from lipdp.core.variables import state_variable
+from lipdp.foundation import validation
+from lipdp.foundation.variables import state_variable
 
 MODES = ("fixed", "dynamic")
 
@@ -16,7 +16,7 @@ def _clip_cotangent(inputs, clip_value, normalizer=None):
     """Identity whose backward pass clips each row's cotangent to ``clip_value / n``.
 
     The loss is the sum of per-row losses divided by ``n``, the loss normaliser
-    (:attr:`lipdp.core.metadata.DatasetMetadata.loss_normalizer`: the rows of a batch, the
+    (:attr:`lipdp.foundation.metadata.DatasetMetadata.loss_normalizer`: the rows of a batch, the
     expected batch size under Poisson sampling), so the cotangent of row ``i`` is
     ``g_i / n`` with ``g_i`` the gradient of its own loss; clipping ``g_i / n`` at
     ``C / n`` is clipping ``g_i`` at ``C``. ``normalizer=None`` uses the number of rows

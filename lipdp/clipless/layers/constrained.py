@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from lipdp.clipless import projections
 from lipdp.clipless.layers.base import DPLayer, validate_nm_coef
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 #: The constraint sets a kernel (seen as a matrix) can be projected onto.
 CONSTRAINTS = ("orthogonal", "spectral", "frobenius")

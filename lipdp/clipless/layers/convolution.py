@@ -46,7 +46,7 @@ import tensorflow as tf
 from lipdp.clipless import projections
 from lipdp.clipless.layers.base import refuse_bias, register
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 
 def patch_overlap(kernel_size, strides) -> int:

@@ -21,7 +21,7 @@ import tensorflow as tf
 from lipdp.clipless import projections
 from lipdp.clipless.layers.base import refuse_bias, register
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 
 class _ConstrainedDense(keras.layers.Layer, ConstrainedKernelLayer):

@@ -8,8 +8,8 @@ import keras
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
-from lipdp.core import compat, validation
 from lipdp.core.records import finite_rows, zero_rows
+from lipdp.foundation import compat, validation
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 
 from lipdp.clipless.layers.base import DPLayer, register
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 
 @register

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import DPLayer, NonExpansiveLayer, register
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 
 @register

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 _EPS = 1e-6
 

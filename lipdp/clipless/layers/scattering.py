@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from lipdp.clipless import wavelets
 from lipdp.clipless.layers.base import DPLayer, register
-from lipdp.core import validation
+from lipdp.foundation import validation
 
 #: Relative slack on the certified constant for float32 round-off in the FFTs (their
 #: relative error is ~1e-6; the certificate itself is computed in float64).

@@ -25,7 +25,7 @@ import secrets
 import keras
 import numpy as np
 
-from lipdp.core.validation import count, probability
+from lipdp.foundation.validation import count, probability
 
 
 def padded_size(rows: int, batch_size: int, multiple: int = 8) -> int:

@@ -62,7 +62,7 @@ import dataclasses
 from lipdp.clipped.per_example.dense import EXACT, product_norms
 from lipdp.clipped.per_example.registry import GhostRule, find_ghost_rule
 from lipdp.clipped.per_example.scale import array_norms
-from lipdp.core.layer_walk import nested_layers
+from lipdp.foundation.layer_walk import nested_layers
 
 
 # ----------------------------------------------------------------------- scope

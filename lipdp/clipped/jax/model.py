@@ -68,13 +68,14 @@ from lipdp.clipped.clipping import ClippedGradientBound, Clipping
 from lipdp.clipped.jax import ghost, isolation, keys, ledger, per_example
 from lipdp.clipped.jax.batches import PoissonBatches
 from lipdp.clipped.layer_support import check_keras_layers
-from lipdp.core import compat, noise
-from lipdp.core.layer_walk import children
+from lipdp.core import noise
 from lipdp.core.private_base import (
     PrivateModelBase,
     one_target_per_output,
     refuse_mixed_precision,
 )
+from lipdp.foundation import compat
+from lipdp.foundation.layer_walk import children
 
 compat.require_supported_keras(compat.JAX_BACKEND)
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
         dp_parameters: :class:`~lipdp.core.parameters.DPParameters` (``"global"`` noise).
         clipping: a :class:`~lipdp.clipped.clipping.Clipping` (``"flat"``, ``"automatic"`` or
             ``"global"``), or its config dict.
-        dataset_metadata: :class:`~lipdp.core.metadata.DatasetMetadata`, required for
+        dataset_metadata: :class:`~lipdp.foundation.metadata.DatasetMetadata`, required for
             training (``b``, ``N``, the sampling).
         gradient_method: ``"ghost"`` (default: ghost norms, :mod:`lipdp.clipped.jax.ghost`)
             or ``"vmap"`` (per-example gradients). Ghost norms cover models whose

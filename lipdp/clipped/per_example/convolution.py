@@ -35,7 +35,7 @@ from lipdp.clipped.per_example.registry import (
     rows,
     stored_weights,
 )
-from lipdp.core import compat
+from lipdp.foundation import compat
 
 
 def patches(layer, a):

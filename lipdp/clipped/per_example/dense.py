@@ -49,7 +49,7 @@ from lipdp.clipped.per_example.registry import (
     stored_weights,
 )
 from lipdp.clipped.per_example.scale import array_norms, scaled_rows
-from lipdp.core import compat
+from lipdp.foundation import compat
 
 #: Unit round-off of float32.
 UNIT_ROUNDOFF = 2.0**-24

@@ -131,9 +131,10 @@ from lipdp.clipped.per_example.scale import (
 from lipdp.clipped.per_example.scale import scaled as _scaled
 from lipdp.clipped.per_example.scale import square_sums as _square_sums
 from lipdp.clipped.per_example.scale import unit_rows as _unit_rows
-from lipdp.core import compat, isolation, validation
+from lipdp.core import isolation
 from lipdp.core.records import zero_rows
-from lipdp.core.variables import as_one_of, variable_key
+from lipdp.foundation import compat, validation
+from lipdp.foundation.variables import as_one_of, variable_key
 
 #: How per-example gradients are obtained (module docstring).
 GRADIENT_METHODS = ("ghost", "jacobian")
@@ -202,7 +203,8 @@ def refuse_loss_reads(read, owners) -> None:
 
 def _watched_key(variable):
     """The key of ``variable`` among the variables a tape watched (on Keras 3 a tape
-    watches a Keras variable's backing ``tf.Variable``: :func:`lipdp.core.compat.tape_variable`)."""
+    watches a Keras variable's backing ``tf.Variable``:
+    :func:`lipdp.foundation.compat.tape_variable`)."""
     return variable_key(compat.tape_variable(variable))
 
 

@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING
 
 import keras
 
-from lipdp.core import compat
+from lipdp.foundation import compat
 
 if TYPE_CHECKING:  # annotations only: the registry imports no TensorFlow (JAX reads it)
     import tensorflow as tf
