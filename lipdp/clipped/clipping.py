@@ -18,6 +18,7 @@ import math
 import operator
 from dataclasses import dataclass
 
+from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.foundation import compat, validation
 from lipdp.foundation.config import Config
 
@@ -89,6 +90,26 @@ class Clipping(Config):
     def per_example_bound(self) -> float:
         """Norm bound on one row's scaled gradient: ``R`` in every mode (class docstring)."""
         return self.clip_norm
+
+    def sensitivities(self, batch_size: int, layer_names=None) -> list[tuple]:
+        """``[(ClippedGradientBound, Delta)]`` of a step that releases the sum of
+        ``batch_size`` clipped rows divided by ``b``: ``Delta = bound (1 + ROUNDOFF_SLACK) /
+        b``, where ``bound`` is what one row's clipped gradient can move the sum by (``R``,
+        :meth:`per_example_bound`) and ``ROUNDOFF_SLACK`` covers the float32 round-off of
+        the clip factors and the sum (:data:`lipdp.core.noise.ROUNDOFF_SLACK`). One entry
+        for the whole gradient; given ``layer_names`` (per-layer noise, the weighted layers
+        in order), one per layer of bound ``R_l`` (:meth:`layer_radii`). The one rule of
+        every backend's clipped model."""
+        slack = (1.0 + ROUNDOFF_SLACK) / float(batch_size)
+        if layer_names is not None:
+            radii = self.layer_radii(len(layer_names))
+            return [
+                (ClippedGradientBound(f"{name} (per-layer clipping)", r), r * slack)
+                for name, r in zip(layer_names, radii)
+            ]
+        bound = self.per_example_bound()
+        entry = ClippedGradientBound(f"all variables ({self.mode} clipping)", bound)
+        return [(entry, bound * slack)]
 
     def layer_radii(self, layers: int) -> list[float]:
         """``R_l`` of ``"per-layer"`` clipping for ``layers`` weighted layers."""

@@ -67,7 +67,6 @@ from lipdp.clipped.per_example import (
 from lipdp.clipped.sharpness import ASCENT_MODES, SharpnessAscent
 from lipdp.core import distribute
 from lipdp.core.adversarial import softmax_kl
-from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.private_model import DPParameters, PrivateModel, StepGradients
 from lipdp.core.records import kept_rows
 from lipdp.foundation import validation
@@ -175,18 +174,12 @@ class DPSGD_Model(PrivateModel):
     def sensitivities(self):
         """``[(ClippedGradientBound, Delta)]`` with ``Delta = bound (1 + ROUNDOFF_SLACK) /
         b``: one entry of bound ``R`` for the whole gradient, or one per weighted layer of
-        bound ``R_l`` under per-layer noise."""
-        slack = (1.0 + ROUNDOFF_SLACK) / float(self.batch_size)
-        if self._per_layer_noise():
-            layers = self.weighted_layers()
-            radii = self.clipping.layer_radii(len(layers))
-            return [
-                (ClippedGradientBound(f"{layer.name} (per-layer clipping)", r), r * slack)
-                for layer, r in zip(layers, radii)
-            ]
-        bound = self.clipping.per_example_bound()
-        entry = ClippedGradientBound(f"all variables ({self.clipping.mode} clipping)", bound)
-        return [(entry, bound * slack)]
+        bound ``R_l`` under per-layer noise (:meth:`Clipping.sensitivities`, the rule of
+        both backends)."""
+        names = (
+            [layer.name for layer in self.weighted_layers()] if self._per_layer_noise() else None
+        )
+        return self.clipping.sensitivities(self.batch_size, names)
 
     def _noise_coefficients(self) -> list[float]:
         """1 for the one entry, or for every weighted layer under per-layer noise."""

@@ -64,7 +64,7 @@ import logging
 import keras
 import numpy as np
 
-from lipdp.clipped.clipping import ClippedGradientBound, Clipping
+from lipdp.clipped.clipping import Clipping
 from lipdp.clipped.jax import ghost, isolation, keys, ledger, per_example
 from lipdp.clipped.jax.batches import PoissonBatches
 from lipdp.clipped.layer_support import check_keras_layers
@@ -218,11 +218,8 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
 
     def sensitivities(self):
         """``[(ClippedGradientBound, R (1 + ROUNDOFF_SLACK) / b)]``: one entry for the whole
-        gradient (:mod:`lipdp.clipped.jax.per_example`)."""
-        bound = self.clipping.per_example_bound()
-        delta = bound * (1.0 + noise.ROUNDOFF_SLACK) / float(self.batch_size)
-        entry = ClippedGradientBound(f"all variables ({self.clipping.mode} clipping)", bound)
-        return [(entry, delta)]
+        gradient (:meth:`Clipping.sensitivities`, the rule of both backends)."""
+        return self.clipping.sensitivities(self.batch_size)
 
     def noise_stddev(self) -> float:
         """The standard deviation of the noise on every coordinate of the averaged
