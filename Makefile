@@ -57,11 +57,11 @@ test: install
 test-thorough: install
 	$(BIN)/pytest -q -n 2 --dist worksteal -m "thorough and not slow"
 
-# The clipped family on Keras 3's JAX backend (lipdp.clipped.jax): tests/jax, in one process
+# The clipped family on Keras 3's JAX backend (lipdp.clipped.jax): tests/clipped/jax, in one process
 # (the rest of the suite is TensorFlow programs; under KERAS_BACKEND=jax tests/conftest.py
-# collects tests/jax only, and the default suite skips tests/jax).
+# collects tests/clipped/jax only, and the default suite skips tests/clipped/jax).
 test-jax: install
-	KERAS_BACKEND=jax $(BIN)/pytest -q -n 0 tests/jax
+	KERAS_BACKEND=jax $(BIN)/pytest -q -n 0 tests/clipped/jax
 
 # The default suite on Keras 2 (TensorFlow 2.15.1; CI, before `make test`), with the
 # comparisons against tensorflow-privacy that only this stack can import.

@@ -47,15 +47,15 @@ def _native_start_up_lines_discarded():
             sys.stderr = python_stderr
 
 
-#: ``KERAS_BACKEND=jax`` (``make test-jax``): only tests/jax runs (tests/jax/conftest.py),
-#: without TensorFlow; every other directory is ignored (their modules import TensorFlow
-#: programs that refuse the JAX backend).
+#: ``KERAS_BACKEND=jax`` (``make test-jax``): only tests/clipped/jax runs
+#: (tests/clipped/jax/conftest.py), without TensorFlow; every other directory is ignored
+#: (their modules import TensorFlow programs that refuse the JAX backend).
 JAX_RUN = os.environ.get("KERAS_BACKEND") == "jax"
-_JAX_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax")
+_JAX_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clipped", "jax")
 
 
 def pytest_ignore_collect(collection_path, config):
-    """On a JAX run, everything outside tests/jax is ignored (``None``: pytest decides)."""
+    """On a JAX run, everything outside tests/clipped/jax is ignored (``None``: pytest decides)."""
     if not JAX_RUN:
         return None
     path = str(collection_path)
@@ -94,7 +94,7 @@ def _seed_everything():
     """Every test starts from the same seeds (TF global seed, numpy, Python)."""
     if JAX_RUN:
         # Not keras.utils.set_random_seed: it imports TensorFlow when installed, which the
-        # JAX path does not need (tests/jax seeds its weights explicitly).
+        # JAX path does not need (tests/clipped/jax seeds its weights explicitly).
         import random
 
         import keras

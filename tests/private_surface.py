@@ -2,7 +2,7 @@
 every backend (:class:`lipdp.core.private_base.PrivateModelBase` holds them once).
 
 ``tests/core/test_private_surface.py`` (TensorFlow, Keras 2 and 3, the clipped model) and
-``tests/jax/test_private_surface.py`` (the JAX model) give their model the same bad input
+``tests/clipped/jax/test_private_surface.py`` (the JAX model) give their model the same bad input
 and compare what it says with the literal messages below: a refusal that drifts on one
 backend fails there. The models: features ``FEATURES``, ``CLASSES`` outputs, a first
 ``Dense`` named ``"wide"``; ``N = 32`` examples, batches of 8.

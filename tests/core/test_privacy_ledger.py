@@ -256,7 +256,7 @@ def test_placement_is_the_rule_record_applies():
 def test_record_placement_and_the_jax_step_place_a_run_alike():
     """The three implementations of the placement rule -- ``record`` (TensorFlow, float64),
     ``placement`` (numpy) and the JAX step's ``recorded`` (int32 words, eager here; under
-    ``jit`` in tests/jax/test_ledger_words.py) -- put a run in the same row and write the
+    ``jit`` in tests/clipped/jax/test_ledger_words.py) -- put a run in the same row and write the
     same bits there, on empty, random (with holes), full and overflowing tables of every
     kind (tests/ledger_cases.py). TensorFlow's CPU kernels flush denormal float64 values to
     zero (no ledger holds one: ``q = b / N`` is far above, and a sigma that small is a
@@ -320,7 +320,7 @@ def test_a_model_with_every_layer_frozen_is_refused_with_the_fix():
 
 
 # --------------------------------------------------- resumes into another configuration
-# The scenarios of tests/jax/test_resume.py, on TensorFlow: a restored ledger (Keras'
+# The scenarios of tests/clipped/jax/test_resume.py, on TensorFlow: a restored ledger (Keras'
 # BackupAndRestore, load_weights, set_weights from a callback between two epochs) is never
 # re-priced by the steps that follow. The reference epsilon is composed from the segments
 # the test ran, written by hand, with lipdp's RDP accountant.

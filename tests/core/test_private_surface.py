@@ -1,5 +1,5 @@
 """The TensorFlow models refuse what every backend refuses, with the same message
-(:mod:`tests.private_surface`; the JAX side: ``tests/jax/test_private_surface.py``)."""
+(:mod:`tests.private_surface`; the JAX side: ``tests/clipped/jax/test_private_surface.py``)."""
 
 import keras
 import pytest

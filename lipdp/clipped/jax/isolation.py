@@ -27,7 +27,7 @@ batch -- subtracts the batch mean, divides by the batch maximum, sorts over the 
 gates on the batch size, scales the loss by the batch's largest logit -- sees a batch of
 one in the step: ``l_i`` is a function of row ``i`` and the weights only, whatever the
 layer's code, and removing a row removes its term and changes no other row's term
-(``tests/jax/test_isolation.py``: the six couplings of ``tests/couplings.py`` train with
+(``tests/clipped/jax/test_isolation.py``: the six couplings of ``tests/couplings.py`` train with
 no cross-row effect, remove-one ratio at most ``1`` up to round-off). The numerical
 probe of the TensorFlow step (:mod:`lipdp.core.batch_independence`) is not needed here.
 

@@ -42,7 +42,7 @@ today's mechanism. The same function records runs outside a step
   read unsigned: lexicographically on ``(H, L)``. ``H < 2^31`` (sign bit 0), so ``H`` read
   as a signed ``int32`` is the same number; ``L`` is compared unsigned by flipping its top
   bit and reading it signed (``u -> u - 2^31``, increasing). :func:`word_less` is that
-  order; ``tests/jax/test_ledger_words.py`` checks it against numpy's float64 order on
+  order; ``tests/clipped/jax/test_ledger_words.py`` checks it against numpy's float64 order on
   random values, zeros, denormals, ``1e308`` and ``inf``.
 """
 

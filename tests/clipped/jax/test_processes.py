@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run(code, **env):
@@ -44,7 +44,7 @@ def test_data_parallel_step_equals_the_single_device_step():
     code = """
 import numpy as np, keras, jax
 from lipdp.core import noise
-from tests.jax import helpers as h
+from tests.clipped.jax import helpers as h
 assert len(jax.devices()) == 2
 noise.use_reproducible_noise(4)
 x, y = h.data(16, scale=10.0)

@@ -9,7 +9,7 @@ import pytest
 
 from lipdp.clipped.clipping import Clipping
 from lipdp.clipped.jax import per_example
-from tests.jax import helpers as h
+from tests.clipped.jax import helpers as h
 
 
 def _loop_gradients(model, x, y):

@@ -14,8 +14,8 @@ import lipdp
 from lipdp.clipped.per_example import dense
 from lipdp.clipped.per_example.registry import GhostRule, registered_ghost_rule, rows
 from lipdp.core.noise import ROUNDOFF_SLACK
-from tests.jax import helpers as h
-from tests.jax.test_per_example import _loop_gradients
+from tests.clipped.jax import helpers as h
+from tests.clipped.jax.test_per_example import _loop_gradients
 
 L = keras.layers
 ROWS = 9
@@ -194,7 +194,7 @@ def test_a_ghost_step_is_the_vmap_step(reproducible_noise):
 class _Tied(keras.Model):
     """Reads a Dense kernel outside the layer's call (weight tying)."""
 
-    input_shape = (None, h.FEATURES)  # what tests.jax.helpers.private reads
+    input_shape = (None, h.FEATURES)  # what tests.clipped.jax.helpers.private reads
 
     def __init__(self):
         super().__init__()

@@ -1,5 +1,5 @@
 """Rule S2 on the JAX step by construction (:mod:`lipdp.clipped.jax.isolation`): the red
-team's couplings (``tests/jax/couplings.py``, the six of ``tests/couplings.py``) mix the
+team's couplings (``tests/clipped/jax/couplings.py``, the six of ``tests/couplings.py``) mix the
 rows of their batch when the network is called on it, yet train on the JAX step -- both
 gradient paths -- with no cross-row effect (each row's released term is what it is with
 the other rows deleted) and a remove-one ratio of at most 1 (+ round-off); a statistic
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from lipdp.core.noise import ROUNDOFF_SLACK
-from tests.jax import couplings
-from tests.jax import helpers as h
+from tests.clipped.jax import couplings
+from tests.clipped.jax import helpers as h
 from tests.marks import thorough
 
 B = couplings.BATCH

@@ -1,7 +1,7 @@
 """The red team's six couplings of ``tests/couplings.py`` (issue 37), written with
 ``keras.ops`` for the JAX backend (``tests/couplings.py`` is TensorFlow code): the same
 layers, gates, losses and batches of real data that switch them on, in networks of
-``tests/jax/helpers.py``'s sizes. :data:`CONSTRUCTIONS` maps a name to ``build(seed) ->
+``tests/clipped/jax/helpers.py``'s sizes. :data:`CONSTRUCTIONS` maps a name to ``build(seed) ->
 Case``; ``Case.coupling(x)`` applies the coupling layer to a whole batch, to show that
 the batch switches it on (it mixes the rows there).
 """
@@ -14,7 +14,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from tests.jax import helpers as h
+from tests.clipped.jax import helpers as h
 
 K = keras.layers
 HIDDEN = 8

@@ -5,7 +5,7 @@ it does and ``row_isolation=False`` is refused in one line."""
 import pytest
 
 import lipdp
-from tests.jax import helpers as h
+from tests.clipped.jax import helpers as h
 
 
 def _made(**options):

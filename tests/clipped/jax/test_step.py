@@ -13,7 +13,7 @@ from lipdp.clipped.jax import keys
 from lipdp.core.callbacks import DP_Accountant
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.report import privacy_report
-from tests.jax import helpers as h
+from tests.clipped.jax import helpers as h
 
 R, B = 0.5, 8
 

@@ -16,7 +16,7 @@ import lipdp
 from lipdp.accounting import SubsampledGaussian, get_accountant
 from lipdp.core.callbacks import DP_Accountant
 from lipdp.core.parameters import DPParameters
-from tests.jax import helpers as h
+from tests.clipped.jax import helpers as h
 from tests.marks import representatives
 
 DELTA = 1e-5

@@ -1,5 +1,5 @@
-"""tests/jax runs only under Keras 3's JAX backend (``make test-jax``:
-``KERAS_BACKEND=jax pytest tests/jax``); on any other backend its modules are not
+"""tests/clipped/jax runs only under Keras 3's JAX backend (``make test-jax``:
+``KERAS_BACKEND=jax pytest tests/clipped/jax``); on any other backend its modules are not
 collected (they import lipdp.clipped.jax.model, which refuses other backends)."""
 
 import keras

@@ -12,7 +12,7 @@ from lipdp.clipped.clipping import Clipping
 from lipdp.clipped.jax.model import DPSGD_JaxModel
 from lipdp.core.parameters import DPParameters
 from lipdp.foundation.metadata import DatasetMetadata
-from tests.jax import helpers as h
+from tests.clipped.jax import helpers as h
 from tests.marks import representatives
 
 
