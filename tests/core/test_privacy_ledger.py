@@ -16,7 +16,7 @@ import tensorflow as tf
 from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 
-from lipdp.accounting import get_accountant, get_eps_delta
+from lipdp.accounting import get_eps_delta
 from lipdp.accounting.mechanisms import Laplace, SubsampledGaussian
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
@@ -29,6 +29,16 @@ from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.pipeline import poisson_batches
 from tests.ledger_cases import expected_after, ledger_cases, same_bits
 from tests.marks import representatives
+from tests.resume_scenarios import (
+    CHANGES,
+    EPOCHS,
+    FIRST,
+    INTERRUPTED_AFTER,
+    Interrupt,
+    composed,
+    ran,
+    segment,
+)
 
 D, K, N, DELTA = 6, 3, 64, 1e-5
 FAMILIES = ("clipless", "dp-sgd")
@@ -325,28 +335,6 @@ def test_a_model_with_every_layer_frozen_is_refused_with_the_fix():
 # re-priced by the steps that follow. The reference epsilon is composed from the segments
 # the test ran, written by hand, with lipdp's RDP accountant.
 
-#: The first run: sigma 1, b = 8, N = 32 (4 steps per epoch), interrupted after 2 epochs;
-#: the resumed run changes one of sigma, b or N.
-FIRST = {"sigma": 1.0, "batch_size": 8, "n": 32}
-CHANGES = {
-    "sigma": {"sigma": 2.0, "batch_size": 8, "n": 32},
-    "batch": {"sigma": 1.0, "batch_size": 16, "n": 32},
-    "dataset": {"sigma": 1.0, "batch_size": 8, "n": 64},
-}
-EPOCHS, INTERRUPTED_AFTER = 3, 2
-
-
-class _Interrupt(tf.keras.callbacks.Callback):
-    """Raises at the end of epoch ``after`` (as Keras' own BackupAndRestore tests do)."""
-
-    def __init__(self, after):
-        super().__init__()
-        self.after = after
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch + 1 == self.after:
-            raise RuntimeError("interrupted")
-
 
 class _AtEpoch1(tf.keras.callbacks.Callback):
     """Calls ``action(model)`` at the beginning of the second epoch."""
@@ -384,19 +372,6 @@ def _run(model, epochs, callbacks=()):
     return model.fit(batches, epochs=epochs, verbose=0, callbacks=list(callbacks))
 
 
-def _segment(config, steps):
-    """``(mechanism, count)`` of ``steps`` steps of a configuration, written by hand."""
-    return SubsampledGaussian(config["sigma"], config["batch_size"] / config["n"]), steps
-
-
-def _composed(terms):
-    return get_accountant("rdp").epsilon(tuple(terms), DELTA)
-
-
-def _ran(model):
-    return [(e.mechanism, e.count) for e in model.privacy_ledger.entries()]
-
-
 @pytest.mark.parametrize("change", representatives(CHANGES, default={"sigma"}))
 def test_backup_and_restore_into_another_configuration_keeps_the_past_prices(tmp_path, change):
     """Two epochs at sigma 1 (b 8, N 32), interrupted; resumed by BackupAndRestore into a
@@ -405,16 +380,16 @@ def test_backup_and_restore_into_another_configuration_keeps_the_past_prices(tmp
     backup = str(tmp_path / "backup")
     first = _configured(**FIRST)
     with pytest.raises(RuntimeError, match="interrupted"):
-        _run(first, EPOCHS, [tf.keras.callbacks.BackupAndRestore(backup), _Interrupt(2)])
+        _run(first, EPOCHS, [tf.keras.callbacks.BackupAndRestore(backup), Interrupt(2)])
     done = INTERRUPTED_AFTER * 4
     config = CHANGES[change]
     resumed = _configured(**config, seed=1)
     history = _run(resumed, EPOCHS, [tf.keras.callbacks.BackupAndRestore(backup), DP_Accountant()])
     steps = (EPOCHS - INTERRUPTED_AFTER) * resumed.dataset_metadata.nb_steps_per_epochs
-    expected = [_segment(FIRST, done), _segment(config, steps)]
-    assert _ran(resumed) == expected
+    expected = [segment(FIRST, done), segment(config, steps)]
+    assert ran(resumed) == expected
     assert int(resumed.noisy_steps.numpy()) == done + steps
-    assert history.history["epsilon"][-1] == _composed(expected)
+    assert history.history["epsilon"][-1] == composed(expected, DELTA)
 
 
 def test_loading_an_older_checkpoint_between_and_during_fits_keeps_the_past_prices(tmp_path):
@@ -425,23 +400,23 @@ def test_loading_an_older_checkpoint_between_and_during_fits_keeps_the_past_pric
     _run(old, 1)
     checkpoint = str(tmp_path / "old.weights.h5")
     old.save_weights(checkpoint)
-    at_sigma_1 = _segment(FIRST, 4)
+    at_sigma_1 = segment(FIRST, 4)
     config = CHANGES["sigma"]
 
     model = _configured(**config, seed=1)
     _run(model, 1)
     model.load_weights(checkpoint)  # between fits
     _run(model, 1)
-    assert _ran(model) == [at_sigma_1, _segment(config, 8)]
+    assert ran(model) == [at_sigma_1, segment(config, 8)]
 
     other = _configured(**config, seed=2)
     _run(other, 1)
     history = _run(other, 2, [_AtEpoch1(lambda m: m.load_weights(checkpoint)), DP_Accountant()])
-    expected = [at_sigma_1, _segment(config, 12)]
-    assert _ran(other) == expected
-    assert history.history["epsilon"][-1] == _composed(expected)
+    expected = [at_sigma_1, segment(config, 12)]
+    assert ran(other) == expected
+    assert history.history["epsilon"][-1] == composed(expected, DELTA)
 
     weights = old.get_weights()
     third = _configured(**config, seed=3)
     _run(third, 2, [_AtEpoch1(lambda m: m.set_weights(weights))])
-    assert _ran(third) == [at_sigma_1, _segment(config, 8)]
+    assert ran(third) == [at_sigma_1, segment(config, 8)]

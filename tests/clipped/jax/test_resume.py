@@ -13,34 +13,22 @@ import keras
 import pytest
 
 import lipdp
-from lipdp.accounting import SubsampledGaussian, get_accountant
 from lipdp.core.callbacks import DP_Accountant
 from lipdp.core.parameters import DPParameters
 from tests.clipped.jax import helpers as h
 from tests.marks import representatives
+from tests.resume_scenarios import (
+    CHANGES,
+    EPOCHS,
+    FIRST,
+    INTERRUPTED_AFTER,
+    Interrupt,
+    composed,
+    ran,
+    segment,
+)
 
 DELTA = 1e-5
-#: The first run: sigma 1, b = 8, N = 32 (4 steps per epoch), interrupted after 2 epochs.
-FIRST = {"sigma": 1.0, "batch_size": 8, "n": 32}
-#: The resumed run changes one of sigma, b or N.
-CHANGES = {
-    "sigma": {"sigma": 2.0, "batch_size": 8, "n": 32},
-    "batch": {"sigma": 1.0, "batch_size": 16, "n": 32},
-    "dataset": {"sigma": 1.0, "batch_size": 8, "n": 64},
-}
-EPOCHS, INTERRUPTED_AFTER = 3, 2
-
-
-class Interrupt(keras.callbacks.Callback):
-    """Raises at the end of epoch ``after`` (as Keras' own BackupAndRestore tests do)."""
-
-    def __init__(self, after):
-        super().__init__()
-        self.after = after
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch + 1 == self.after:
-            raise RuntimeError("interrupted")
 
 
 def _model(seed, sigma, batch_size, n):
@@ -52,19 +40,6 @@ def _fit(model, epochs, callbacks, seed=0):
     x, y = h.data(n, seed=seed)
     batches = lipdp.private_batches(model, x, y, seed=seed)
     return model.fit(batches, epochs=epochs, verbose=0, callbacks=callbacks)
-
-
-def _segment(config, steps):
-    """``(mechanism, count)`` of ``steps`` steps of a configuration, written by hand."""
-    return SubsampledGaussian(config["sigma"], config["batch_size"] / config["n"]), steps
-
-
-def _epsilon(terms):
-    return get_accountant("rdp").epsilon(tuple(terms), DELTA)
-
-
-def _ran(model):
-    return [(e.mechanism, e.count) for e in model.privacy_ledger.entries()]
 
 
 @pytest.mark.parametrize("change", representatives(CHANGES, default={"sigma"}))
@@ -83,10 +58,10 @@ def test_backup_and_restore_into_another_configuration_keeps_the_past_prices(tmp
     resumed = _model(1, **config)
     history = _fit(resumed, EPOCHS, [keras.callbacks.BackupAndRestore(backup), DP_Accountant()])
     steps = (EPOCHS - INTERRUPTED_AFTER) * resumed.dataset_metadata.nb_steps_per_epochs
-    expected = [_segment(FIRST, done), _segment(config, steps)]
-    assert _ran(resumed) == expected
+    expected = [segment(FIRST, done), segment(config, steps)]
+    assert ran(resumed) == expected
     assert int(resumed.noisy_steps.numpy()) == done + steps
-    assert history.history["epsilon"][-1] == _epsilon(expected)
+    assert history.history["epsilon"][-1] == composed(expected, DELTA)
 
 
 def test_loading_an_older_checkpoint_between_and_during_fits_keeps_the_past_prices(tmp_path):
@@ -97,14 +72,14 @@ def test_loading_an_older_checkpoint_between_and_during_fits_keeps_the_past_pric
     _fit(old, 1, [])
     checkpoint = str(tmp_path / "old.weights.h5")
     old.save_weights(checkpoint)
-    at_sigma_1 = _segment(FIRST, 4)
+    at_sigma_1 = segment(FIRST, 4)
 
     config = CHANGES["sigma"]
     model = _model(1, **config)
     _fit(model, 1, [])
     model.load_weights(checkpoint)  # between fits
     _fit(model, 1, [])
-    assert _ran(model) == [at_sigma_1, _segment(config, 8)]
+    assert ran(model) == [at_sigma_1, segment(config, 8)]
 
     other = _model(2, **config)
     _fit(other, 1, [])
@@ -115,9 +90,9 @@ def test_loading_an_older_checkpoint_between_and_during_fits_keeps_the_past_pric
                 self.model.load_weights(checkpoint)
 
     history = _fit(other, 2, [LoadAtEpoch1(), DP_Accountant()])
-    expected = [at_sigma_1, _segment(config, 12)]
-    assert _ran(other) == expected
-    assert history.history["epsilon"][-1] == _epsilon(expected)
+    expected = [at_sigma_1, segment(config, 12)]
+    assert ran(other) == expected
+    assert history.history["epsilon"][-1] == composed(expected, DELTA)
 
 
 def test_weights_set_by_a_callback_mid_fit_keep_the_past_prices():
@@ -135,7 +110,7 @@ def test_weights_set_by_a_callback_mid_fit_keep_the_past_prices():
                 self.model.set_weights(weights)
 
     _fit(model, 2, [SetAtEpoch1()])
-    assert _ran(model) == [_segment(FIRST, 4), _segment(config, 8)]
+    assert ran(model) == [segment(FIRST, 4), segment(config, 8)]
     model.dp_parameters = DPParameters("global", 3.0, DELTA)  # a third mechanism, next fit
     _fit(model, 1, [])
-    assert _ran(model)[-1] == _segment({**config, "sigma": 3.0}, 4)
+    assert ran(model)[-1] == segment({**config, "sigma": 3.0}, 4)
