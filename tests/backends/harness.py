@@ -106,10 +106,15 @@ def global_sensitivity(model) -> float:
     return float(np.sqrt(sum(float(d) ** 2 for _, d in model.sensitivities())))
 
 
-def remove_one_ratio(family, x, y, row, **options) -> float:
-    """``||release(B) - release(B \\ {row})|| / Delta``, two identical fresh models with
-    identical noise (the attacker's check, rule S1)."""
-    full, without = (without_projection(private(family, **options)) for _ in range(2))
-    keep = np.arange(len(x)) != row
-    moved = np.linalg.norm(released(full, x, y) - released(without, x[keep], y[keep]))
-    return float(moved / global_sensitivity(full))
+def remove_one_ratios(family, x, y, rows, **options) -> list[float]:
+    """``||release(B) - release(B \\ {row})|| / Delta`` for each of ``rows``: fresh
+    identical models, identical noise (the attacker's check, rule S1)."""
+    full = without_projection(private(family, **options))
+    release, delta = released(full, x, y), global_sensitivity(full)
+    ratios = []
+    for row in rows:
+        keep = np.arange(len(x)) != row
+        without = without_projection(private(family, **options))
+        moved = np.linalg.norm(release - released(without, x[keep], y[keep]))
+        ratios.append(float(moved / delta))
+    return ratios

@@ -14,6 +14,7 @@ import pytest
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.report import privacy_report
 from tests.backends import harness as h
+from tests.marks import thorough
 
 LIMIT = 1.0 + ROUNDOFF_SLACK
 
@@ -31,7 +32,7 @@ def _families():
 @pytest.mark.parametrize("family", _families())
 def test_removing_a_random_record_moves_the_release_within_its_sensitivity(family):
     x, y = h.data(8, seed=1)
-    ratios = [h.remove_one_ratio(family, x, y, row) for row in (0, 5)]
+    ratios = h.remove_one_ratios(family, x, y, rows=(0, 5))
     assert max(ratios) <= LIMIT, ratios
     assert min(ratios) > 1e-3, ratios  # the release does depend on the record
 
@@ -46,16 +47,48 @@ def test_hostile_records_move_the_release_within_its_sensitivity(family):
     full = h.without_projection(h.private(family))
     release = h.released(full, x, y)
     assert np.all(np.isfinite(release))
-    for row, name in enumerate(HOSTILE, start=2):
-        ratio = h.remove_one_ratio(family, x, y, row)
-        assert ratio <= LIMIT, (name, ratio)
+    ratios = h.remove_one_ratios(family, x, y, rows=range(2, 2 + len(HOSTILE)))
+    assert max(ratios) <= LIMIT, dict(zip(HOSTILE, ratios))
 
 
+@thorough
 @pytest.mark.parametrize("family", _families())
-def test_a_batch_normalisation_is_refused(family):
+def test_records_of_every_magnitude_move_the_release_within_its_sensitivity(family):
+    """Rows of norm ``10^k``, ``k = -30, -20, ..., 30`` (rule S13: no square of a row
+    underflows or overflows into a wrong bound), each removed in turn."""
+    scales = [10.0**k for k in range(-30, 31, 10)]
+    x, y = h.data(len(scales), seed=3, scales=scales)
+    ratios = h.remove_one_ratios(family, x, y, rows=range(len(scales)))
+    assert max(ratios) <= LIMIT, dict(zip(scales, ratios))
+    assert max(ratios) > 0.5, ratios  # the large rows reach their bound
+
+
+class DeclaredCoupling(keras.layers.Layer):
+    """The identity, declaring that it couples the rows of a batch (rule S2's escape
+    hatch for layers lipdp cannot see through)."""
+
+    couples_examples = True
+
+    def call(self, inputs):
+        return inputs
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+COUPLINGS = {
+    "batch_normalization": (keras.layers.BatchNormalization, "(?i)batch.?normali[sz]ation"),
+    "declared": (DeclaredCoupling, "couples_examples|not a DP layer"),
+}
+
+
+@pytest.mark.parametrize("coupling", list(COUPLINGS))
+@pytest.mark.parametrize("family", _families())
+def test_a_layer_coupling_the_rows_is_refused(family, coupling):
+    make, message = COUPLINGS[coupling]
     layers = h.network(family)
-    layers.insert(2, keras.layers.BatchNormalization())
-    with pytest.raises((TypeError, ValueError), match="(?i)batch ?normali[sz]ation"):
+    layers.insert(2, make())
+    with pytest.raises((TypeError, ValueError), match=message):
         model = h.make_private(
             layers, epsilon=3.0, delta=1e-5, epochs=1, batch_size=8, dataset_size=64,
             method=family,
