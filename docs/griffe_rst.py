@@ -14,6 +14,8 @@ loaded (the modules themselves are not touched):
 * ``:math:`x``` and ``.. math:: x`` become inline and display formulas,
   ``\\(x\\)`` and ``$$x$$`` (``pymdownx.arithmatex``; MathJax is served by the site
   itself, see ``docs/hooks.py``);
+* ``.. code-block:: python`` directives become fenced code blocks (Markdown would
+  show the directive as text and the code as an indented paragraph);
 * reST simple tables (rows framed by ``====  ====`` lines) become Markdown
   tables;
 * an ``Args:`` entry documenting several parameters at once (``x, y: ...``, a
@@ -33,6 +35,7 @@ import griffe
 _ROLE = re.compile(r":(?:py:)?(class|func|meth|mod|data|attr|exc|obj):`(~?)([^`<>]+)`")
 _MATH_ROLE = re.compile(r":math:`([^`]+)`")
 _MATH_DIRECTIVE = re.compile(r"^([ \t]*)\.\. math::[ \t]*(\S.*?)[ \t]*$", re.MULTILINE)
+_CODE_BLOCK = re.compile(r"^([ \t]*)\.\. code-block::[ \t]*(\w*)[ \t]*$")
 _TABLE_BORDER = re.compile(r"^[ \t]*=+(?: +=+)+[ \t]*$")
 _PARAM_SECTION = re.compile(
     r"^([ \t]*)(?:Args|Arguments|Params|Parameters|Keyword Args|Keyword Arguments"
@@ -170,6 +173,32 @@ def _split_grouped_params(text: str) -> str:
     return "\n".join(out)
 
 
+def _code_blocks_to_fences(text: str) -> str:
+    """Every ``.. code-block:: lang`` directive and its indented body as a fenced block
+    at the directive's indentation (the body dedented to it)."""
+    lines, out, k = text.split("\n"), [], 0
+    while k < len(lines):
+        match = _CODE_BLOCK.match(lines[k])
+        if not match:
+            out.append(lines[k])
+            k += 1
+            continue
+        indent, language = match.group(1), match.group(2)
+        body, k = [], k + 1
+        while k < len(lines) and (not lines[k].strip() or _indent(lines[k]) > len(indent)):
+            body.append(lines[k])
+            k += 1
+        while body and not body[-1].strip():
+            body.pop()
+        while body and not body[0].strip():
+            body.pop(0)
+        depth = min(_indent(line) for line in body if line.strip()) if body else 0
+        out += [f"{indent}```{language}"]
+        out += [indent + line[depth:] if line.strip() else "" for line in body]
+        out += [f"{indent}```", ""]
+    return "\n".join(out)
+
+
 def rest_to_markdown(text: str, obj: griffe.Object, loader: griffe.GriffeLoader) -> str:
     """The Markdown rendering of a docstring written with reST markup."""
 
@@ -184,6 +213,7 @@ def rest_to_markdown(text: str, obj: griffe.Object, loader: griffe.GriffeLoader)
             f"<code>{html.escape(title)}</code></autoref>"
         )
 
+    text = _code_blocks_to_fences(text)
     text = _MATH_DIRECTIVE.sub(lambda m: f"{m.group(1)}\n{m.group(1)}$${m.group(2)}$$\n", text)
     text = _MATH_ROLE.sub(lambda m: f"\\({' '.join(m.group(1).split())}\\)", text)
     text = _ROLE.sub(role, text)
