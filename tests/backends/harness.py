@@ -83,8 +83,10 @@ def weights(model) -> np.ndarray:
 
 
 def without_projection(model):
-    """The clipless model's projections switched off (the release is measured before them)."""
+    """The clipless model's projections switched off (the release is measured before them):
+    the TensorFlow step calls ``project()``, the JAX step the pure ``_projected``."""
     model.project = lambda: None
+    model._projected = lambda trainable, non_trainable: (trainable, non_trainable)
     return model
 
 
