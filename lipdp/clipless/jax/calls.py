@@ -8,6 +8,9 @@ unchanged). Prototype: the next step writes each pair once with
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from lipdp.clipless import projections as tf_projections
@@ -62,13 +65,42 @@ def group_sort(x, n):
     return jnp.reshape(jnp.sort(groups, axis=-1), x.shape)
 
 
+def clip_cotangent(inputs, clip_value, normalizer=None):
+    """``DP_ClipGradient.call``: the identity, whose backward pass clips each row's cotangent
+    to ``clip_value / n`` (``n``: ``normalizer``, the rows of the batch when ``None``), the
+    rule of :func:`lipdp.clipless.layers.clipping._clip_cotangent` (``tf.custom_gradient``
+    there, ``jax.custom_vjp`` here). ``clip_value`` is an argument (its value comes from the
+    step's state; its cotangent is 0), ``normalizer`` a static number."""
+    return _clipped(inputs, jnp.asarray(clip_value, inputs.dtype), normalizer)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _clipped(x, clip_value, normalizer):
+    return x
+
+
+def _clipped_forward(x, clip_value, normalizer):
+    return x, clip_value
+
+
+def _clipped_backward(normalizer, clip_value, g):
+    """``tf.clip_by_norm``'s formula row by row: ``g * l / max(||g_i||, l)``, ``l = C / n``
+    (a zero row stays zero, no division by zero since ``l > 0``)."""
+    rows = g.shape[0] if normalizer is None else normalizer
+    limit = clip_value / jnp.asarray(rows, g.dtype)
+    axes = tuple(range(1, g.ndim))
+    norm = jnp.sqrt(jnp.sum(jnp.square(g), axis=axes, keepdims=True))
+    return g * limit / jnp.maximum(norm, limit), jnp.zeros_like(clip_value)
+
+
+_clipped.defvjp(_clipped_forward, _clipped_backward)
+
+
 # --------------------------------------------------------------------------- loss
 def tau_cce_rows(tau, y_true, y_pred):
     """Per-row ``DP_TauCategoricalCrossentropy`` (``CE(y, softmax(tau z)) / tau`` with the
     labels made admissible: ``max(y, 0) / max(sum, 1)``); a row whose label has a NaN or an
     infinity counts 0 with its label zeroed (rule S9, :meth:`DP_Loss.call`)."""
-    import jax
-
     y_pred = jnp.asarray(y_pred)
     y_true = jnp.asarray(y_true, y_pred.dtype)
     usable = finite_rows(y_true)
@@ -90,8 +122,6 @@ def _l2_normalize(v):
 
 def power_iteration(matrix, u, iterations):
     """:func:`lipdp.clipless.projections.power_iteration`."""
-    import jax
-
     u = _l2_normalize(u)
     for _ in range(iterations):
         v = _l2_normalize(u @ matrix.T)

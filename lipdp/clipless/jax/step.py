@@ -46,6 +46,7 @@ SLICE_LAYERS = (
     dp_layers.DP_QuickSpectralDense,
     dp_layers.DP_QuickFrobeniusDense,
     dp_layers.DP_GroupSort,
+    dp_layers.DP_ClipGradient,
 )
 
 
@@ -56,6 +57,11 @@ def check_slice(layers, loss) -> None:
             raise TypeError(
                 f"Layer {layer.name!r} ({type(layer).__name__}) is not in the JAX slice yet: "
                 "train on KERAS_BACKEND=tensorflow."
+            )
+        if getattr(layer, "mode", "fixed") == "dynamic":
+            raise ValueError(
+                f"Layer {layer.name!r} is a DP_ClipGradient(mode='dynamic'): train on "
+                "KERAS_BACKEND=tensorflow."
             )
         if getattr(layer, "adaptive_norm", False):
             raise ValueError(
@@ -87,10 +93,11 @@ class CliplessJaxStep:
         self.layers = list(model.layers)
         check_slice(self.layers, loss)
         self.batch_size = int(batch_size)
-        self.entries = bound_pass(self.layers, loss.get_L()).sensitivities(self.batch_size)
+        # Every bound of the slice is a constant: a Python float, or a fixed clip value read
+        # now (the step is made again if it changes; mode='dynamic' is refused above).
+        entries = bound_pass(self.layers, loss.get_L()).sensitivities(self.batch_size)
+        self.entries = [(entry, float(delta)) for entry, delta in entries]
         deltas = [delta for _, delta in self.entries]
-        if not all(isinstance(d, float) for d in deltas):
-            raise ValueError("A bound of the slice is not a Python float (adaptive norm?).")
         self.stddevs = noise.noise_stddevs(
             noisify_strategy,
             float(noise_multiplier),
@@ -111,7 +118,8 @@ class CliplessJaxStep:
         self._step = jax.jit(self.pure_step)
 
     def sensitivities(self) -> dict:
-        """``{"<layer>/<variable>": Delta_v}`` (as :func:`lipdp.clipless.model.compute_gradient_bounds`)."""
+        """``{"<layer>/<variable>": Delta_v}``, as
+        :func:`lipdp.clipless.model.compute_gradient_bounds` gives on TensorFlow."""
         return {entry.key: delta for entry, delta in self.entries}
 
     def _projection_plan(self, trainable, non_trainable):
@@ -125,9 +133,23 @@ class CliplessJaxStep:
         ]
 
     # ------------------------------------------------------------------- the step
+    def forward(self, trainable, non_trainable, x):
+        """The layers in order on the state's values; a layer that clips cotangents gets the
+        loss normaliser ``b`` (:meth:`lipdp.core.private_model.PrivateModel.forward`)."""
+        mapping = list(zip(self.model.trainable_variables, trainable)) + list(
+            zip(self.model.non_trainable_variables, non_trainable)
+        )
+        with keras.StatelessScope(state_mapping=mapping):
+            h = x
+            for layer in self.layers:
+                uses = getattr(layer, "uses_loss_normalizer", False)
+                kwargs = {"loss_normalizer": self.batch_size} if uses else {}
+                h = layer(h, training=True, **kwargs)
+        return h
+
     def loss_rows(self, trainable, non_trainable, x, y):
         """Each row's loss (shape ``(batch,)``) and the predictions."""
-        y_pred, _ = self.model.stateless_call(trainable, non_trainable, x, training=True)
+        y_pred = self.forward(trainable, non_trainable, x)
         return calls.tau_cce_rows(self.loss.tau, y, y_pred), y_pred
 
     def gradients(self, trainable, non_trainable, x, y):

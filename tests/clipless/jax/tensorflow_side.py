@@ -30,6 +30,7 @@ def main(source, target):
             L.DP_SpectralDense(spec["hidden"], name="d1"),
             L.DP_GroupSort(2, name="sort"),
             L.DP_SpectralDense(y.shape[1], name="d2"),
+            *([L.DP_ClipGradient(spec["clip"], name="clip")] if spec["clip"] else []),
         ],
         dp_parameters=DPParameters(spec["strategy"], spec["sigma"], 1e-5),
         dataset_metadata=metadata,
@@ -46,7 +47,9 @@ def main(source, target):
     grads = tape.gradient(total, model.trainable_variables)
     bounds = compute_gradient_bounds(model)
     stddevs = model.noise_stddevs()
-    stddevs = {name: float(stddevs[variable_key(model.get_layer(name).kernel)]) for name in ("d1", "d2")}
+    stddevs = {
+        name: float(stddevs[variable_key(model.get_layer(name).kernel)]) for name in ("d1", "d2")
+    }
     out = {"y_pred": y_pred.numpy(), "rows": rows.numpy()}
     for name, grad in zip(("d1", "d2"), grads):
         out[f"grad_{name}"] = grad.numpy()

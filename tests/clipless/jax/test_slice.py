@@ -1,5 +1,6 @@
 """The smallest clipless slice on JAX (lipdp.clipless.jax): DP_BoundedInput, DP_SpectralDense,
-DP_GroupSort and DP_TauCategoricalCrossentropy trained by a jit-compiled step.
+DP_GroupSort, DP_ClipGradient (fixed) and DP_TauCategoricalCrossentropy trained by a
+jit-compiled step.
 
 Compared with independent computations: the TensorFlow DP_Sequential of the same layers and
 kernels, run in a subprocess (sensitivities, noise standard deviations, predictions, losses,
@@ -23,13 +24,14 @@ from lipdp.clipless.jax import calls
 from lipdp.clipless.jax.step import CliplessJaxStep
 from lipdp.clipless.losses import DP_TauCategoricalCrossentropy
 from lipdp.core.noise import ROUNDOFF_SLACK
+from tests.marks import thorough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 SPEC = {"n": 640, "b": 16, "bound": 2.0, "hidden": 8, "tau": 2.0, "sigma": 1.5}
 FEATURES, CLASSES = 6, 4
 
 
-def _network(seed=0, hidden=SPEC["hidden"]):
+def _network(seed=0, hidden=SPEC["hidden"], clip=None):
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
         [
@@ -37,6 +39,7 @@ def _network(seed=0, hidden=SPEC["hidden"]):
             L.DP_SpectralDense(hidden, name="d1"),
             L.DP_GroupSort(2, name="sort"),
             L.DP_SpectralDense(CLASSES, name="d2"),
+            *([L.DP_ClipGradient(clip, name="clip")] if clip else []),
         ]
     )
 
@@ -56,11 +59,13 @@ def _step(network, sigma=SPEC["sigma"], strategy="global", lr=0.1, seed=1):
     )  # fmt: skip
 
 
-def _tensorflow_numbers(tmp_path, network, x, y, strategy):
+def _tensorflow_numbers(tmp_path, network, x, y, strategy, clip):
     """The TensorFlow model's numbers for the same kernels and batch (subprocess)."""
     source, target = tmp_path / f"in_{strategy}.npz", tmp_path / f"out_{strategy}.npz"
     kernels = {name: np.asarray(network.get_layer(name).kernel.value) for name in ("d1", "d2")}
-    np.savez(source, x=x, y=y, spec=json.dumps({**SPEC, "strategy": strategy}), **kernels)
+    np.savez(
+        source, x=x, y=y, spec=json.dumps({**SPEC, "strategy": strategy, "clip": clip}), **kernels
+    )
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
     env["PYTHONPATH"] = ROOT
     done = subprocess.run(
@@ -71,17 +76,21 @@ def _tensorflow_numbers(tmp_path, network, x, y, strategy):
     return dict(np.load(target))
 
 
-@pytest.mark.parametrize("strategy", ["global", "per-layer"])
-def test_the_numbers_of_tensorflow(tmp_path, strategy):
-    network, (x, y) = _network(), _data()
+@pytest.mark.parametrize(
+    "strategy, clip",
+    [("global", None), pytest.param("per-layer", None, marks=thorough), ("global", 0.05)],
+)
+def test_the_numbers_of_tensorflow(tmp_path, strategy, clip):
+    network, (x, y) = _network(clip=clip), _data()
     step = _step(network, strategy=strategy)
-    tf_side = _tensorflow_numbers(tmp_path, network, x, y, strategy)
+    tf_side = _tensorflow_numbers(tmp_path, network, x, y, strategy, clip)
     # the sensitivities and the noise: the one bound pass and the one noise rule, 1e-6
     deltas = step.sensitivities()
-    hand = SPEC["bound"] * math.sqrt(2.0) * (1 + ROUNDOFF_SLACK) / SPEC["b"]  # X0 L / b
+    cotangent = math.sqrt(2.0) if clip is None else min(math.sqrt(2.0), clip)  # L or min(L, C)
+    hand = SPEC["bound"] * cotangent * (1 + ROUNDOFF_SLACK) / SPEC["b"]  # X0 G / b
     for index, name in enumerate(("d1", "d2")):
         assert deltas[f"{name}/kernel"] == pytest.approx(float(tf_side[f"delta_{name}"]), rel=1e-6)
-        assert deltas[f"{name}/kernel"] == pytest.approx(hand, rel=1e-12)
+        assert deltas[f"{name}/kernel"] == pytest.approx(hand, rel=1e-7)  # C in float32
         assert step.stddevs[index] == pytest.approx(float(tf_side[f"stddev_{name}"]), rel=1e-6)
     # the same function: predictions, per-row losses and the gradient of sum loss / b
     trainable = [v.value for v in network.trainable_variables]
@@ -95,25 +104,30 @@ def test_the_numbers_of_tensorflow(tmp_path, strategy):
 
 
 def _row_gradient_norms(step, network, x, y):
-    """``(rows, variables)``: each row's gradient norm, by ``vmap`` of ``grad`` of its own loss
-    (a batch of one): independent of the bound pass."""
+    """``(rows, variables)``: ``b`` times the norm of the gradient of row ``i``'s share
+    ``loss_i / b`` of the batch loss, in the batch (the weights of the other rows' losses
+    set to 0, so a clip layer clips row ``i``'s cotangent at ``C / b`` as in the step), by
+    ``vmap`` of ``grad`` over one-hot weights: independent of the bound pass."""
     trainable = [v.value for v in network.trainable_variables]
     non_trainable = [v.value for v in network.non_trainable_variables]
+    b = float(SPEC["b"])
 
-    def row_loss(params, x_row, y_row):
-        rows, _ = step.loss_rows(params, non_trainable, x_row[None], y_row[None])
-        return rows[0]
+    def share(params, weights):
+        rows, _ = step.loss_rows(params, non_trainable, jnp.asarray(x), jnp.asarray(y))
+        return jnp.sum(weights * rows) / b
 
-    grads = jax.vmap(jax.grad(row_loss), in_axes=(None, 0, 0))(trainable, x, y)
-    return np.stack([np.sqrt(np.sum(np.square(g), axis=(1, 2))) for g in grads], axis=1)
+    grads = jax.vmap(jax.grad(share), in_axes=(None, 0))(trainable, jnp.eye(len(x)))
+    return b * np.stack([np.sqrt(np.sum(np.square(g), axis=(1, 2))) for g in grads], axis=1)
 
 
-def test_every_row_within_its_bound_and_remove_one():
-    network = _network(seed=3)
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_every_row_within_its_bound_and_remove_one(clip):
+    network = _network(seed=3, clip=clip)
     x, y = _data(seed=3)
     step = _step(network, sigma=0.0)
     norms = _row_gradient_norms(step, network, x, y)
-    bound = SPEC["bound"] * math.sqrt(2.0)  # B_v = X0 * L for both kernels
+    # B_v = X0 * L for both kernels, X0 * min(L, C) behind a clip layer
+    bound = SPEC["bound"] * (math.sqrt(2.0) if clip is None else min(math.sqrt(2.0), clip))
     assert norms.max() <= bound * (1 + ROUNDOFF_SLACK)
     assert norms.max() > 0.3 * bound  # the check is not vacuous: rows come near the bound
     # remove one: the noiseless released gradient moves by at most Delta_v
@@ -147,9 +161,13 @@ def test_jit_step_noise_and_projection():
     non_trainable = [v.value for v in network.non_trainable_variables]
     clean, _ = step.gradients(trainable, non_trainable, jnp.asarray(x), jnp.asarray(y))
     released = step(x, y)
-    noise = np.concatenate([np.ravel(np.asarray(r) - np.asarray(c)) for r, c in zip(released, clean)])
+    noise = np.concatenate(
+        [np.ravel(np.asarray(r) - np.asarray(c)) for r, c in zip(released, clean)]
+    )
     expected = step.stddevs[0]  # global: sigma sqrt(sum Delta_v^2) on every coordinate
-    assert expected == pytest.approx(2.0 * math.sqrt(2) * 2.0 * math.sqrt(2.0) * (1 + ROUNDOFF_SLACK) / 16)
+    assert expected == pytest.approx(
+        2.0 * math.sqrt(2) * 2.0 * math.sqrt(2.0) * (1 + ROUNDOFF_SLACK) / 16
+    )
     assert np.std(noise) == pytest.approx(expected, rel=0.05)  # 6 * 64 + 64 * 4 = 640 values
     for _ in range(3):  # large noisy steps push the kernels out; the projection brings them back
         step(x, y)
