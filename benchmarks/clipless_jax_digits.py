@@ -1,13 +1,14 @@
 """Clipless DP-SGD on Keras 3's JAX backend against TensorFlow: digits (sklearn
 ``load_digits``, 8x8 images as 64 features, 10 classes) at epsilon = 3.
 
-    .venv/bin/python benchmarks/clipless_jax_digits.py [--seeds 0 1 2] [--epochs 30]
+    .venv/bin/python benchmarks/clipless_jax_digits.py [--seeds 0 1 2 3 4] [--epochs 10] [--lr 0.1]
 
 Each run is a subprocess of its own backend (``KERAS_BACKEND=jax`` / ``tensorflow``):
 ``lipdp.make_private(layers, method="clipless", epsilon=3, delta=1e-5, ...)`` on
 ``DP_BoundedInput(1) - DP_SpectralDense(128) - GroupSort(2) - DP_SpectralDense(10) -
-DP_ClipGradient(1)`` (the dense slice ported to ``jax.jit``), ``DP_TauCategoricalCrossentropy(8)``,
-``SGD(0.5, momentum=0.9)``, Poisson batches of expected size 64 from ``lipdp.private_batches``,
+DP_ClipGradient(1)`` (the dense slice ported to ``jax.jit``),
+``DP_TauCategoricalCrossentropy(8)``, ``SGD(lr, momentum=0.9)`` (``--lr``, 0.1), Poisson
+batches of expected size 64 from ``lipdp.private_batches``,
 the same split (1437 training rows, 360 test rows, ``random_state=seed``) and the same seed for
 the initial weights (``keras.utils.set_random_seed(seed)``; the initial kernels still differ
 between backends, their random streams being different). Prints the test accuracy, epsilon
@@ -27,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(seed: int, epochs: int) -> dict:
+def run(seed: int, epochs: int, lr: float) -> dict:
     """One training run on the backend of this process (``KERAS_BACKEND``)."""
     sys.path.insert(0, str(ROOT))
     import keras
@@ -61,7 +62,7 @@ def run(seed: int, epochs: int) -> dict:
     )  # fmt: skip
     model.compile(
         loss=DP_TauCategoricalCrossentropy(8.0),
-        optimizer=keras.optimizers.SGD(0.5, momentum=0.9),
+        optimizer=keras.optimizers.SGD(lr, momentum=0.9),
         metrics=["accuracy"],
     )
     start = time.perf_counter()
@@ -76,6 +77,7 @@ def run(seed: int, epochs: int) -> dict:
         "backend": keras.backend.backend(),
         "seed": seed,
         "epochs": epochs,
+        "lr": lr,
         "sigma": model.dp_parameters.noise_multiplier,
         "epsilon": float(history.history["epsilon"][-1]),
         "test_accuracy": accuracy,
@@ -85,12 +87,13 @@ def run(seed: int, epochs: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run(args.seeds[0], args.epochs)))
+        print(json.dumps(run(args.seeds[0], args.epochs, args.lr)))
         return
     results = []
     for seed in args.seeds:
@@ -98,7 +101,7 @@ def main() -> None:
             env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
             done = subprocess.run(
                 [sys.executable, __file__, "--one", "--seeds", str(seed), "--epochs",
-                 str(args.epochs)],
+                 str(args.epochs), "--lr", str(args.lr)],
                 env=env, capture_output=True, text=True, check=False,
             )  # fmt: skip
             if done.returncode:

@@ -6,7 +6,7 @@ step (``train_step(state, data) -> (logs, state)``, compiled by ``jax.jit``):
 
 1. rows with a NaN or an infinity (input or floating label) are zeroed and get weight 0;
    every row's weight is its sample weight clipped to ``[0, 1]`` -- the 0/1 row mask of
-   padded Poisson batches (:mod:`lipdp.clipped.jax.batches`), 1 without one (rule S9);
+   padded Poisson batches (:mod:`lipdp.core.jax.batches`), 1 without one (rule S9);
 2. per-example gradients of the per-example losses, ``jax.vmap(jax.grad(...))`` over the
    network's ``stateless_call`` on one row at a time (rule S2), flat-clipped to ``R``
    and summed (:mod:`lipdp.clipped.jax.per_example`, where the sensitivity is derived);
@@ -18,9 +18,9 @@ step (``train_step(state, data) -> (logs, state)``, compiled by ``jax.jit``):
 3. the sum divided by the loss normaliser ``b`` plus Gaussian noise of standard
    deviation ``sigma R (1 + ROUNDOFF_SLACK) / b`` on every coordinate, drawn from a key
    seeded by the operating system that moves at every step (rule S8,
-   :mod:`lipdp.clipped.jax.keys`);
+   :mod:`lipdp.core.jax.keys`);
 4. the optimizer's update; the step count ``noisy_steps`` and the privacy ledger
-   (:mod:`lipdp.clipped.jax.ledger`) are updated inside the step, model variables saved
+   (:mod:`lipdp.core.jax.ledger`) are updated inside the step, model variables saved
    in ``.keras`` files (rule S10).
 
 The privacy surface is the TensorFlow models' own, written once in
@@ -31,7 +31,7 @@ logged, rule S11), the ledger row, and the guards of ``compile``, ``fit``, ``sav
 ``set_weights`` and ``load_weights`` with their messages; ``DP_Accountant``,
 ``privacy_report`` and ``calibrate_noise_multiplier`` are shared too.
 
-**Rows isolated by construction** (rule S2, :mod:`lipdp.clipped.jax.isolation`): both
+**Rows isolated by construction** (rule S2, :mod:`lipdp.core.jax.isolation`): both
 paths compute each row's loss on that row alone (``jax.vmap`` of a batch of one), so a
 layer or a loss that reads the batch cannot move another row's term; a ``custom_vmap``
 rule, a host callback or a foreign function in the forward pass or the loss (which could)
@@ -130,7 +130,7 @@ class DPSGD_JaxModel(JaxPrivateTrainer):
     and standard deviation, the plan, the ledger view and row, the guards of compile, fit,
     save and the weights, the configuration) is
     :class:`lipdp.core.private_base.PrivateModelBase`'s; this class holds the JAX step,
-    its noise keys and its ledger variables (:mod:`lipdp.clipped.jax.ledger`).
+    its noise keys and its ledger variables (:mod:`lipdp.core.jax.ledger`).
 
     Args:
         network: the ``keras.Model`` to train (built: give it an input shape).
@@ -216,7 +216,7 @@ class DPSGD_JaxModel(JaxPrivateTrainer):
         return [s / self._step_plan.normalizer for s in summed], losses, y_pred
 
     def _refuse_cross_row_primitives(self, trainable, non_trainable, x, y) -> None:
-        """Rule S2 (:mod:`lipdp.clipped.jax.isolation`): one row's loss and gradient,
+        """Rule S2 (:mod:`lipdp.core.jax.isolation`): one row's loss and gradient,
         unbatched, use no primitive whose batching could see other rows. Python, when the
         step is traced (one more trace of one row, no cost per step)."""
         import jax
