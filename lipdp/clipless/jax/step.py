@@ -359,13 +359,21 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
         refuse_not_ported(self._all_layers(), self.dp_parameters)
         loss_rows_function(self.loss)
 
+    def noise_stddevs(self, sensitivities=None) -> dict:
+        """``{variable key: standard deviation of its noise}`` (float64, on the host), as
+        :meth:`lipdp.core.private_model.PrivateModel.noise_stddevs` on TensorFlow:
+        ``sigma sqrt(sum Delta^2)`` (``"global"``) or ``sigma c_v Delta_v``
+        (``"per-layer"``); 0 for a non-private model."""
+        entries = self.sensitivities() if sensitivities is None else sensitivities
+        stddevs = self._entry_stddevs(entries)
+        groups = self._noised_variables(entries)
+        return {variable_key(v): float(s) for group, s in zip(groups, stddevs) for v in group}
+
     def _variable_stddevs(self) -> list[float]:
         """``sigma c_v Delta_v`` of every trainable variable (``"per-layer"`` noise), by the
         one noise rule on the host, in the order of ``trainable_variables``."""
-        entries = self.sensitivities()
-        stddevs = self._entry_stddevs(entries)
-        by_key = {variable_key(entry.variable): s for (entry, _), s in zip(entries, stddevs)}
-        return [float(by_key[variable_key(v)]) for v in self.trainable_variables]
+        by_key = self.noise_stddevs()
+        return [by_key[variable_key(v)] for v in self.trainable_variables]
 
     def _stateless_forward(self, trainable, non_trainable, x):
         mapping = list(zip(self.trainable_variables, trainable)) + list(

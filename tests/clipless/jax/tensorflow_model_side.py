@@ -27,28 +27,45 @@ def main(source, target):
         input_shape=x.shape[1:], nb_classes=y.shape[1], nb_samples_train=spec["n"],
         batch_size=spec["b"], sampling="shuffle",
     )  # fmt: skip
-    model = DP_Sequential(
-        [
-            L.DP_BoundedInput(input_shape=x.shape[1:], upper_bound=spec["bound"], name="input"),
-            L.DP_SpectralDense(
-                spec["hidden"], weight_norm_bound=spec["radius"], nm_coef=spec["coef"], name="d1"
-            ),
-            L.DP_GroupSort(2, name="sort"),
-            L.DP_SpectralDense(y.shape[1], name="d2"),
-            *([L.DP_ClipGradient(spec["clip"], name="clip")] if spec["clip"] else []),
-        ],
-        dp_parameters=DPParameters(spec["strategy"], spec["sigma"], spec["delta"]),
-        dataset_metadata=metadata,
+
+    def make(parameters, optimizer):
+        model = DP_Sequential(
+            [
+                L.DP_BoundedInput(input_shape=x.shape[1:], upper_bound=spec["bound"], name="input"),
+                L.DP_SpectralDense(
+                    spec["hidden"],
+                    weight_norm_bound=spec["radius"],
+                    nm_coef=spec["coef"],
+                    name="d1",
+                ),  # fmt: skip
+                L.DP_GroupSort(2, name="sort"),
+                L.DP_SpectralDense(y.shape[1], name="d2"),
+                *([L.DP_ClipGradient(spec["clip"], name="clip")] if spec["clip"] else []),
+            ],
+            dp_parameters=parameters,
+            dataset_metadata=metadata,
+        )
+        model.compile(
+            loss=losses.DP_TauCategoricalCrossentropy(tau=spec["tau"]), optimizer=optimizer
+        )
+        for name in ("d1", "d2"):  # the JAX model's kernels and power vectors
+            model.get_layer(name).kernel.assign(given[name])
+            model.get_layer(name).power_vector.assign(given[f"u_{name}"])
+        return model
+
+    # Noiseless steps (SGD with momentum, projections): the weights after them.
+    reference = make(
+        DPParameters(spec["strategy"], 0.0, spec["delta"], non_private=True),
+        keras.optimizers.SGD(0.1, momentum=0.9),
     )
-    model.compile(
-        loss=losses.DP_TauCategoricalCrossentropy(tau=spec["tau"]),
-        optimizer=keras.optimizers.SGD(0.1),
+    for _ in range(spec["steps"]):
+        reference.train_on_batch(x, y)
+    model = make(
+        DPParameters(spec["strategy"], spec["sigma"], spec["delta"]), keras.optimizers.SGD(0.1)
     )
-    for name in ("d1", "d2"):
-        model.get_layer(name).kernel.assign(given[name])
     bounds = compute_gradient_bounds(model)
     stddevs = model.noise_stddevs()
-    out = {}
+    out = {f"after_{name}": reference.get_layer(name).kernel.numpy() for name in ("d1", "d2")}
     for name in ("d1", "d2"):
         out[f"delta_{name}"] = np.float64(bounds[f"{name}/kernel"])
         out[f"stddev_{name}"] = np.float64(stddevs[variable_key(model.get_layer(name).kernel)])

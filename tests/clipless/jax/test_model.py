@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from lipdp.core.callbacks import DP_Accountant
 from lipdp.core.jax import keys
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.foundation.metadata import DatasetMetadata
+from lipdp.foundation.variables import variable_key
 from tests.marks import thorough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -54,7 +56,8 @@ def _layers(clip=None, one_layer=False):
     return [first, *body, *([L.DP_ClipGradient(clip, name="clip")] if clip else [])]
 
 
-def _model(strategy="global", clip=None, sampling="shuffle", one_layer=False, seed=0, n=None):
+def _model(strategy="global", clip=None, sampling="shuffle", one_layer=False, seed=0, n=None,
+           sigma=SPEC["sigma"], optimizer=None):  # fmt: skip
     keras.utils.set_random_seed(seed)
     metadata = DatasetMetadata(
         input_shape=(FEATURES,), nb_classes=CLASSES, nb_samples_train=n or SPEC["n"],
@@ -62,12 +65,12 @@ def _model(strategy="global", clip=None, sampling="shuffle", one_layer=False, se
     )  # fmt: skip
     model = DP_Sequential(
         _layers(clip, one_layer),
-        dp_parameters=DPParameters(strategy, SPEC["sigma"], SPEC["delta"]),
+        dp_parameters=DPParameters(strategy, sigma, SPEC["delta"], non_private=sigma == 0),
         dataset_metadata=metadata,
     )
     model.compile(
         loss=DP_TauCategoricalCrossentropy(SPEC["tau"]),
-        optimizer=keras.optimizers.SGD(0.1),
+        optimizer=optimizer or keras.optimizers.SGD(0.1),
         metrics=["accuracy"],
     )
     return model
@@ -93,15 +96,23 @@ def _released(model, trainable, non_trainable, x, y, weights=None):
     """The real step's released gradient (noise included) on a state: the function
     ``train_step`` calls (:meth:`JaxPrivateTrainer._released_gradients`)."""
     weights = jnp.ones((len(x),), "float32") if weights is None else jnp.asarray(weights)
-    released, _, _, _ = jax.jit(lambda t, n, xs, ys, w: model._released_gradients(t, n, xs, ys, w))(
+    if model not in _JITTED:  # one trace per batch shape
+        _JITTED[model] = jax.jit(model._released_gradients)
+    released, _, _, _ = _JITTED[model](
         trainable, non_trainable, jnp.asarray(x), jnp.asarray(y), weights
     )
     return [np.asarray(r) for r in released]
 
 
+_JITTED = weakref.WeakKeyDictionary()
+
+
 def _tensorflow(tmp_path, model, x, y, strategy, clip):
     source, target = tmp_path / f"in_{strategy}.npz", tmp_path / f"out_{strategy}.npz"
-    kernels = {name: np.asarray(model.get_layer(name).kernel.value) for name in ("d1", "d2")}
+    kernels = {}
+    for name in ("d1", "d2"):
+        kernels[name] = np.asarray(model.get_layer(name).kernel.value)
+        kernels[f"u_{name}"] = np.asarray(model.get_layer(name).power_vector.value)
     spec = json.dumps({**SPEC, "strategy": strategy, "clip": clip})
     np.savez(source, x=x, y=y, spec=spec, **kernels)
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -124,6 +135,10 @@ def test_one_step_s_noise_and_epsilon_equal_tensorflow(tmp_path, strategy):
     clip = 0.5
     model = _model(strategy, clip=clip)
     x, y = _data()
+    start = {}
+    for layer in ("d1", "d2"):
+        start[layer] = np.asarray(model.get_layer(layer).kernel.value)
+        start[f"u_{layer}"] = np.asarray(model.get_layer(layer).power_vector.value)
     tf_numbers = _tensorflow(tmp_path, model, x, y, strategy, clip)
     noise.use_reproducible_noise(SEED)
     try:
@@ -144,9 +159,11 @@ def test_one_step_s_noise_and_epsilon_equal_tensorflow(tmp_path, strategy):
             assert 0.5 * expected < measured < 1.5 * expected
         stddevs = model._step_plan.stddev
         stddevs = stddevs if isinstance(stddevs, tuple) else (stddevs,) * len(sizes)
+        by_key = model.noise_stddevs()  # the TensorFlow model's API
         for variable, stddev in zip(model.trainable_variables, stddevs):
             name = variable.path.split("/")[-2]
             assert stddev == pytest.approx(float(tf_numbers[f"stddev_{name}"]), rel=1e-6)
+            assert by_key[variable_key(variable)] == stddev
         for _ in range(SPEC["steps"]):
             model.train_on_batch(x, y)
     finally:
@@ -154,6 +171,20 @@ def test_one_step_s_noise_and_epsilon_equal_tensorflow(tmp_path, strategy):
     assert int(model.noisy_steps.numpy()) == int(tf_numbers["steps"]) == SPEC["steps"]
     epsilon = get_accountant("rdp").epsilon(model.privacy_ledger.terms(), SPEC["delta"])
     assert epsilon == pytest.approx(float(tf_numbers["epsilon"]), rel=1e-9)
+    # The same steps without noise (SGD with momentum, projections) give TensorFlow's
+    # weights, from the same kernels (float32 round-off; the steps move them by ~1e-2).
+    reference = _model(strategy, clip=clip, sigma=0.0,
+                       optimizer=keras.optimizers.SGD(0.1, momentum=0.9))  # fmt: skip
+    for layer in ("d1", "d2"):
+        reference.get_layer(layer).kernel.assign(start[layer])
+        reference.get_layer(layer).power_vector.assign(start[f"u_{layer}"])
+    for _ in range(SPEC["steps"]):
+        reference.train_on_batch(x, y)
+    for layer in ("d1", "d2"):
+        after = np.asarray(reference.get_layer(layer).kernel.value)
+        moved = np.abs(after - start[layer]).max()
+        assert moved > 1e-3
+        np.testing.assert_allclose(after, tf_numbers[f"after_{layer}"], atol=1e-6 + 1e-4 * moved)
     if strategy == "per-layer":  # two Gaussians per step, as TensorFlow's ledger row
         (entry,) = model.privacy_ledger.entries()
         assert "2 Gaussians per step" in model.privacy_ledger.describe()[0], entry
