@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import keras
 
@@ -257,6 +258,8 @@ def _jax_family(model_or_layers, method) -> str:
         return method
     if not isinstance(model_or_layers, (list, tuple, keras.Sequential)):
         return "clipped"
+    if "lipdp.clipless.layers.base" not in sys.modules:
+        return "clipped"  # no DP layer exists in this process (and TensorFlow stays unloaded)
     return _family(method, _layers_of(model_or_layers))
 
 
