@@ -249,6 +249,11 @@ def test_fit_with_the_accountant_logs_the_plan_s_epsilon():
         dataset_size=160, method="clipless",
     )  # fmt: skip
     assert isinstance(model, DP_Sequential)
+    automatic = lipdp.make_private(
+        _layers(clip=0.5), epsilon=3.0, delta=1e-5, epochs=2, batch_size=16,
+        dataset_size=160, method="auto",
+    )  # fmt: skip
+    assert isinstance(automatic, DP_Sequential)
     planned = lipdp.accounting.get_eps_delta(model, 2)[0]
     model.compile(loss=DP_TauCategoricalCrossentropy(SPEC["tau"]), optimizer="sgd")
     history = model.fit(
