@@ -59,9 +59,9 @@ test-thorough: install
 
 # The clipped family on Keras 3's JAX backend (lipdp.clipped.jax): tests/clipped/jax, in one process
 # (the rest of the suite is TensorFlow programs; under KERAS_BACKEND=jax tests/conftest.py
-# collects tests/clipped/jax only, and the default suite skips tests/clipped/jax).
+# collects the JAX directories and tests/backends only; the default suite skips the JAX ones).
 test-jax: install
-	KERAS_BACKEND=jax $(BIN)/pytest -q -n 0 tests/clipped/jax tests/backends
+	KERAS_BACKEND=jax $(BIN)/pytest -q -n 0 tests/clipped/jax tests/clipless/jax tests/backends
 
 # The default suite on Keras 2 (TensorFlow 2.15.1; CI, before `make test`), with the
 # comparisons against tensorflow-privacy that only this stack can import.

@@ -30,15 +30,17 @@ target (up to the bisection's tolerance, from below).
 **Backends.** Under Keras 3's JAX backend (``KERAS_BACKEND=jax``) the clipped family is
 :class:`~lipdp.clipped.jax.model.DPSGD_JaxModel` (the same accounting; flat, automatic or
 global clipping, ``"global"`` noise) and :func:`private_batches` gives padded numpy
-Poisson batches (:class:`~lipdp.clipped.jax.batches.PoissonBatches`); the clipless family
-needs ``KERAS_BACKEND=tensorflow``. The TensorFlow modules are imported only on that
-backend.
+Poisson batches (:class:`~lipdp.core.jax.batches.PoissonBatches`); the clipless family is
+``DP_Sequential`` on its JAX trainer (:class:`~lipdp.clipless.jax.step.CliplessJaxTrainer`:
+the layers and losses ported to ``jax.jit``, global or per-layer noise; the others refused
+with the way out). The TensorFlow modules of the steps are imported only on that backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import keras
 
@@ -108,17 +110,20 @@ def make_private(
     """
     method = validation.choice("method", method, METHODS)
     epochs = validation.count("epochs", epochs, minimum=1)
-    if compat.keras_backend() == compat.JAX_BACKEND:
+    jax = compat.keras_backend() == compat.JAX_BACKEND
+    if jax and _jax_family(model_or_layers, method) == "clipped":
         model = _jax_model(
             model_or_layers, method, delta, batch_size, dataset_size, clip_norm, clipping,
             noise, input_bound, sampling, model_options,
         )  # fmt: skip
         return _calibrated(model, epsilon, delta, epochs, accountant, "clipped")
-    from lipdp.clipless.model import DP_Sequential
-    from lipdp.clipped.model import DPSGD_Sequential
-    from lipdp.core.private_model import PrivateModel
+    from lipdp.clipless.model import DP_Model, DP_Sequential
 
-    _refuse_private(model_or_layers, PrivateModel)
+    _refuse_private(model_or_layers, DP_Model)
+    if not jax:
+        from lipdp.core.private_model import PrivateModel
+
+        _refuse_private(model_or_layers, PrivateModel)
     layers = _layers_of(model_or_layers)
     method = _family(method, layers)
     input_shape = _input_shape(layers)
@@ -130,7 +135,7 @@ def make_private(
         sampling=sampling,
     )
     parameters = DPParameters(noise, 1.0, validation.probability("delta", delta))
-    if method == "clipless":
+    if method == "clipless":  # DP_Sequential: the TensorFlow or the JAX trainer
         _refuse_clipping_options(clip_norm, clipping)
         model = DP_Sequential(
             _bounded(layers, input_bound, metadata.input_shape),
@@ -139,6 +144,8 @@ def make_private(
             **model_options,
         )
     else:
+        from lipdp.clipped.model import DPSGD_Sequential
+
         if input_bound is not None:
             raise ValueError("input_bound is for method='clipless'; clipping bounds the rest.")
         clipping = Clipping(validation.choice("clipping", clipping, CLIPPING_MODES), clip_norm)
@@ -173,7 +180,7 @@ def private_batches(model, x, y, seed=None):
     one array per input, a dict or a list or tuple) at the model's rate ``q = b / N`` and
     steps per epoch (:func:`lipdp.pipeline.poisson_batches`, a ``tf.data.Dataset``; on the
     JAX backend padded numpy batches with a row mask,
-    :class:`~lipdp.clipped.jax.batches.PoissonBatches`); pass it to ``fit`` with
+    :class:`~lipdp.core.jax.batches.PoissonBatches`); pass it to ``fit`` with
     ``epochs=E`` (fresh draws every epoch). ``seed=None``: drawn from the operating
     system, as amplification by subsampling assumes (rule S8)."""
     metadata = model.dataset_metadata
@@ -189,7 +196,7 @@ def private_batches(model, x, y, seed=None):
         )
     rate, steps = metadata.sampling_rate, metadata.nb_steps_per_epochs
     if compat.keras_backend() == compat.JAX_BACKEND:
-        from lipdp.clipped.jax.batches import PoissonBatches
+        from lipdp.core.jax.batches import PoissonBatches
 
         multiple = 8 * _data_parallel_devices()
         return PoissonBatches(x, y, rate, steps, metadata.batch_size, multiple, seed)
@@ -211,11 +218,6 @@ def _jax_model(
     input_bound, sampling, model_options,
 ):  # fmt: skip
     """The clipped family's JAX model (module docstring), not calibrated yet."""
-    if method == "clipless":
-        raise ValueError(
-            "The clipless family runs on TensorFlow: set KERAS_BACKEND=tensorflow before "
-            "importing keras, or pass method='clipped'."
-        )
     if input_bound is not None:
         raise ValueError("input_bound is for method='clipless'; clipping bounds the rest.")
     from lipdp.clipped.jax.model import DPSGD_JaxModel
@@ -247,6 +249,18 @@ def _jax_model(
         dataset_metadata=metadata,
         **model_options,
     )
+
+
+def _jax_family(model_or_layers, method) -> str:
+    """The family on the JAX backend: ``method``, or for ``"auto"`` clipless when the layers
+    (a list or a ``Sequential``) are all lipdp DP layers, else clipped (any other model)."""
+    if method != "auto":
+        return method
+    if not isinstance(model_or_layers, (list, tuple, keras.Sequential)):
+        return "clipped"
+    if "lipdp.clipless.layers.base" not in sys.modules:
+        return "clipped"  # no DP layer exists in this process (and TensorFlow stays unloaded)
+    return _family(method, _layers_of(model_or_layers))
 
 
 def _network(model_or_layers):

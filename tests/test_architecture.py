@@ -62,6 +62,9 @@ ALLOWED = {
         "lipdp.core.noise",
         "lipdp.core.parameters",
     ),
+    # the JAX trainer of both families (keys, ledger words, row isolation, Poisson batches,
+    # the step skeleton): the shared base only, never a family
+    "lipdp.core.jax": ("lipdp.core", "lipdp.foundation", "lipdp.accounting"),
     "lipdp.core": ("lipdp.foundation", "lipdp.core", "lipdp.accounting"),
     # the two families build on the shared base, never on each other
     "lipdp.clipless": ("lipdp.clipless", "lipdp.foundation", "lipdp.core", "lipdp.accounting"),
@@ -244,7 +247,10 @@ def test_no_import_circle():
 #: The modules the JAX backend imports: no TensorFlow at module level (a function of
 #: theirs that the TensorFlow models call may import it).
 JAX_PATH = [
+    "lipdp.core.jax",
+    "lipdp.core.private_base",
     "lipdp.clipped.jax",
+    "lipdp.clipless.jax",
     "lipdp.clipped.clipping",
     "lipdp.clipped.layer_support",
     "lipdp.core.coupling",

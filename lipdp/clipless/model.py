@@ -36,15 +36,9 @@ from lipdp.clipless.dynamic import dynamic_clip_layers
 from lipdp.clipless.layers import DP_BoundedInput, DP_InputLayer, DPLayer
 from lipdp.core.batch_independence import refuse_coupling_layers
 from lipdp.core.noise import ROUNDOFF_SLACK
-from lipdp.core.private_model import (  # noqa: F401  (DPParameters and the guards: public here too)
-    DPParameters,
-    PrivateModel,
-    StepGradients,
-    _check_poisson_pipeline,
-    _refuse_mixed_precision,
-    _refuse_non_finite,
-    check_reduction,
-)
+from lipdp.core.parameters import DPParameters
+from lipdp.core.private_base import check_reduction
+from lipdp.foundation import compat
 from lipdp.foundation.layer_walk import children
 from lipdp.foundation.variables import variable_key
 
@@ -158,53 +152,19 @@ def check_loss(loss) -> None:
     check_reduction(loss)
 
 
-class DP_Model(PrivateModel):
-    """A Keras model trained with Clipless DP-SGD.
-
-    ``dp_layers`` are applied in order; residual blocks pass pairs between layers
-    (:func:`lipdp.clipless.layers.make_residuals`). What is not about bounds (privacy state, plan,
-    noise, guards) is :class:`lipdp.core.private_model.PrivateModel`'s.
-
-    Args:
-        dp_layers: list of DP layers, the first being :class:`DP_BoundedInput`.
-        dp_parameters: :class:`DPParameters`.
-        dataset_metadata: :class:`lipdp.foundation.metadata.DatasetMetadata` (the batch size
-            ``b`` and ``N``); required for training.
-        debug: run eagerly and log every step's sensitivities and noise levels.
-        row_isolation: ``True`` (default): ``DP_Lambda`` functions, DP layers that are not
-            lipdp's own and the loss computed one row at a time, forward and backward
-            (lipdp's own DP layers, :func:`runs_per_example`, run on the batch;
-            :mod:`lipdp.core.isolation`): rule S2 by construction, at the cost of the
-            batched step (1.01x on the clipless digits CNN,
-            ``benchmarks/row_isolation_cost.py``), and without the batch-independence
-            probe. ``False``: every layer and the loss on the batch, checked by the probe.
-            Other arguments: :class:`~lipdp.core.private_model.PrivateModel`.
-    """
+class CliplessFacts:
+    """What the clipless family knows whatever the backend (a mixin of :class:`DP_Model`
+    before its trainer): the layer and loss checks, the one bound pass and the
+    sensitivities, the noise coefficients, the dynamic-clipping releases of the plan, the
+    projections. Host code only (Python floats and the layers' own methods): the
+    TensorFlow trainer (:class:`lipdp.core.private_model.PrivateModel`) evaluates it in its
+    graph, the JAX trainer (:class:`lipdp.clipless.jax.step.CliplessJaxTrainer`) on the
+    host when it makes its step."""
 
     _layers_key = "dp_layers"
     #: What the layers are checked with (the clipped family, :mod:`lipdp.clipped.model`, accepts
     #: ordinary Keras layers).
     _check_layers = staticmethod(check_dp_layers)
-
-    def __init__(
-        self,
-        dp_layers,
-        *,
-        dp_parameters,
-        dataset_metadata=None,
-        debug=False,
-        row_isolation=True,
-        **kwargs,
-    ):
-        super().__init__(
-            dp_layers,
-            dp_parameters=dp_parameters,
-            dataset_metadata=dataset_metadata,
-            debug=debug,
-            row_isolation=row_isolation,
-            **kwargs,
-        )
-        _check_dynamic_declaration(self.dp_layers, dp_parameters)
 
     def _all_layers(self):
         return list(_with_wrapped_blocks(self.dp_layers))
@@ -295,7 +255,11 @@ class DP_Model(PrivateModel):
         for layer in self.dp_layers:
             layer.project()
 
-    # --------------------------------------------------------------- training
+
+class _TensorFlowSteps:
+    """The TensorFlow step's clipless hooks (:meth:`PrivateModel.train_step`): the
+    gradient of the batch loss by one ``GradientTape``."""
+
     def _neutralised_rows(self, x, y, usable):
         """Rule S9 without zeroing in the step: ``DP_BoundedInput`` zeroes inputs with a
         NaN or an infinity and :meth:`per_example_losses` gives unusable labels
@@ -348,6 +312,74 @@ class DP_Model(PrivateModel):
     def _adversarial_loss(self, x, x_adv, y):
         rows, y_adv = self.adversarial_loss_rows(x, x_adv, y)
         return tf.reduce_sum(rows), y_adv
+
+
+if compat.keras_backend() != compat.JAX_BACKEND:  # the TensorFlow trainer (Keras 2 and 3)
+    from lipdp.core.private_model import (  # noqa: F401  (the guards: public here too)
+        PrivateModel,
+        StepGradients,
+        _check_poisson_pipeline,
+        _refuse_mixed_precision,
+        _refuse_non_finite,
+    )
+
+
+def _trainer_bases() -> tuple:
+    """The trainer of :class:`DP_Model` for the Keras backend of this process: TensorFlow's
+    :class:`~lipdp.core.private_model.PrivateModel` (Keras 2 and 3), or on Keras 3's JAX
+    backend :class:`lipdp.clipless.jax.step.CliplessJaxTrainer` (imported only there)."""
+    if compat.keras_backend() == compat.JAX_BACKEND:
+        from lipdp.clipless.jax.step import CliplessJaxTrainer
+
+        return (CliplessJaxTrainer,)
+    return (_TensorFlowSteps, PrivateModel)
+
+
+class DP_Model(CliplessFacts, *_trainer_bases()):
+    """A Keras model trained with Clipless DP-SGD.
+
+    ``dp_layers`` are applied in order; residual blocks pass pairs between layers
+    (:func:`lipdp.clipless.layers.make_residuals`). What is not about bounds (privacy state, plan,
+    noise, guards) is the trainer's: :class:`lipdp.core.private_model.PrivateModel` on
+    TensorFlow (Keras 2 and 3), :class:`lipdp.clipless.jax.step.CliplessJaxTrainer` under
+    ``KERAS_BACKEND=jax`` (chosen when this module is imported, by the Keras backend; the
+    clipless facts, :class:`CliplessFacts`, are the same on both).
+
+    Args:
+        dp_layers: list of DP layers, the first being :class:`DP_BoundedInput`.
+        dp_parameters: :class:`DPParameters`.
+        dataset_metadata: :class:`lipdp.foundation.metadata.DatasetMetadata` (the batch size
+            ``b`` and ``N``); required for training.
+        debug: run eagerly and log every step's sensitivities and noise levels.
+        row_isolation: ``True`` (default): ``DP_Lambda`` functions, DP layers that are not
+            lipdp's own and the loss computed one row at a time, forward and backward
+            (lipdp's own DP layers, :func:`runs_per_example`, run on the batch;
+            :mod:`lipdp.core.isolation`): rule S2 by construction, at the cost of the
+            batched step (1.01x on the clipless digits CNN,
+            ``benchmarks/row_isolation_cost.py``), and without the batch-independence
+            probe. ``False``: every layer and the loss on the batch, checked by the probe.
+            Other arguments: :class:`~lipdp.core.private_model.PrivateModel`.
+    """
+
+    def __init__(
+        self,
+        dp_layers,
+        *,
+        dp_parameters,
+        dataset_metadata=None,
+        debug=False,
+        row_isolation=True,
+        **kwargs,
+    ):
+        super().__init__(
+            dp_layers,
+            dp_parameters=dp_parameters,
+            dataset_metadata=dataset_metadata,
+            debug=debug,
+            row_isolation=row_isolation,
+            **kwargs,
+        )
+        _check_dynamic_declaration(self.dp_layers, dp_parameters)
 
 
 class DP_Sequential(DP_Model):

@@ -187,7 +187,7 @@ def minimum_columns(kind) -> tuple[int, ...]:
     (``POISSON`` 0); a larger rate, batch, number of Gaussians, Laplace ``epsilon``, search
     mean or shape costs more, and one reproducible step makes the row reproducible. The one
     statement of the merge, used by :func:`_dominating` (TensorFlow),
-    :func:`_dominating_numpy` and :mod:`lipdp.clipped.jax.ledger` (JAX)."""
+    :func:`_dominating_numpy` and :mod:`lipdp.core.jax.ledger` (JAX)."""
     smaller_is_worse = kind in (GRADIENT_STEPS, GAUSSIAN_RELEASE)
     return (SCALE, SAMPLES, POISSON) if smaller_is_worse else (SAMPLES, POISSON)
 
@@ -212,7 +212,7 @@ def placement(table, row) -> tuple[int, np.ndarray]:
     writes there -- ``row`` itself in its own row or the first empty regular row, else,
     the regular rows being full, a row that dominates ``row`` and the overflow row of its
     kind. The rule of ``record`` in numpy: the reference that ``record`` (TensorFlow) and
-    the JAX step's in-graph placement (:func:`lipdp.clipped.jax.ledger.recorded`) are
+    the JAX step's in-graph placement (:func:`lipdp.core.jax.ledger.recorded`) are
     tested against, on random, full and overflowing tables."""
     table, row = np.asarray(table, np.float64), np.asarray(row, np.float64)
     kind = int(row[KIND])

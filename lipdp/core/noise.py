@@ -31,7 +31,7 @@ libraries the Gaussian samples are floating-point numbers, whose low-order bits 
 information in theory (Mironov, CCS 2012); no snapping or discrete Gaussian is applied.
 
 TensorFlow is imported when a standard deviation or a draw is computed, not with this
-module: the JAX backend (:mod:`lipdp.clipped.jax.keys`) reads the same switch
+module: the JAX backend (:mod:`lipdp.core.jax.keys`) reads the same switch
 (:func:`use_reproducible_noise`, :func:`seed_words`) without it.
 
 **Under tf.distribute** (:mod:`lipdp.core.distribute`) the noise of a step is drawn once, by
@@ -127,7 +127,7 @@ def seeded_generator(seed: int) -> tf.random.Generator:
 def seed_words(seed: int) -> list[int]:
     """Three signed 64-bit words of the SHA-256 digest of ``seed``: the Philox key and
     counter of :func:`seeded_generator`, and the material of the JAX backend's key
-    (:mod:`lipdp.clipped.jax.keys`)."""
+    (:mod:`lipdp.core.jax.keys`)."""
     # The domain string is fixed (it was this module's path before lipdp.core existed):
     # changing it would change every reproducible stream.
     digest = hashlib.sha256(f"lipdp.noise:{seed}".encode()).digest()

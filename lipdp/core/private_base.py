@@ -20,7 +20,7 @@ does not depend on how a step is compiled:
 
 A backend model keeps what truly differs (its hooks below): the compiled step and how it
 draws its noise; how its ledger variables are stored (``float64`` on TensorFlow, the
-float64 words in ``int32`` variables on JAX, :mod:`lipdp.clipped.jax.ledger`:
+float64 words in ``int32`` variables on JAX, :mod:`lipdp.core.jax.ledger`:
 :meth:`_ledger_view`); where the noise standard deviation is evaluated
 (:attr:`_noise_on_host`: in the TensorFlow graph in float32, on the host in float64 for
 JAX's compiled constants); which data sources it takes (``tf.data`` pipelines, padded

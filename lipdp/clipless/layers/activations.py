@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
+from lipdp.foundation import compat
 
 #: ``DP_GroupSort(2)`` runs as one XLA-compiled kernel (forward, and one backward) when an
 #: example has at least this many values; below, XLA's launch cost exceeds the gain
@@ -123,6 +124,10 @@ class DP_GroupSort(keras.layers.Layer, NonExpansiveLayer):
         return math.prod(input_shape[1:]) >= XLA_MIN_VALUES_PER_EXAMPLE
 
     def call(self, x):
+        if compat.keras_backend() == "jax":  # prototype slice (lipdp.clipless.jax)
+            from lipdp.clipless.jax import calls
+
+            return calls.group_sort(x, self.n)
         if self.n == 2:
             return sort_pairs_xla(x) if self._use_xla(x.shape) else sort_pairs(x)
         groups = tf.reshape(x, self.flat_shape)

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 from lipdp.foundation.variables import state_variable
 
 MODES = ("fixed", "dynamic")
@@ -64,6 +64,10 @@ class DP_ClipGradient(keras.layers.Layer, NonExpansiveLayer):
 
     def call(self, inputs, loss_normalizer=None):
         """``loss_normalizer``: passed by the DP model it runs in (its metadata's)."""
+        if compat.keras_backend() == "jax":  # prototype slice (lipdp.clipless.jax)
+            from lipdp.clipless.jax import calls
+
+            return calls.clip_cotangent(inputs, self.clip_value.value, loss_normalizer)
         return _clip_cotangent(inputs, self.clip_value, loss_normalizer)
 
     def compute_output_shape(self, input_shape):

@@ -21,7 +21,7 @@ import tensorflow as tf
 from lipdp.clipless import projections
 from lipdp.clipless.layers.base import refuse_bias, register
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 
 
 class _ConstrainedDense(keras.layers.Layer, ConstrainedKernelLayer):
@@ -61,6 +61,10 @@ class _ConstrainedDense(keras.layers.Layer, ConstrainedKernelLayer):
         super().build(input_shape)
 
     def call(self, inputs):
+        if compat.keras_backend() == "jax":  # prototype slice (lipdp.clipless.jax)
+            from lipdp.clipless.jax import calls
+
+            return calls.dense(inputs, self.kernel)
         return tf.tensordot(inputs, self.kernel, axes=[[-1], [0]])
 
     def compute_output_shape(self, input_shape):

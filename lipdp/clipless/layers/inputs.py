@@ -57,6 +57,10 @@ class DP_BoundedInput(keras.layers.Layer, NonExpansiveLayer):
             )
 
     def call(self, inputs):
+        if compat.keras_backend() == "jax":  # prototype slice (lipdp.clipless.jax)
+            from lipdp.clipless.jax import calls
+
+            return calls.bounded_input(inputs, self.upper_bound, self.enforce_clipping)
         inputs = zero_rows(finite_rows(inputs), inputs)  # also unclipped: NaN is never <= B
         if not self.enforce_clipping:
             return inputs

@@ -9,12 +9,12 @@ One module per concept:
 * :mod:`~lipdp.clipped.jax.ghost` -- ghost norms (``gradient_method="ghost"``, the
   default): the same norms and clipped sum from ``Dense``/``Conv2D`` inputs and output
   cotangents, without per-example gradients;
-* :mod:`~lipdp.clipped.jax.isolation` -- rule S2 by construction (each row's loss on a
-  batch of one under ``vmap``), and the primitives that would break it, refused;
-* :mod:`~lipdp.clipped.jax.keys` -- the noise keys (rule S8);
-* :mod:`~lipdp.clipped.jax.ledger` -- the privacy ledger held exactly in JAX variables
-  (rule S10), read by the shared :class:`lipdp.core.ledger.PrivacyLedger`;
-* :mod:`~lipdp.clipped.jax.batches` -- padded Poisson batches in numpy.
+* the step skeleton both families share and its parts moved to :mod:`lipdp.core.jax`
+  (issue 38 item 5): :class:`~lipdp.core.jax.trainer.JaxPrivateTrainer` (the base of
+  :class:`DPSGD_JaxModel`), :mod:`~lipdp.core.jax.isolation` (rule S2's refused
+  primitives), :mod:`~lipdp.core.jax.keys` (rule S8), :mod:`~lipdp.core.jax.ledger` (rule
+  S10) and :mod:`~lipdp.core.jax.batches` (padded Poisson batches); their former paths
+  here still import them.
 
 ``lipdp.make_private`` returns a :class:`DPSGD_JaxModel` under the JAX backend; the
 accounting (:mod:`lipdp.accounting`), ``lipdp.DP_Accountant`` and ``privacy_report`` are

@@ -1,75 +1,9 @@
-r"""Where the JAX step's noise comes from (rule S8).
+"""Moved to :mod:`lipdp.core.jax.keys` (issue 38 item 5: the JAX trainer of both families).
+This former path still imports it: it *is* that module (same object, so a patch of one
+patches the other)."""
 
-The step draws its Gaussian noise from a threefry key held in a model variable (two
-``uint32`` words, :data:`KEY_WORDS`), so that the key changes at every step under ``jit``:
-step ``t`` splits its key ``k_t`` into ``(k_{t+1}, d_t)`` and draws the noise from ``d_t``
-only (:func:`next_key_and_draw`).
+import sys
 
-* **Secure noise (default)**: the key is set from the operating system's entropy
-  (``os.urandom``) before every ``fit``/``train_on_batch``, independently of
-  ``keras.utils.set_random_seed`` and of JAX's or numpy's seeds: someone who knows the seeds
-  a user trains with cannot regenerate the noise. A key written to a ``.keras`` file is
-  zeroed (:mod:`lipdp.clipped.jax.model`), and a reloaded model draws a fresh key anyway.
-* **Reproducible noise (debugging only)**: after
-  ``lipdp.core.noise.use_reproducible_noise(seed)`` -- the switch of the TensorFlow
-  models -- the key is derived from the SHA-256 digest of ``seed``
-  (:func:`lipdp.core.noise.seed_words`) when the model first trains under that seed, and
-  then evolves step by step; the privacy ledger flags the steps ``REPRODUCIBLE`` and the
-  privacy report says so.
+from lipdp.core.jax import keys as _moved
 
-Why a split and not ``fold_in(key, step)``: the key written back after a step reveals
-nothing about the draws of earlier steps (recovering ``k_t`` from ``k_{t+1}`` means
-inverting threefry), and the step count is public.
-"""
-
-from __future__ import annotations
-
-import os
-
-import numpy as np
-
-from lipdp.core import noise
-
-#: A raw threefry2x32 key: two uint32 words.
-KEY_WORDS = 2
-#: The PRNG implementation, named explicitly: the key does not depend on JAX's
-#: ``jax_default_prng_impl`` setting.
-IMPL = "threefry2x32"
-
-
-def entropy_key() -> np.ndarray:
-    """A key from the operating system's entropy (``os.urandom``)."""
-    return np.frombuffer(os.urandom(4 * KEY_WORDS), dtype=np.uint32).copy()
-
-
-def seeded_key(seed: int) -> np.ndarray:
-    """The key of reproducible noise for ``seed``: the low and high words of the first
-    64-bit word of the seed's SHA-256 digest (:func:`lipdp.core.noise.seed_words`)."""
-    word = noise.seed_words(seed)[0] & 0xFFFFFFFFFFFFFFFF
-    return np.array([word & 0xFFFFFFFF, word >> 32], dtype=np.uint32)
-
-
-def next_key_and_draw(key_words):
-    """``(k_{t+1} as words, d_t)``: the key the next step starts from and the typed key
-    this step draws its noise from (in-graph)."""
-    import jax
-
-    key = jax.random.wrap_key_data(key_words, impl=IMPL)
-    following, draw = jax.random.split(key)
-    return jax.random.key_data(following), draw
-
-
-def gaussian_like(draw, arrays, stddev) -> list:
-    """Independent ``N(0, stddev^2)`` noise shaped like each array of ``arrays`` (float32):
-    one draw of their total size, cut into their shapes (one random-number program to
-    compile, whatever the number of variables)."""
-    import jax
-    import jax.numpy as jnp
-
-    sizes = [int(np.prod(a.shape)) for a in arrays]
-    flat = stddev * jax.random.normal(draw, (sum(sizes),), dtype="float32")
-    pieces = jnp.split(flat, np.cumsum(sizes)[:-1].tolist()) if len(sizes) > 1 else [flat]
-    return [jnp.reshape(p, a.shape) for p, a in zip(pieces, arrays)]
-
-
-__all__ = ["IMPL", "KEY_WORDS", "entropy_key", "gaussian_like", "next_key_and_draw", "seeded_key"]
+sys.modules[__name__] = _moved

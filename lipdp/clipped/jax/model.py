@@ -6,7 +6,7 @@ step (``train_step(state, data) -> (logs, state)``, compiled by ``jax.jit``):
 
 1. rows with a NaN or an infinity (input or floating label) are zeroed and get weight 0;
    every row's weight is its sample weight clipped to ``[0, 1]`` -- the 0/1 row mask of
-   padded Poisson batches (:mod:`lipdp.clipped.jax.batches`), 1 without one (rule S9);
+   padded Poisson batches (:mod:`lipdp.core.jax.batches`), 1 without one (rule S9);
 2. per-example gradients of the per-example losses, ``jax.vmap(jax.grad(...))`` over the
    network's ``stateless_call`` on one row at a time (rule S2), flat-clipped to ``R``
    and summed (:mod:`lipdp.clipped.jax.per_example`, where the sensitivity is derived);
@@ -18,9 +18,9 @@ step (``train_step(state, data) -> (logs, state)``, compiled by ``jax.jit``):
 3. the sum divided by the loss normaliser ``b`` plus Gaussian noise of standard
    deviation ``sigma R (1 + ROUNDOFF_SLACK) / b`` on every coordinate, drawn from a key
    seeded by the operating system that moves at every step (rule S8,
-   :mod:`lipdp.clipped.jax.keys`);
+   :mod:`lipdp.core.jax.keys`);
 4. the optimizer's update; the step count ``noisy_steps`` and the privacy ledger
-   (:mod:`lipdp.clipped.jax.ledger`) are updated inside the step, model variables saved
+   (:mod:`lipdp.core.jax.ledger`) are updated inside the step, model variables saved
    in ``.keras`` files (rule S10).
 
 The privacy surface is the TensorFlow models' own, written once in
@@ -31,7 +31,7 @@ logged, rule S11), the ledger row, and the guards of ``compile``, ``fit``, ``sav
 ``set_weights`` and ``load_weights`` with their messages; ``DP_Accountant``,
 ``privacy_report`` and ``calibrate_noise_multiplier`` are shared too.
 
-**Rows isolated by construction** (rule S2, :mod:`lipdp.clipped.jax.isolation`): both
+**Rows isolated by construction** (rule S2, :mod:`lipdp.core.jax.isolation`): both
 paths compute each row's loss on that row alone (``jax.vmap`` of a batch of one), so a
 layer or a loss that reads the batch cannot move another row's term; a ``custom_vmap``
 rule, a host callback or a foreign function in the forward pass or the loss (which could)
@@ -58,21 +58,17 @@ from the replicated key, is added once to it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import keras
-import numpy as np
 
 from lipdp.clipped.clipping import Clipping
-from lipdp.clipped.jax import ghost, isolation, keys, ledger, per_example
-from lipdp.clipped.jax.batches import PoissonBatches
+from lipdp.clipped.jax import ghost, per_example
 from lipdp.clipped.layer_support import check_keras_layers
-from lipdp.core import noise
+from lipdp.core.jax import isolation
+from lipdp.core.jax.trainer import JaxPrivateTrainer, per_row_loss
 from lipdp.core.private_base import (
-    PrivateModelBase,
     one_target_per_output,
-    refuse_mixed_precision,
 )
 from lipdp.foundation import compat
 from lipdp.foundation.layer_walk import children
@@ -127,26 +123,14 @@ def _check_parameters(dp_parameters, clipping) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class _StepPlan:
-    """What a compiled step bakes in (decided on the host before training)."""
-
-    stddev: float  # of the noise on the averaged gradient
-    normalizer: float  # b
-    rows: int | None  # the rows of a fixed-size batch (None: Poisson, padded)
-    #: The ledger row of the mechanism the step releases (float64 values); where its run
-    #: is counted is decided in the step, from the table it gets (ledger.recorded).
-    ledger_row: tuple
-
-
-class DPSGD_JaxModel(PrivateModelBase, keras.Model):
+class DPSGD_JaxModel(JaxPrivateTrainer):
     """A Keras model trained with clipped DP-SGD on the JAX backend (module docstring).
 
     The privacy surface it shares with the TensorFlow models (sigma, the noise multipliers
     and standard deviation, the plan, the ledger view and row, the guards of compile, fit,
     save and the weights, the configuration) is
     :class:`lipdp.core.private_base.PrivateModelBase`'s; this class holds the JAX step,
-    its noise keys and its ledger variables (:mod:`lipdp.clipped.jax.ledger`).
+    its noise keys and its ledger variables (:mod:`lipdp.core.jax.ledger`).
 
     Args:
         network: the ``keras.Model`` to train (built: give it an input shape).
@@ -183,25 +167,9 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
             raise ValueError("Augmentation multiplicity is not supported on the JAX backend.")
         self.network = network
         self.clipping = clipping
-        #: Rule S8: the key of the next step's noise (keys module; zeroed in saved files).
-        self.noise_key = keras.Variable(
-            np.zeros(keys.KEY_WORDS, np.uint32), dtype="uint32", trainable=False, name="noise_key"
-        )
-        #: Rule S10: noisy steps taken, counted inside the step, saved with the weights.
-        self.noisy_steps = keras.Variable(0, dtype="int32", trainable=False, name="noisy_steps")
-        self.privacy_ledger_table, self.privacy_ledger_counts = ledger.create_variables()
-        #: Rule S9: rows neutralised for a NaN or an infinity (statistics for the owner of
-        #: the data, in the logs as the loss is; not part of the release).
-        self.non_finite_examples = keras.metrics.Sum(name="non_finite_examples")
-        object.__setattr__(self, "_step_plan", None)
-        object.__setattr__(self, "_traced_with", None)
-        object.__setattr__(self, "_key_seed", None)
+        self._init_private_state()
         if network.built:
             self.built = True
-
-    #: The standard deviation is a constant of the compiled step, computed on the host.
-    _noise_on_host = True
-    _poisson_batches_hint = "lipdp.private_batches(model, x, y)"
 
     def call(self, inputs, training=None):
         return self.network(inputs, training=training)
@@ -227,75 +195,15 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
         one noise rule (:func:`lipdp.core.noise.noise_stddevs`, on the host)."""
         return self._entry_stddevs(self.sensitivities())[0]
 
-    @staticmethod
-    def _ledger_view(table, counts):
-        """The ledger read exactly from the JAX variables (:mod:`lipdp.clipped.jax.ledger`)."""
-        return ledger.ledger_view(table, counts)
-
-    # -------------------------------------------------------------- compile
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
-        self._check_compile_arguments(loss, kwargs)
-        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
-
     # ------------------------------------------------------------ training
-    def make_train_function(self, force=False):
-        """Before every ``fit``/``train_on_batch``: the noise key (rule S8) and the step's
-        constants (the noise, the normaliser, the ledger row of its mechanism); traced
-        again when they changed. Keras' JAX ``fit`` calls it before ``on_train_begin``
-        (where ``BackupAndRestore`` restores the ledger), so nothing here may depend on
-        the ledger's contents: the step places its run itself (``ledger.recorded``)."""
-        self._refuse_nothing_trainable()
-        refuse_mixed_precision(self._all_layers())
+    def _check_before_training(self) -> None:
+        super()._check_before_training()
         check_network(self.network)  # again: a layer may have been unfrozen since
-        self._set_noise_key()
-        plan = self._plan_step()
-        configuration = (plan, tuple(id(v) for v in self.trainable_variables))
-        if configuration != self._traced_with:
-            force = True
-        object.__setattr__(self, "_step_plan", plan)
-        object.__setattr__(self, "_traced_with", configuration)
-        return super().make_train_function(force)
 
-    def _set_noise_key(self) -> None:
-        seed = noise.reproducible_noise_seed()
-        if seed is None:
-            self.noise_key.assign(keys.entropy_key())
-            object.__setattr__(self, "_key_seed", None)
-        elif seed != self._key_seed:  # reproducible: seeded once, then moves step by step
-            self.noise_key.assign(keys.seeded_key(seed))
-            object.__setattr__(self, "_key_seed", seed)
-
-    def _plan_step(self) -> _StepPlan:
-        metadata = self._metadata_for("training")
-        return _StepPlan(
-            stddev=float(self.noise_stddev()),
-            normalizer=float(metadata.loss_normalizer),
-            rows=None if metadata.sampling == "poisson" else metadata.rows_per_batch,
-            ledger_row=tuple(float(v) for v in self._step_row()),
-        )
-
-    def train_step(self, state, data):
-        """One private step (module docstring), stateless: ``(logs, state)``."""
-        import jax.numpy as jnp
-
-        trainable, non_trainable, optimizer_variables, metrics_variables = state
-        plan = self._step_plan
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        rows = _rows(x)
-        if plan.rows is not None and rows != plan.rows:
-            raise ValueError(
-                f"DP training needs every batch to have exactly {plan.rows} rows (the "
-                f"declared batch size; the sensitivity is computed for it), got {rows}: drop "
-                "the partial last batch."
-            )
-        finite = _finite_rows(x) & _finite_rows(y)
-        x, y = _zeroed(finite, x), _zeroed(finite, y)
-        weights = jnp.ones((rows,), "float32")
-        if sample_weight is not None:
-            weights = jnp.clip(jnp.reshape(sample_weight, (rows,)).astype("float32"), 0.0, 1.0)
-        weights = jnp.where(finite, weights, 0.0)
+    def _private_gradients(self, trainable, non_trainable, x, y, weights):
+        """The clipped sum of the per-example gradients over ``b`` (module docstring), by
+        ghost norms or per-example gradients, with the per-row losses and predictions."""
         self._refuse_cross_row_primitives(trainable, non_trainable, x, y)
-
         ghosted = None
         if self.gradient_method == "ghost":
             ghosted = self._ghost_clipped_sum(trainable, non_trainable, x, y, weights)
@@ -305,26 +213,10 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
         else:
             summed, losses, y_pred = self._vmap_clipped_sum(trainable, non_trainable, x, y, weights)
             object.__setattr__(self, "gradient_method_used", "vmap")
-
-        next_key, draw = keys.next_key_and_draw(self._own(non_trainable, self.noise_key))
-        averaged = [s / plan.normalizer for s in summed]
-        if plan.stddev > 0:
-            averaged = [
-                a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, plan.stddev))
-            ]
-        trainable, optimizer_variables = self.optimizer.stateless_apply(
-            optimizer_variables, averaged, trainable
-        )
-        non_trainable = self._after_step(non_trainable, next_key)
-
-        counted = weights > 0
-        logs, metrics_variables = self._logged(
-            metrics_variables, x, y, y_pred, losses, counted, jnp.sum(~finite)
-        )
-        return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+        return [s / self._step_plan.normalizer for s in summed], losses, y_pred
 
     def _refuse_cross_row_primitives(self, trainable, non_trainable, x, y) -> None:
-        """Rule S2 (:mod:`lipdp.clipped.jax.isolation`): one row's loss and gradient,
+        """Rule S2 (:mod:`lipdp.core.jax.isolation`): one row's loss and gradient,
         unbatched, use no primitive whose batching could see other rows. Python, when the
         step is traced (one more trace of one row, no cost per step)."""
         import jax
@@ -355,7 +247,7 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
         ``tap_params``. ``calls`` receives the layer of every tapped call, in order."""
         import jax.numpy as jnp
 
-        loss_fn = _per_row_loss(self.loss)
+        loss_fn = per_row_loss(self.loss)
         trainable_ids = [id(v) for v in self.trainable_variables]
         others = list(zip(self.non_trainable_variables, non_trainable))
 
@@ -442,7 +334,7 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
         non-trainable state or adds a loss."""
         import jax.numpy as jnp
 
-        loss_fn = _per_row_loss(self.loss)
+        loss_fn = per_row_loss(self.loss)
 
         def row_loss(params, x_row, y_row):
             batch = keras.tree.map_structure(lambda t: t[None], x_row)
@@ -476,88 +368,6 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
             )
         return y_pred
 
-    def _own(self, non_trainable, variable):
-        """The value of one of this model's own non-trainable variables in the state."""
-        return non_trainable[self._index(variable)]
-
-    def _index(self, variable) -> int:
-        return next(i for i, v in enumerate(self.non_trainable_variables) if v is variable)
-
-    def _after_step(self, non_trainable, next_key):
-        """The state after one step: the next key, one more step, one more run of the
-        step's mechanism in the ledger, placed from the table the step was given (which
-        a restore or a callback may have changed since the step was compiled)."""
-        plan = self._step_plan
-        non_trainable = list(non_trainable)
-        table_at = self._index(self.privacy_ledger_table)
-        counts_at = self._index(self.privacy_ledger_counts)
-        non_trainable[table_at], non_trainable[counts_at] = ledger.recorded(
-            non_trainable[table_at], non_trainable[counts_at], np.asarray(plan.ledger_row)
-        )
-        non_trainable[self._index(self.noise_key)] = next_key
-        steps_at = self._index(self.noisy_steps)
-        non_trainable[steps_at] = non_trainable[steps_at] + 1
-        return non_trainable
-
-    def _logged(self, metrics_variables, x, y, y_pred, losses, counted, non_finite):
-        """The logs (loss and metrics of the rows that entered the step, rows neutralised):
-        statistics of the private data for its owner, not part of the release."""
-        import jax.numpy as jnp
-
-        kept = counted.astype("float32")
-        count = jnp.sum(kept)
-        mean_loss = jnp.sum(jnp.where(counted, losses, 0.0)) / jnp.maximum(count, 1.0)
-        mapping = list(zip(self.metrics_variables, metrics_variables))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            self._loss_tracker.update_state(mean_loss, sample_weight=count)
-            self.non_finite_examples.update_state(non_finite.astype("float32"))
-            logs = self.compute_metrics(x, y, y_pred, sample_weight=kept)
-        return logs, [scope.get_current_value(v) for v in self.metrics_variables]
-
-    # -------------------------------------------------------------- guards
-    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        self._check_fit_arguments(x, y, batch_size, kwargs)
-        if isinstance(x, PoissonBatches):
-            kwargs.setdefault("shuffle", False)
-        elif batch_size is None and not isinstance(x, keras.utils.PyDataset):
-            batch_size = self.batch_size
-        return super().fit(x, y, batch_size, *args, **kwargs)
-
-    def _poisson_batches_facts(self, x):
-        """The rate and steps of padded Poisson batches (:mod:`lipdp.clipped.jax.batches`),
-        or ``None`` for other data."""
-        return (x.sampling_rate, len(x)) if isinstance(x, PoissonBatches) else None
-
-    def _checked_data_source(self, x) -> bool:
-        if isinstance(x, PoissonBatches):
-            raise ValueError(
-                "Poisson batches given to a model declared with sampling='shuffle': declare "
-                "DatasetMetadata(sampling='poisson')."
-            )
-        return False
-
-    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
-        if class_weight is not None:
-            raise ValueError("class_weight is not supported: it changes the sensitivity.")
-        if sample_weight is not None and self._metadata_for("training").sampling != "poisson":
-            raise ValueError("sample_weight is not supported: it changes the sensitivity.")
-        return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
-
-    # ------------------------------------------------------- privacy state
-    def save_own_variables(self, store):
-        """Every variable but the noise key, written as zeros (rule S8: a file never holds
-        a key; a reloaded model draws a fresh one before it trains)."""
-        own = self._trainable_variables + self._non_trainable_variables
-        for i, variable in enumerate(own):  # the layout of Keras' own save_own_variables
-            key = variable is self.noise_key
-            store[f"{i}"] = np.zeros(keys.KEY_WORDS, np.uint32) if key else variable
-
-    def _own_state(self):
-        """Loaded or set weights never bring a noise key: it stays this model's own (rule
-        S8: another model's key would replay its noise)."""
-        key = np.array(self.noise_key.numpy())
-        return lambda: self.noise_key.assign(key)
-
     # ------------------------------------------------------- serialisation
     def _model_config(self) -> dict:
         return {
@@ -574,47 +384,6 @@ class DPSGD_JaxModel(PrivateModelBase, keras.Model):
 
 
 keras.utils.register_keras_serializable(package="lipdp")(DPSGD_JaxModel)
-
-
-# ---------------------------------------------------------------------- helpers
-def _rows(x) -> int:
-    return int(keras.tree.flatten(x)[0].shape[0])
-
-
-def _finite_rows(values):
-    """``(rows,)``: no NaN and no infinity in the row of any floating leaf."""
-    import jax.numpy as jnp
-
-    result = None
-    for leaf in keras.tree.flatten(values):
-        if leaf is None or not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
-            continue
-        leaf = jnp.asarray(leaf)
-        ok = jnp.all(jnp.isfinite(jnp.reshape(leaf, (leaf.shape[0], -1))), axis=1)
-        result = ok if result is None else result & ok
-    if result is None:
-        return jnp.ones((_rows(values),), bool)
-    return result
-
-
-def _zeroed(finite, values):
-    """``values`` with the floating leaves of the rows not ``finite`` set to 0."""
-    import jax.numpy as jnp
-
-    def zero(leaf):
-        leaf = jnp.asarray(leaf)
-        if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            return leaf
-        mask = jnp.reshape(finite, (-1,) + (1,) * (leaf.ndim - 1))
-        return jnp.where(mask, leaf, jnp.zeros_like(leaf))
-
-    return keras.tree.map_structure(zero, values)
-
-
-def _per_row_loss(loss):
-    """The compiled loss as ``(y_true, y_pred) -> per-row values`` (no reduction)."""
-    loss = keras.losses.get(loss)
-    return loss.call if isinstance(loss, keras.losses.Loss) else loss
 
 
 __all__ = ["JAX_CLIPPING_MODES", "JAX_GRADIENT_METHODS", "DPSGD_JaxModel", "check_network"]

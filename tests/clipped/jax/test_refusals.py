@@ -141,15 +141,24 @@ def test_options_of_the_tensorflow_backend_only_are_refused():
     with pytest.raises(ValueError, match="noisify_strategy='global'"):
         DPSGD_JaxModel(h.mlp(), dp_parameters=DPParameters("per-layer", 1.0, 1e-5),
                        dataset_metadata=metadata)  # fmt: skip
-    with pytest.raises(ValueError, match="clipless family runs on TensorFlow: set KERAS_BACKEND"):
+    # The clipless family trains on JAX (lipdp.clipless.jax.step): ordinary layers are
+    # refused as on TensorFlow (first: no input bound).
+    with pytest.raises(ValueError, match="needs a public bound on the inputs' norm"):
         lipdp.make_private(h.mlp(), epsilon=1.0, delta=1e-5, epochs=1, batch_size=8,
                            dataset_size=32, method="clipless")  # fmt: skip
 
 
-@pytest.mark.parametrize("module", ["lipdp.clipped.model", "lipdp.clipless.model"])
+@pytest.mark.parametrize("module", ["lipdp.clipped.model", "lipdp.core.private_model"])
 def test_tensorflow_programs_refuse_the_jax_backend_naming_the_fix(module):
     with pytest.raises(ImportError, match="Fix: set KERAS_BACKEND=tensorflow before importing"):
         importlib.import_module(module)
+
+
+def test_the_clipless_model_takes_the_jax_trainer():
+    from lipdp.clipless.model import DP_Model
+    from lipdp.core.jax.trainer import JaxPrivateTrainer
+
+    assert issubclass(DP_Model, JaxPrivateTrainer)
 
 
 def test_fixed_size_batches_must_have_the_declared_size():
