@@ -57,7 +57,7 @@ test: install
 test-thorough: install
 	$(BIN)/pytest -q -n 2 --dist worksteal -m "thorough and not slow"
 
-# The clipped family on Keras 3's JAX backend (lipdp.clipped.jax): tests/clipped/jax, in one process
+# Both families on Keras 3's JAX backend: tests/clipped/jax, tests/clipless/jax and tests/backends, in one process
 # (the rest of the suite is TensorFlow programs; under KERAS_BACKEND=jax tests/conftest.py
 # collects the JAX directories and tests/backends only; the default suite skips the JAX ones).
 test-jax: install

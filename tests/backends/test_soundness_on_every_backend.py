@@ -20,13 +20,7 @@ LIMIT = 1.0 + ROUNDOFF_SLACK
 
 
 def _families():
-    """Both families; the clipless family's JAX model is being built (issue 38 item 5):
-    until it lands, its JAX cases must fail (strict), so that they cannot stay off."""
-    not_yet = pytest.mark.xfail(
-        h.BACKEND == "jax", reason="clipless family on JAX: not yet",
-        raises=(ValueError, AssertionError), strict=True,
-    )  # fmt: skip
-    return [pytest.param("clipped"), pytest.param("clipless", marks=not_yet)]
+    return [pytest.param(family) for family in h.FAMILIES]
 
 
 @pytest.mark.parametrize("family", _families())
