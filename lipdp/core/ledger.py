@@ -246,6 +246,13 @@ class PrivacyLedger:
         self.table = table
         self.counts = counts
 
+    @property
+    def storage(self):
+        """The variable holding the table: what identifies a ledger (two views of the same
+        variables are the same ledger; a backend that stores the table in another form
+        names its variable here)."""
+        return self.table
+
     @staticmethod
     def create_variables(name="privacy_ledger"):
         """The two variables of an empty ledger (create them as model attributes, so that
@@ -409,7 +416,7 @@ def ledgers_of(layers) -> dict:
     return found
 
 
-def inherited_ledger(layers) -> PrivacyLedger | None:
+def inherited_ledger(layers, new_ledger=None) -> PrivacyLedger | None:
     """The ledger a private model built from ``layers`` starts from, or ``None`` (no
     layer belongs to a private model):
 
@@ -420,14 +427,19 @@ def inherited_ledger(layers) -> PrivacyLedger | None:
       ``epsilon`` of the new model is at least that of the composition of the sources'
       mechanisms -- more than needed if they trained on disjoint data, never less). The
       layers then belong to the new ledger: their former models can no longer train them
-      (refused in :meth:`~lipdp.core.private_model.PrivateModel.make_train_function`).
+      (refused in :meth:`~lipdp.core.private_base.PrivateModelBase._check_lineage`).
+
+    ``new_ledger()`` makes the empty ledger of that composition (the backend's variables;
+    default: TensorFlow's).
     """
     distinct = {}
     for ledger in ledgers_of(layers).values():
-        distinct.setdefault(id(ledger.table), ledger)
+        distinct.setdefault(id(ledger.storage), ledger)
     if len(distinct) <= 1:
         return next(iter(distinct.values()), None)
-    merged = PrivacyLedger(*PrivacyLedger.create_variables())
+    merged = (
+        new_ledger() if new_ledger is not None else PrivacyLedger(*PrivacyLedger.create_variables())
+    )
     for source in distinct.values():
         merged.add(source)
     logger.info(
@@ -460,7 +472,7 @@ def copied_ledgers(layers, own: PrivacyLedger | None = None) -> dict:
     shapes = {shape for shape, _ in wanted}
     found = {}
     for layer, ledger in list(_TRAINED_BY.items()):
-        if own is not None and ledger.table is own.table or not ledger.entries():
+        if own is not None and ledger.storage is own.storage or not ledger.entries():
             continue
         untrained = _UNTRAINED_VALUES.get(layer, set())
         for variable in _own_weights(layer, trainable=True):

@@ -41,7 +41,7 @@ import numpy as np
 
 from lipdp.accounting.mechanisms import effective_noise_multiplier
 from lipdp.accounting.plan import PrivacyPlan
-from lipdp.core import noise
+from lipdp.core import ledger, noise
 from lipdp.core.ledger import PrivacyLedger, step_row
 from lipdp.core.parameters import DPParameters
 from lipdp.foundation import compat
@@ -187,6 +187,103 @@ class PrivateModelBase:
         """The :class:`~lipdp.core.ledger.PrivacyLedger` reading the ledger variables
         (backend hook: how they are stored)."""
         return PrivacyLedger(table, counts)
+
+    @staticmethod
+    def _new_ledger_variables() -> tuple:
+        """The two variables of an empty ledger (backend hook: how they are stored)."""
+        return PrivacyLedger.create_variables()
+
+    # ------------------------------------------------------- lineage (rule S10)
+    # The ledger follows the weights: layers of another private model of this process
+    # (trained here or loaded from its file) bring that model's ledger, wherever they are
+    # reused. Written once for every backend; the TensorFlow and JAX trainers call these
+    # at the same points (construction, build, every new step).
+    def _lineage_layers(self) -> list:
+        """The layers whose weights the ledger prices (hook: the model's layers)."""
+        return list(self.dp_layers)
+
+    def _lineage_ledger_variables(self) -> tuple:
+        """The ledger variables of a new model (call before building it): those of the
+        private model its layers belong to, shared (both models then record into them);
+        for layers of several, new variables holding the composition of their ledgers
+        (:func:`lipdp.core.ledger.inherited_ledger`); else new empty ones."""
+        inherited = ledger.inherited_ledger(
+            self._lineage_layers(), lambda: self._ledger_view(*self._new_ledger_variables())
+        )
+        if inherited is None:
+            return self._new_ledger_variables()
+        return self._ledger_variables_of(inherited)
+
+    @staticmethod
+    def _ledger_variables_of(view) -> tuple:
+        """``(table, counts)`` variables behind a ledger view (inverse of :meth:`_ledger_view`)."""
+        return view.storage, view.counts
+
+    def _claim_layers(self) -> None:
+        """Once the layers are built: add the spending of weights copied by hand
+        (:meth:`_add_copied_spending`), then price the layers by this model's ledger
+        wherever they are reused (:func:`lipdp.core.ledger.tag_layers`)."""
+        self._add_copied_spending()
+        ledger.tag_layers(self._lineage_layers(), self.privacy_ledger)
+
+    def _check_lineage(self, new_step: bool) -> None:
+        """Before a step is made: refuse to train layers that another private model, built
+        on them after this one, now prices (its ledger holds this model's releases); on a
+        new step (weights may have been copied since), add copied spending; claim the
+        layers."""
+        own = self.privacy_ledger
+        others = {
+            path: other
+            for path, other in ledger.ledgers_of(self._lineage_layers()).items()
+            if other.storage is not own.storage
+        }
+        if others:
+            raise ValueError(
+                f"Layer(s) {', '.join(map(repr, others))} belong to another private model "
+                "built on them after this one (its ledger holds this model's releases and "
+                "prices those weights): train that model, or build a new one from them."
+            )
+        if new_step:
+            self._add_copied_spending()
+        ledger.tag_layers(self._lineage_layers(), own)
+
+    def _prepare_weights_for_training(self) -> None:
+        """Before ``fit`` and ``train_on_batch``: weights set by hand bring their spending
+        (:meth:`_add_copied_spending`, on the values as they were set: a projection would
+        change them and hide the copy), then are brought back into their constraint sets
+        before the first bound is trusted (rule S12)."""
+        self._add_copied_spending()
+        self.project()
+
+    def _add_copied_spending(self) -> None:
+        """Rule S10 for weights copied by hand (``layer.set_weights(private_layer.
+        get_weights())``: numpy arrays, no ledger): when a layer of this model holds the
+        trained weights of another private model of this process
+        (:func:`lipdp.core.ledger.copied_ledgers`), this model's ledger is made to hold at
+        least every release of that model's ledger, row by row
+        (:meth:`~lipdp.core.ledger.PrivacyLedger.keep_at_least`): a fresh model starts
+        from the source's spending; a model loaded from the source's file, which holds it
+        already, adds nothing. Checked when the model is built, at every ``fit`` and when
+        a training step is made. Limit (``docs/soundness.md``): a model that has itself
+        run the very same mechanism at least as often before receiving the copy is not
+        charged again."""
+        copies = ledger.copied_ledgers(self._lineage_layers(), self.privacy_ledger)
+        by_source = {}
+        for path, source in copies.items():
+            by_source.setdefault(id(source.storage), (source, []))[1].append(path)
+        for source, paths in by_source.values():
+            before = int(np.sum(self.privacy_ledger.counts.numpy()))
+            self.privacy_ledger.keep_at_least(source.snapshot())
+            added = int(np.sum(self.privacy_ledger.counts.numpy())) - before
+            if added:
+                logger.warning(
+                    "Layer(s) %s hold weights copied from a model trained privately: %d of "
+                    "its releases are added to this model's privacy ledger (rule S10). Copy "
+                    "whole models (set_weights, load_weights, .keras files) to carry the "
+                    "ledger with the weights.",
+                    ", ".join(repr(p) for p in paths),
+                    added,
+                )
 
     def _step_row(self):
         """The ledger row of one step of the current configuration: the effective noise

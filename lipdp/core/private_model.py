@@ -37,7 +37,6 @@ import tensorflow as tf
 
 from lipdp.core import batch_independence, distribute, isolation, ledger, noise
 from lipdp.core.adversarial import PGD, softmax_kl
-from lipdp.core.ledger import PrivacyLedger
 from lipdp.core.parameters import DPParameters
 from lipdp.core.private_base import (
     PrivateModelBase,
@@ -163,11 +162,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
         #: a file) bring its ledger: the two models then share it; layers of several
         #: bring the composition of theirs (the lineage of those weights,
         #: :func:`lipdp.core.ledger.inherited_ledger`).
-        inherited = ledger.inherited_ledger(self.dp_layers)
-        if inherited is None:
-            table, counts = PrivacyLedger.create_variables()
-        else:
-            table, counts = inherited.table, inherited.counts
+        table, counts = self._lineage_ledger_variables()
         self.privacy_ledger_table, self.privacy_ledger_counts = table, counts
         if dataset_metadata is not None:
             if dataset_metadata.sampling == "poisson" and dataset_metadata.multiplicity:
@@ -180,8 +175,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
             self.build(input_shape)
         # From now on the layers' weights are priced by this ledger (a model loaded from a
         # file: the ledger loaded with them), wherever they are reused (rule S10).
-        self._add_copied_spending()
-        ledger.tag_layers(self.dp_layers, self.privacy_ledger)
+        self._claim_layers()
 
     # ----------------------------------------------------------------- structure
     def build(self, input_shape):
@@ -579,21 +573,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
         # with: traced again when any of them changed (frozen layers take effect, and the
         # ledger records the mechanism that now runs).
         self._refuse_nothing_trainable()
-        own = self.privacy_ledger
-        others = {
-            path: other
-            for path, other in ledger.ledgers_of(self.dp_layers).items()
-            if other.table is not own.table
-        }
-        if others:
-            raise ValueError(
-                f"Layer(s) {', '.join(map(repr, others))} belong to another private model "
-                "built on them after this one (its ledger holds this model's releases and "
-                "prices those weights): train that model, or build a new one from them."
-            )
-        if self.train_function is None or force:  # a new step: weights may have been copied
-            self._add_copied_spending()
-        ledger.tag_layers(self.dp_layers, own)
+        self._check_lineage(new_step=self.train_function is None or force)
         distribute.check_steps_per_execution(self.distribute_strategy, self.steps_per_execution)
         configuration = self._step_configuration()
         if configuration != getattr(self, "_traced_configuration", None):
@@ -610,36 +590,6 @@ class PrivateModel(PrivateModelBase, keras.Model):
             self.train_function, self.distribute_strategy
         )
         return result
-
-    def _add_copied_spending(self) -> None:
-        """Rule S10 for weights copied by hand (``layer.set_weights(private_layer.
-        get_weights())``: numpy arrays, no ledger): when a layer of this model holds the
-        trained weights of another private model of this process
-        (:func:`lipdp.core.ledger.copied_ledgers`), this model's ledger is made to hold at
-        least every release of that model's ledger, row by row
-        (:meth:`~lipdp.core.ledger.PrivacyLedger.keep_at_least`): a fresh model starts
-        from the source's spending; a model loaded from the source's file, which holds it
-        already, adds nothing. Checked when the model is built, at every ``fit`` and when
-        a training step is traced. Limit (``docs/soundness.md``): a model that has itself
-        run the very same mechanism at least as often before receiving the copy is not
-        charged again."""
-        copies = ledger.copied_ledgers(self.dp_layers, self.privacy_ledger)
-        by_source = {}
-        for path, source in copies.items():
-            by_source.setdefault(id(source.table), (source, []))[1].append(path)
-        for source, paths in by_source.values():
-            before = int(self.privacy_ledger.counts.numpy().sum())
-            self.privacy_ledger.keep_at_least(source.snapshot())
-            added = int(self.privacy_ledger.counts.numpy().sum()) - before
-            if added:
-                logger.warning(
-                    "Layer(s) %s hold weights copied from a model trained privately: %d of "
-                    "its releases are added to this model's privacy ledger (rule S10). Copy "
-                    "whole models (set_weights, load_weights, .keras files) to carry the "
-                    "ledger with the weights.",
-                    ", ".join(repr(p) for p in paths),
-                    added,
-                )
 
     def _checked_batch(self, data):
         """``(x, y, batch_rows)`` of a training batch, refusing what changes the
@@ -752,10 +702,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
             # Batches drawn by the pipeline (Poisson, or shuffled there): Keras 3 would warn
             # at every fit that its default shuffle=True does not apply to a dataset.
             kwargs.setdefault("shuffle", False)
-        # Weights set by hand (load_weights, set_weights) are brought back in the
-        # feasible set before the first bound is trusted, and bring their spending.
-        self.project()
-        self._add_copied_spending()
+        self._prepare_weights_for_training()
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -771,7 +718,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
     def train_on_batch(self, *args, **kwargs):
         """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
         self._refuse_changed_trainable_state()
-        self.project()
+        self._prepare_weights_for_training()
         return super().train_on_batch(*args, **kwargs)
 
     def _refuse_invalid_labels(self, x, y) -> None:

@@ -48,6 +48,16 @@ def network(family, seed=0):
     ]
 
 
+def layers_of(model) -> list:
+    """The layers a private model was made from (a loaded one included), to build another
+    model on: ``dp_layers`` of the TensorFlow models and of the clipless JAX model, the
+    network's layers of the clipped JAX model."""
+    network = getattr(model, "network", None)
+    if network is not None:
+        return [compat.input_layer((FEATURES,)), *network.layers]
+    return list(model.dp_layers)
+
+
 def loss(family):
     if family == "clipped":
         return keras.losses.CategoricalCrossentropy(from_logits=True)
@@ -56,12 +66,15 @@ def loss(family):
     return DP_TauCategoricalCrossentropy(2.0)
 
 
-def private(family, *, batch_size=8, dataset_size=64, seed=0, noise="global", **options):
-    """A compiled private model of ``family`` (Poisson sampling: a batch minus one row is
-    a legal batch; SGD of rate 1: the update is minus the release)."""
+def private(family, *, batch_size=8, dataset_size=64, seed=0, noise="global", layers=None,
+            **options):  # fmt: skip
+    """A compiled private model of ``family`` on ``layers`` (default: a new
+    :func:`network`; Poisson sampling: a batch minus one row is a legal batch; SGD of rate
+    1: the update is minus the release)."""
     model = make_private(
-        network(family, seed), epsilon=3.0, delta=1e-5, epochs=1, batch_size=batch_size,
-        dataset_size=dataset_size, method=family, noise=noise, **options,
+        network(family, seed) if layers is None else layers, epsilon=3.0, delta=1e-5,
+        epochs=1, batch_size=batch_size, dataset_size=dataset_size, method=family, noise=noise,
+        **options,
     )  # fmt: skip
     model.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss(family))
     return model

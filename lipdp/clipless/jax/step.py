@@ -321,6 +321,7 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
         input_shape = compat.declared_batch_shape(self.dp_layers[0])
         if input_shape is not None:
             self.build(input_shape)
+        self._claim_layers()
 
     @property
     def adversarial(self):

@@ -170,6 +170,11 @@ class DPSGD_JaxModel(JaxPrivateTrainer):
         self._init_private_state()
         if network.built:
             self.built = True
+            self._claim_layers()
+
+    def _lineage_layers(self) -> list:
+        """The network (its layers at any depth hold the weights the ledger prices)."""
+        return [self.network]
 
     def call(self, inputs, training=None):
         return self.network(inputs, training=training)

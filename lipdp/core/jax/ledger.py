@@ -103,6 +103,11 @@ class WordsLedger(PrivacyLedger):
     def __init__(self, table_words, counts):
         super().__init__(Float64Words(table_words), counts)
 
+    @property
+    def storage(self):
+        """The ``int32`` words variable (a new :class:`Float64Words` wraps it per view)."""
+        return self.table.variable
+
     def record(self, row, count=1) -> None:
         record_on_host(self.table.variable, self.counts, row, count)
 

@@ -89,7 +89,9 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         )
         #: Rule S10: noisy steps taken, counted inside the step, saved with the weights.
         self.noisy_steps = keras.Variable(0, dtype="int32", trainable=False, name="noisy_steps")
-        self.privacy_ledger_table, self.privacy_ledger_counts = ledger.create_variables()
+        #: Rule S10: the ledger -- shared with the private model whose layers these are
+        #: (:meth:`PrivateModelBase._lineage_ledger_variables`).
+        self.privacy_ledger_table, self.privacy_ledger_counts = self._lineage_ledger_variables()
         #: Rule S9: rows neutralised for a NaN or an infinity (statistics for the owner of
         #: the data, in the logs as the loss is; not part of the release).
         self.non_finite_examples = keras.metrics.Sum(name="non_finite_examples")
@@ -134,6 +136,11 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         """The ledger read exactly from the JAX variables (:mod:`lipdp.core.jax.ledger`)."""
         return ledger.ledger_view(table, counts)
 
+    @staticmethod
+    def _new_ledger_variables() -> tuple:
+        """An empty ledger's ``int32`` words and counts (:mod:`lipdp.core.jax.ledger`)."""
+        return ledger.create_variables()
+
     # ---------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
         self._check_compile_arguments(loss, kwargs)
@@ -148,6 +155,7 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         the ledger's contents: the step places its run itself (``ledger.recorded``)."""
         self._refuse_nothing_trainable()
         self._check_before_training()
+        self._check_lineage(new_step=self.train_function is None or force)
         self._set_noise_key()
         plan = self._plan_step()
         configuration = (plan, tuple(id(v) for v in self.trainable_variables))
@@ -273,6 +281,7 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
     # ----------------------------------------------------------------- guards
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_fit_arguments(x, y, batch_size, kwargs)
+        self._prepare_weights_for_training()
         if isinstance(x, PoissonBatches):
             kwargs.setdefault("shuffle", False)
         elif batch_size is None and not isinstance(x, keras.utils.PyDataset):
@@ -297,6 +306,7 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
             raise ValueError("class_weight is not supported: it changes the sensitivity.")
         if sample_weight is not None and self._metadata_for("training").sampling != "poisson":
             raise ValueError("sample_weight is not supported: it changes the sensitivity.")
+        self._prepare_weights_for_training()
         return super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
     # ---------------------------------------------------------- privacy state
