@@ -166,7 +166,8 @@ def _warn_once_about_shuffling(metadata) -> None:
         logger.warning(
             "training with shuffled fixed-size batches: the reported epsilon assumes Poisson "
             "sampling and is not a proven guarantee for shuffling. Use "
-            "DatasetMetadata(sampling='poisson') with lipdp.pipeline.poisson_batches."
+            "DatasetMetadata(sampling='poisson') with lipdp.pipeline.poisson_batches "
+            "(the lipdp command: --sampling poisson)."
         )
 
 
