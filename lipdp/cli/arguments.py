@@ -593,16 +593,6 @@ def refuse_missing_settings(args) -> None:
             f"--clipping {args.clipping} bounds the whole gradient, not each layer's): add "
             "--clipping per-layer or drop --strategy."
         )
-    if args.mirrored is not None:
-        size = batch_size(args)
-        if size % args.mirrored:
-            below = size - size % args.mirrored
-            above = below + args.mirrored
-            sizes = f"{below} or {above}" if below else f"{above}"
-            raise ValueError(
-                f"--batch-size {size} is not divisible by --mirrored {args.mirrored} (each "
-                f"replica takes an equal share of the batch): use --batch-size {sizes}."
-            )
     if args.method == "dp-sgd" and args.clipping == "global" and args.clip_threshold is None:
         raise ValueError(
             "--clipping global needs --clip-threshold Z (the norm above which an "
@@ -617,6 +607,21 @@ def refuse_missing_settings(args) -> None:
             f"--optimizer adam needs --learning-rate: the default {net.learning_rate:g} is "
             f"the SGD rate of this network on {args.dataset}."
         )
+
+
+def refuse_indivisible_batch(args) -> None:
+    """``--batch-size`` (or its default) not divisible by ``--mirrored R``: refused, as
+    the help says, before any data is read."""
+    if args.mirrored is not None:
+        size = batch_size(args)
+        if size % args.mirrored:
+            below = size - size % args.mirrored
+            above = below + args.mirrored
+            sizes = f"{below} or {above}" if below else f"{above}"
+            raise ValueError(
+                f"--batch-size {size} is not divisible by --mirrored {args.mirrored} (each "
+                f"replica takes an equal share of the batch): use --batch-size {sizes}."
+            )
 
 
 def batch_size(args) -> int:

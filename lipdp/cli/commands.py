@@ -27,13 +27,16 @@ def _prepared_run(args, verb):
     """The run of ``args``, built and stated (``lipdp train: ...``), not yet trained.
 
     Checked first, in the flags' words: the settings the run needs (which the recipe
-    would refuse too, in its fields' words) and the divisibility of the batch by
-    ``--mirrored``, before any data is read; an explicit ``--data-dir`` that holds no
-    data set (never a silent fall-back to another copy); ``--delta`` against ``1/N``
-    (:func:`lipdp.foundation.validation.delta_for_dataset`); the batch size against the
-    data, and the rows ``--sampling shuffle`` drops (a warning).
+    would refuse too, in its fields' words), the devices of ``--mirrored`` and the
+    divisibility of the batch by them, before any data is read; an explicit
+    ``--data-dir`` that holds no data set (never a silent fall-back to another copy);
+    ``--delta`` against ``1/N`` (:func:`lipdp.foundation.validation.delta_for_dataset`);
+    the batch size against the data, and the rows ``--sampling shuffle`` drops (a
+    warning).
     """
     arguments.refuse_missing_settings(args)
+    strategy = devices.distribution_strategy(args.mirrored)  # (refuses more than the cores)
+    arguments.refuse_indivisible_batch(args)
     _refuse_data_dir_without_data(args)
     data = runs.load_data(args.dataset, args.data_dir, data_dir_name="--data-dir")
     n = len(data.x_train)
@@ -48,7 +51,6 @@ def _prepared_run(args, verb):
     if batch_size > n:
         raise ValueError(f"--batch-size {batch_size} exceeds the {n} training examples.")
     _warn_about_dropped_rows(args, batch_size, n)
-    strategy = devices.distribution_strategy(args.mirrored)
     prepared = runs.prepare(arguments.run_config(args), data, strategy)
     print(output.run_line(verb, prepared, args.mirrored))
     return prepared
