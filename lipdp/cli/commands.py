@@ -10,7 +10,6 @@ import sys
 import time
 
 from lipdp.cli import arguments, devices, output
-from lipdp.foundation import validation
 from lipdp.recipes import run_evaluation, runs
 
 logger = logging.getLogger("lipdp.cli")
@@ -40,7 +39,7 @@ def _prepared_run(args, verb):
     _refuse_data_dir_without_data(args)
     data = runs.load_data(args.dataset, args.data_dir, data_dir_name="--data-dir")
     n = len(data.x_train)
-    validation.delta_for_dataset(
+    runs.checked_delta(
         args.delta,
         n,
         allow_large=args.allow_large_delta,
@@ -60,13 +59,11 @@ def _refuse_data_dir_without_data(args) -> None:
     """``--data-dir DIR`` is the user's choice of copy: when ``DIR`` holds no data set the
     loader would go on to its other places (the Keras cache, the system's copy), silently
     training on data the user did not point at. Refused instead."""
-    from lipdp.data import sources
-
-    if args.data_dir is None or sources.holds_dataset(args.data_dir, args.dataset):
+    if args.data_dir is None or runs.data_dir_holds(args.dataset, args.data_dir):
         return
     raise ValueError(
         f"--data-dir {args.data_dir!r} holds no {args.dataset} "
-        f"({sources.dataset_files(args.dataset)}): give the directory that holds them, or "
+        f"({runs.dataset_files(args.dataset)}): give the directory that holds them, or "
         "drop --data-dir to use the places lipdp looks in by default."
     )
 

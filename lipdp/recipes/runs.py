@@ -48,6 +48,27 @@ def load_data(dataset: str, data_dir=None, *, data_dir_name="data_dir"):
     return sources.load_fashion_mnist(data_dir, data_dir_name=data_dir_name)
 
 
+def data_dir_holds(dataset: str, data_dir) -> bool:
+    """Whether ``data_dir`` holds ``dataset``'s files (``lipdp.data.sources.holds_dataset``;
+    checked by name, nothing read)."""
+    from lipdp.data import sources
+
+    return sources.holds_dataset(data_dir, dataset)
+
+
+def dataset_files(dataset: str) -> str:
+    """The files ``dataset`` is read from, for messages."""
+    from lipdp.data import sources
+
+    return sources.dataset_files(dataset)
+
+
+def checked_delta(delta, n, *, allow_large=False, name="delta", force="allow_large_delta=True"):
+    """``delta`` for ``n`` training examples: refused at ``delta >= 1/n`` unless
+    ``allow_large`` (:func:`lipdp.foundation.validation.delta_for_dataset`, the one rule)."""
+    return validation.delta_for_dataset(delta, n, allow_large=allow_large, name=name, force=force)
+
+
 def one_hot(labels, nb_classes):
     """Class indices as float32 one-hot rows (what the losses of both families take)."""
     import numpy as np
