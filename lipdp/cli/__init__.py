@@ -16,7 +16,17 @@ the AUROC of membership-inference attacks (see :mod:`lipdp.evaluation`).
 
 Errors are one line on stderr and exit status 2: a bad value, and a flag the user typed
 that the run would ignore (another method's, clipping's or optimiser's flag, a training
-flag with ``evaluate --model``; :mod:`lipdp.cli.arguments`).
+flag with ``evaluate --model``; :mod:`lipdp.cli.arguments`). Among them: ``--delta`` at
+or above ``1/N`` (unless ``--allow-large-delta``: ``delta`` is the probability the
+guarantee fails, and a mechanism releasing one record at random meets ``delta = 1/N``), a
+``--data-dir`` that does not hold the data set (no fall-back to another copy), a
+``--model`` that is not a Keras file, a ``--batch-size`` not divisible by ``--mirrored``.
+
+Said, not silent: training ended early by the privacy budget (a line with the epochs
+done, the epsilon spent and the budget), the rows ``--sampling shuffle`` never uses (a
+warning with the batch size that keeps them). Ctrl-C prints one line on stderr -- the
+epoch and step reached, the epsilon spent, where ``--save`` saved the partial model --
+and exits with status 130.
 
 The command holds no model, data or training code: :mod:`lipdp.cli.arguments` turns the
 options into a :class:`~lipdp.recipes.recipe_config.RunConfig` (each option sets the recipe

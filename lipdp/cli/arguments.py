@@ -210,7 +210,14 @@ def _add_budget_arguments(parser) -> None:
         "--delta",
         type=_probability,
         default=1e-5,
-        help="privacy parameter delta, in (0, 1); keep it below 1/N (default 1e-5)",
+        help="privacy parameter delta, in (0, 1), below 1/N (the probability the guarantee "
+        "fails; default 1e-5)",
+    )
+    parser.add_argument(
+        "--allow-large-delta",
+        action="store_true",
+        help="accept --delta >= 1/N (refused otherwise: a mechanism releasing one record at "
+        "random meets such a guarantee)",
     )
     parser.add_argument(
         "--batch-size",
@@ -579,6 +586,13 @@ def _options_unused_by_a_saved_model() -> dict:
 def refuse_missing_settings(args) -> None:
     """A ``ValueError`` in the flags' words for a run that lacks a setting it needs (the
     recipe would refuse it too, in its fields' words)."""
+    per_layer_clipping = args.clipping == "per-layer"
+    if args.method == "dp-sgd" and args.strategy == "per-layer" and not per_layer_clipping:
+        raise ValueError(
+            f"--strategy per-layer needs --clipping per-layer with --method dp-sgd ("
+            f"--clipping {args.clipping} bounds the whole gradient, not each layer's): add "
+            "--clipping per-layer or drop --strategy."
+        )
     if args.method == "dp-sgd" and args.clipping == "global" and args.clip_threshold is None:
         raise ValueError(
             "--clipping global needs --clip-threshold Z (the norm above which an "
@@ -593,6 +607,21 @@ def refuse_missing_settings(args) -> None:
             f"--optimizer adam needs --learning-rate: the default {net.learning_rate:g} is "
             f"the SGD rate of this network on {args.dataset}."
         )
+
+
+def refuse_indivisible_batch(args) -> None:
+    """``--batch-size`` (or its default) not divisible by ``--mirrored R``: refused, as
+    the help says, before any data is read."""
+    if args.mirrored is not None:
+        size = batch_size(args)
+        if size % args.mirrored:
+            below = size - size % args.mirrored
+            above = below + args.mirrored
+            sizes = f"{below} or {above}" if below else f"{above}"
+            raise ValueError(
+                f"--batch-size {size} is not divisible by --mirrored {args.mirrored} (each "
+                f"replica takes an equal share of the batch): use --batch-size {sizes}."
+            )
 
 
 def batch_size(args) -> int:

@@ -12,34 +12,144 @@ import time
 from lipdp.cli import arguments, devices, output
 from lipdp.recipes import run_evaluation, runs
 
+logger = logging.getLogger("lipdp.cli")
+
+#: The exit status of a run stopped by Ctrl-C (128 + SIGINT, the shell's convention).
+INTERRUPTED = 130
+
+
+class Interrupted(Exception):
+    """Ctrl-C during training: the one line that says where the run stopped."""
+
 
 def _prepared_run(args, verb):
     """The run of ``args``, built and stated (``lipdp train: ...``), not yet trained.
 
-    Checked first, in the flags' words: the batch size against the data, the devices of
-    ``--mirrored``, the settings the run needs (which the recipe would refuse too, in its
-    fields' words).
+    Checked first, in the flags' words: the settings the run needs (which the recipe
+    would refuse too, in its fields' words), the devices of ``--mirrored`` and the
+    divisibility of the batch by them, before any data is read; an explicit
+    ``--data-dir`` that holds no data set (never a silent fall-back to another copy);
+    ``--delta`` against ``1/N`` (:func:`lipdp.foundation.validation.delta_for_dataset`);
+    the batch size against the data, and the rows ``--sampling shuffle`` drops (a
+    warning).
     """
     arguments.refuse_missing_settings(args)
-    data = runs.load_data(args.dataset, args.data_dir)
+    strategy = devices.distribution_strategy(args.mirrored)  # (refuses more than the cores)
+    arguments.refuse_indivisible_batch(args)
+    _refuse_data_dir_without_data(args)
+    data = runs.load_data(args.dataset, args.data_dir, data_dir_name="--data-dir")
+    n = len(data.x_train)
+    runs.checked_delta(
+        args.delta,
+        n,
+        allow_large=args.allow_large_delta,
+        name="--delta",
+        force="--allow-large-delta",
+    )
     batch_size = arguments.batch_size(args)
-    if batch_size > len(data.x_train):
-        raise ValueError(
-            f"--batch-size {batch_size} exceeds the {len(data.x_train)} training examples."
-        )
-    strategy = devices.distribution_strategy(args.mirrored)
+    if batch_size > n:
+        raise ValueError(f"--batch-size {batch_size} exceeds the {n} training examples.")
+    _warn_about_dropped_rows(args, batch_size, n)
     prepared = runs.prepare(arguments.run_config(args), data, strategy)
     print(output.run_line(verb, prepared, args.mirrored))
     return prepared
 
 
+def _refuse_data_dir_without_data(args) -> None:
+    """``--data-dir DIR`` is the user's choice of copy: when ``DIR`` holds no data set the
+    loader would go on to its other places (the Keras cache, the system's copy), silently
+    training on data the user did not point at. Refused instead."""
+    if args.data_dir is None or runs.data_dir_holds(args.dataset, args.data_dir):
+        return
+    raise ValueError(
+        f"--data-dir {args.data_dir!r} holds no {args.dataset} "
+        f"({runs.dataset_files(args.dataset)}): give the directory that holds them, or "
+        "drop --data-dir to use the places lipdp looks in by default."
+    )
+
+
+def _warn_about_dropped_rows(args, batch_size, n) -> None:
+    """``--sampling shuffle`` trains on whole batches only (rule S5): the remainder of
+    ``N / b`` is dropped every epoch. Said with the numbers and the fix."""
+    dropped = n % batch_size
+    if args.sampling != "shuffle" or dropped == 0:
+        return
+    divisor = max(d for d in range(1, batch_size + 1) if n % d == 0)
+    logger.warning(
+        "--sampling shuffle --batch-size %d trains on %d of the %d training examples (the "
+        "%d left over make no whole batch and are never used): use --batch-size %d (it "
+        "divides %d), or --sampling poisson (every example).",
+        batch_size,
+        n - dropped,
+        n,
+        dropped,
+        divisor,
+        n,
+    )
+
+
 def _train(args, verb):
-    """Build, state and train the run of ``args``. Returns ``(prepared run, seconds)``."""
+    """Build, state and train the run of ``args``. Returns ``(prepared run, seconds)``.
+
+    Ctrl-C during training raises :class:`Interrupted` with the line that says where it
+    stopped and the epsilon spent (after saving the partial model with ``--save``); a
+    training the budget ended early is said on stdout (and logged at WARNING by
+    ``DP_Accountant``)."""
     prepared = _prepared_run(args, verb)
     callbacks = [output.epoch_lines(prepared.epochs)] if args.quiet else []
     start = time.perf_counter()
-    runs.fit(prepared, callbacks, verbose=0 if args.quiet else 1)
-    return prepared, time.perf_counter() - start
+    try:
+        runs.fit(prepared, callbacks, verbose=0 if args.quiet else 1)
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted_line(args, prepared)) from None
+    seconds = time.perf_counter() - start
+    line = _budget_stop_line(args, prepared)
+    if line:
+        print(line)
+    return prepared, seconds
+
+
+def _budget_stop_line(args, prepared):
+    """``stopped by the privacy budget after 46 of 500 epochs: ...``, or ``None`` when
+    every planned epoch ran."""
+    from lipdp.core.callbacks import epochs_trained
+    from lipdp.core.report import privacy_report
+
+    done = epochs_trained(prepared.model)
+    if done >= prepared.epochs:
+        return None
+    epsilon = privacy_report(prepared.model, accountant=args.accountant).epsilon
+    return (
+        f"stopped by the privacy budget after {done} of {prepared.epochs} epochs: epsilon = "
+        f"{epsilon:.4f} spent of the budget {args.epsilon:g} (one more epoch would exceed it)"
+    )
+
+
+def _interrupted_line(args, prepared) -> str:
+    """Where a run stopped by Ctrl-C stopped, the epsilon it spent (the epochs begun, a
+    partial one counted whole: the accountant's own rule) and, with ``--save``, where the
+    partial model was saved."""
+    from lipdp.core.callbacks import epochs_trained, noisy_steps_taken
+    from lipdp.core.report import privacy_report
+
+    model = prepared.model
+    steps = noisy_steps_taken(model)
+    if steps == 0:
+        return "interrupted before the first training step: nothing released, no privacy spent"
+    per_epoch = model.dataset_metadata.nb_steps_per_epochs
+    epoch, step = divmod(steps, per_epoch)
+    if step == 0:
+        epoch, step = epoch - 1, per_epoch
+    report = privacy_report(model, accountant=args.accountant)
+    line = (
+        f"interrupted at epoch {epoch + 1}/{prepared.epochs}, step {step}/{per_epoch}: "
+        f"epsilon = {report.epsilon:.4f} spent (delta = {report.delta:g}, "
+        f"{epochs_trained(model)} epoch(s) begun)"
+    )
+    if args.save:
+        model.save(args.save)
+        return f"{line}; partial model saved to {args.save}"
+    return f"{line}; nothing saved (--save PATH keeps the partial model)"
 
 
 def train_command(args) -> int:
@@ -172,3 +282,9 @@ def main(argv=None) -> int:
         except (ValueError, FileNotFoundError) as error:
             print(f"lipdp {args.command}: error: {error}", file=sys.stderr)
             return 2
+        except Interrupted as stop:
+            print(f"lipdp {args.command}: {stop}", file=sys.stderr)
+            return INTERRUPTED
+        except KeyboardInterrupt:
+            print(f"lipdp {args.command}: interrupted", file=sys.stderr)
+            return INTERRUPTED

@@ -22,12 +22,17 @@ class DP_Accountant(keras.callbacks.Callback):
     progress bar and History always come last).
 
     Args:
-        log_fn: optional callable receiving ``{"epoch", "epsilon", "delta"}`` after each
-            epoch (e.g. an experiment tracker's ``log``); nothing is imported for it.
+        log_fn: what receives ``{"epoch", "epsilon", "delta"}`` after each epoch: a
+            callable (e.g. an experiment tracker's ``log``), or, as in the original
+            ``deel.lipdp``, ``"logging"`` (this module's logger, level INFO),
+            ``"wandb"`` (``wandb.log``; wandb is optional, imported only then) or
+            ``"all"`` (both). Default ``None``: the logs only (the original's default
+            ``"all"`` needed wandb).
         epsilon_budget: if set, training stops (``model.stop_training``) at the end of
             the last epoch whose ``epsilon`` stays within the budget, *before* an epoch
-            that would exceed it; if even the first epoch would exceed it, ``fit``
-            raises ``ValueError`` before any step is taken.
+            that would exceed it, with a WARNING saying so (epochs done, epsilon spent,
+            the budget; :attr:`stopped_by_budget`); if even the first epoch would exceed
+            it, ``fit`` raises ``ValueError`` before any step is taken.
         accountant: ``"rdp"`` (default, as the original package) or ``"pld"``.
 
     Epochs are counted from the model's first training step: a model trained by
@@ -45,10 +50,10 @@ class DP_Accountant(keras.callbacks.Callback):
         super().__init__()
         if epsilon_budget is not None:
             epsilon_budget = validation.positive("epsilon_budget", epsilon_budget)
-        if log_fn is not None and not callable(log_fn):
-            raise TypeError("log_fn must be callable.")
-        self.log_fn = log_fn
+        self.log_fn = _log_function(log_fn)
         self.epsilon_budget = epsilon_budget
+        #: ``(epochs done, epsilon spent)`` when the budget stopped training, else None.
+        self.stopped_by_budget = None
         get_accountant(accountant)  # an unknown name is refused now, not after epoch 1
         self.accountant = accountant
 
@@ -59,6 +64,7 @@ class DP_Accountant(keras.callbacks.Callback):
         return epochs_trained(self.model)
 
     def on_train_begin(self, logs=None):
+        self.stopped_by_budget = None
         metadata = self.model.dataset_metadata
         _warn_once_about_shuffling(metadata)
         if is_approximate(self.accountant):
@@ -95,13 +101,58 @@ class DP_Accountant(keras.callbacks.Callback):
         if self.epsilon_budget is not None:
             next_epsilon, _ = self._epsilon(epochs + 1)
             if next_epsilon > self.epsilon_budget:
-                logger.info(
-                    "stopping: epoch %d would reach epsilon = %.5g > budget %g",
+                self.model.stop_training = True
+                planned = (self.params or {}).get("epochs")
+                if planned is not None and epoch + 1 >= planned:
+                    return  # the last epoch of fit: the budget ends nothing
+                self.stopped_by_budget = (epochs, epsilon)
+                logger.warning(
+                    "the privacy budget ended training after epoch %d%s: epsilon = %.4g "
+                    "spent, and epoch %d would reach %.4g > the budget %g.",
+                    epochs,
+                    "" if planned is None else f" ({epoch + 1} of the {planned} of this fit)",
+                    epsilon,
                     epochs + 1,
                     next_epsilon,
                     self.epsilon_budget,
                 )
-                self.model.stop_training = True
+
+
+#: The original ``deel.lipdp``'s names of ``DP_Accountant``'s ``log_fn``.
+LOG_FUNCTIONS = ("logging", "wandb", "all")
+
+
+def _log_function(log_fn):
+    """``log_fn`` of :class:`DP_Accountant` as a callable (or ``None``): a callable as
+    given, or one of :data:`LOG_FUNCTIONS`."""
+    if log_fn is None or callable(log_fn):
+        return log_fn
+    if log_fn not in LOG_FUNCTIONS:
+        raise ValueError(
+            f"log_fn must be a callable or one of {', '.join(map(repr, LOG_FUNCTIONS))}, "
+            f"got {log_fn!r}."
+        )
+
+    def log_info(values):
+        logger.info("%s", values)
+
+    if log_fn == "logging":
+        return log_info
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError(
+            f"log_fn={log_fn!r} needs wandb, which is not installed: pip install wandb, "
+            "or use log_fn='logging'."
+        ) from None
+    if log_fn == "wandb":
+        return wandb.log
+
+    def log_both(values):
+        wandb.log(values)
+        log_info(values)
+
+    return log_both
 
 
 _SHUFFLE_WARNED = []
@@ -115,7 +166,8 @@ def _warn_once_about_shuffling(metadata) -> None:
         logger.warning(
             "training with shuffled fixed-size batches: the reported epsilon assumes Poisson "
             "sampling and is not a proven guarantee for shuffling. Use "
-            "DatasetMetadata(sampling='poisson') with lipdp.pipeline.poisson_batches."
+            "DatasetMetadata(sampling='poisson') with lipdp.pipeline.poisson_batches "
+            "(the lipdp command: --sampling poisson)."
         )
 
 

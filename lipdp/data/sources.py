@@ -217,10 +217,11 @@ def load_mnist(data_dir=None) -> ArrayDataset:
     return _load_from_sources("mnist", data_dir)
 
 
-def load_fashion_mnist(data_dir=None) -> ArrayDataset:
+def load_fashion_mnist(data_dir=None, *, data_dir_name="data_dir") -> ArrayDataset:
     """Fashion-MNIST (60 000 / 10 000 28x28 images) from local files; the Debian
-    package ``dataset-fashion-mnist`` is the last place looked at."""
-    return _load_from_sources("fashion_mnist", data_dir)
+    package ``dataset-fashion-mnist`` is the last place looked at. ``data_dir_name``: how
+    the error message names ``data_dir`` (the CLI: ``--data-dir``)."""
+    return _load_from_sources("fashion_mnist", data_dir, data_dir_name)
 
 
 def load_cifar10(data_dir=None) -> ArrayDataset:
@@ -430,13 +431,40 @@ def _search_tfds(name: str):
     return (x_train, y_train, x_test, y_test, f"TFDS {name} in {data_dir}"), None
 
 
-def _load_from_sources(name: str, data_dir=None) -> ArrayDataset:
+def holds_dataset(directory, name: str) -> bool:
+    """Whether ``directory`` holds the files of data set ``name`` (checked by name, not
+    read): what an explicit directory must hold for the loader to use it rather than
+    fall back to the other places it looks in."""
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        return False
+    if name in _IDX_SUBDIRS:
+        for candidate in (path, *(path / s for s in _IDX_SUBDIRS[name])):
+            if all(_find_idx(candidate, stem) for stem in IDX_STEMS):
+                return True
+    if any((path / npz).is_file() for npz in _NPZ_NAMES[name]):
+        return True
+    if name == "cifar10":
+        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        for candidate in (path, path / "cifar-10-batches-py"):
+            if all((candidate / n).is_file() for n in names):
+                return True
+        return any((path / tarball).is_file() for tarball in _CIFAR_TARBALLS)
+    return False
+
+
+def dataset_files(name: str) -> str:
+    """The files data set ``name`` is read from (for messages)."""
+    return _WHAT[name]
+
+
+def _load_from_sources(name: str, data_dir=None, data_dir_name="data_dir") -> ArrayDataset:
     classes = {"mnist": MNIST_CLASSES, "fashion_mnist": FASHION_MNIST_CLASSES}.get(
         name, CIFAR10_CLASSES
     )
     places: list[tuple[str, Path]] = []
     if data_dir is not None:
-        places.append(("data_dir", Path(data_dir).expanduser()))
+        places.append((data_dir_name, Path(data_dir).expanduser()))
     if os.environ.get("LIPDP_DATA_DIR"):
         places.append(("$LIPDP_DATA_DIR", Path(os.environ["LIPDP_DATA_DIR"]).expanduser()))
     places += [("Keras cache", d) for d in keras_cache_dirs()]
@@ -457,10 +485,13 @@ def _load_from_sources(name: str, data_dir=None) -> ArrayDataset:
         if found is None:
             looked.append(f"Debian package dataset-fashion-mnist: {DEBIAN_FASHION_MNIST}")
     if found is None:
+        how = _HOW[name]
+        if data_dir_name != "data_dir":
+            how = how.replace("data_dir=", data_dir_name)
         raise FileNotFoundError(
             f"Data set {name!r} not found locally. Looked in:\n  - "
             + "\n  - ".join(looked)
-            + f"\n{_HOW[name]} Nothing is downloaded."
+            + f"\n{how} Nothing is downloaded."
         )
     x_train, y_train, x_test, y_test, source = found
     return ArrayDataset(

@@ -7,6 +7,7 @@ one-line message naming the argument, what it must be and what was given.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 
@@ -53,6 +54,40 @@ def delta(value, name="delta") -> float:
         raise ValueError(f"{error} {name} must be in the open interval (0, 1).") from None
 
 
+def delta_for_dataset(
+    value, n, *, allow_large=False, name="delta", force="allow_large_delta=True"
+) -> float:
+    """``value``, the ``delta`` of an ``(epsilon, delta)`` guarantee on ``n`` records,
+    refused at ``delta >= 1/n`` unless ``allow_large`` (the one rule; the CLI names
+    ``--delta`` / ``--allow-large-delta``, the library ``delta`` / ``allow_large_delta``).
+
+    Why: ``delta`` bounds the probability that the guarantee fails. The mechanism that
+    publishes one record drawn uniformly at random is ``(0, 1/n)``-DP (neighbouring data
+    sets change what it publishes only on the draw of the differing record, probability
+    ``1/n``), so any ``delta >= 1/n`` is met by a release that exposes a whole record: it
+    protects no one. The usual choice is ``delta`` well below ``1/n`` (``1e-5``, ``1/n^1.1``).
+    """
+    value = delta(value, name)
+    n = count("n", n, minimum=1)
+    if value < 1.0 / n:
+        return value
+    if allow_large:
+        logging.getLogger(__name__).warning(
+            "%s = %g >= 1/N = %.3g, kept as forced: the guarantee is met by a mechanism "
+            "that releases one record at random.",
+            name,
+            value,
+            1.0 / n,
+        )
+        return value
+    raise ValueError(
+        f"{name} {value:g} >= 1/N = {1.0 / n:.3g} (N = {n} training examples): delta is the "
+        "probability the guarantee fails, and with delta >= 1/N a mechanism releasing one "
+        f"record at random meets it; give {name} below {1.0 / n:.3g} (e.g. 1e-5), or "
+        f"{force} to keep it."
+    )
+
+
 def count(name, value, minimum=0) -> int:
     """An integer ``>= minimum`` (an integral float such as ``3.0`` is accepted)."""
     if isinstance(value, bool):
@@ -95,6 +130,7 @@ __all__ = [
     "probability",
     "open_unit",
     "delta",
+    "delta_for_dataset",
     "count",
     "choice",
     "int_pair",

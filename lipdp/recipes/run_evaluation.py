@@ -14,6 +14,7 @@ only when it evaluates.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from lipdp.foundation import validation
@@ -161,6 +162,7 @@ def load_private_model(path):
     import lipdp.clipless.model  # noqa: F401
     from lipdp.core.private_model import PrivateModel
 
+    _refuse_non_keras_file(path)
     try:
         model = keras.models.load_model(path)
     except Exception as error:  # any reason a file is not a loadable model
@@ -169,6 +171,41 @@ def load_private_model(path):
     if not isinstance(model, PrivateModel):
         raise ValueError(f"{path!r} holds a {type(model).__name__}, not a lipdp DP model.")
     return model
+
+
+#: The first bytes of an HDF5 file (Keras' legacy ``.h5`` format).
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _refuse_non_keras_file(path) -> None:
+    """A one-line ``ValueError`` naming ``path`` when it is a file in neither of the
+    formats Keras saves models in: a ``.keras`` file (a zip archive holding
+    ``config.json``) or a legacy HDF5 ``.h5`` file. (Keras itself reports a corrupt
+    ``.keras`` file as "File not found".) A directory is left to Keras (Keras 2's
+    SavedModel)."""
+    import zipfile
+
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as file:
+        if file.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE:
+            return
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"{path!r} is not a Keras file (neither a .keras zip archive nor an HDF5 .h5 "
+            "file): give a model saved by lipdp train --save or model.save('name.keras')."
+        )
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = set(archive.namelist())
+    except (zipfile.BadZipFile, OSError) as error:
+        reason = f"a damaged zip archive: {error}"
+        raise ValueError(f"{path!r} is not a Keras file ({reason}).") from None
+    if "config.json" not in names:
+        raise ValueError(
+            f"{path!r} is not a Keras file (a zip archive without the config.json of a "
+            "saved model): give a model saved by lipdp train --save or model.save(...)."
+        )
 
 
 def input_signature(model) -> tuple[tuple, int]:

@@ -34,9 +34,10 @@ def set_seed(seed: int) -> None:
     keras.utils.set_random_seed(seed)
 
 
-def load_data(dataset: str, data_dir=None):
+def load_data(dataset: str, data_dir=None, *, data_dir_name="data_dir"):
     """The :class:`~lipdp.data.sources.ArrayDataset` of ``dataset`` (``data_dir``:
-    fashion_mnist's IDX files; default: where :mod:`lipdp.data.sources` looks)."""
+    fashion_mnist's IDX files; default: where :mod:`lipdp.data.sources` looks;
+    ``data_dir_name``: its name in the error messages, ``--data-dir`` for the CLI)."""
     from lipdp.data import sources
 
     validation.choice("dataset", dataset, D.DATASETS)
@@ -44,7 +45,28 @@ def load_data(dataset: str, data_dir=None):
         return sources.load_digits()
     if dataset == "breast_cancer":
         return sources.load_breast_cancer()
-    return sources.load_fashion_mnist(data_dir)
+    return sources.load_fashion_mnist(data_dir, data_dir_name=data_dir_name)
+
+
+def data_dir_holds(dataset: str, data_dir) -> bool:
+    """Whether ``data_dir`` holds ``dataset``'s files (``lipdp.data.sources.holds_dataset``;
+    checked by name, nothing read)."""
+    from lipdp.data import sources
+
+    return sources.holds_dataset(data_dir, dataset)
+
+
+def dataset_files(dataset: str) -> str:
+    """The files ``dataset`` is read from, for messages."""
+    from lipdp.data import sources
+
+    return sources.dataset_files(dataset)
+
+
+def checked_delta(delta, n, *, allow_large=False, name="delta", force="allow_large_delta=True"):
+    """``delta`` for ``n`` training examples: refused at ``delta >= 1/n`` unless
+    ``allow_large`` (:func:`lipdp.foundation.validation.delta_for_dataset`, the one rule)."""
+    return validation.delta_for_dataset(delta, n, allow_large=allow_large, name=name, force=force)
 
 
 def one_hot(labels, nb_classes):
@@ -172,14 +194,24 @@ def _fit_on_features(prepared: PreparedRun, callbacks, verbose):
     is then rebuilt from the trained layers: it shares the head's privacy ledger
     (:func:`lipdp.core.ledger.inherited_ledger`) and step count.
     """
-    model, recipe = prepared.model, prepared.run.model
     head, features = feature_head(prepared)
-    history = _fit_model(prepared, head, features, callbacks, verbose)
+    try:
+        history = _fit_model(prepared, head, features, callbacks, verbose)
+    except KeyboardInterrupt:  # the partial training is the whole network's too
+        _rebuild_whole(prepared, head)
+        raise
+    _rebuild_whole(prepared, head)
+    return history
+
+
+def _rebuild_whole(prepared: PreparedRun, head) -> None:
+    """``prepared.model``: the whole network rebuilt from the layers ``head`` trained,
+    with its step count."""
+    model, recipe = prepared.model, prepared.run.model
     with model.distribute_strategy.scope():
         whole = build_model(recipe, model.dataset_metadata, _with_input(model))
     whole.noisy_steps.assign(head.noisy_steps)
     prepared.model = whole
-    return history
 
 
 def feature_head(prepared: PreparedRun):

@@ -78,7 +78,7 @@ def test_misuse_is_one_line_naming_the_flag(argv, message, capsys):
     [
         (["train", "--batch-size", "100000"], "--batch-size 100000 exceeds the 1536"),
         (["train", "--epsilon", "1e-6"], "One epoch already costs epsilon="),
-        (["evaluate", "--model", "README.md"], "--model: cannot load a model from 'README.md'"),
+        (["evaluate", "--model", "README.md"], "--model: 'README.md' is not a Keras file"),
         (
             ["train", "--method", "dp-sgd", "--clipping", "global"],
             "--clipping global needs --clip-threshold Z",

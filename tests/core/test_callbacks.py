@@ -50,3 +50,56 @@ def test_step_count_mismatch_is_refused():
     with pytest.raises(ValueError, match="steps per epoch"):
         small_model().fit(x, y, batch_size=B, epochs=1, steps_per_epoch=3, verbose=0,
                      callbacks=[DP_Accountant()])  # fmt: skip
+
+
+def test_budget_stop_is_a_warning_with_the_numbers(caplog):
+    """The budget ending ``fit`` early is said at WARNING (epochs done, epsilon spent, the
+    budget) and kept in ``stopped_by_budget``; a fit whose last epoch is the last within
+    the budget ends as planned, without the warning. (Before: one INFO line only.)"""
+    budget = (autodp_epsilon(2.0, 8 * 2) + autodp_epsilon(2.0, 8 * 3)) / 2
+    accountant = DP_Accountant(epsilon_budget=budget)
+    with caplog.at_level(logging.WARNING, logger="lipdp.core.callbacks"):
+        small_model().fit(*small_data(), batch_size=B, epochs=5, verbose=0,
+                          callbacks=[accountant])  # fmt: skip
+    (record,) = [r for r in caplog.records if "privacy budget" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    spent = autodp_epsilon(2.0, 8 * 2)
+    assert accountant.stopped_by_budget[0] == 2
+    assert accountant.stopped_by_budget[1] == pytest.approx(spent, rel=1e-5)
+    assert record.getMessage().startswith(
+        f"the privacy budget ended training after epoch 2 (2 of the 5 of this fit): "
+        f"epsilon = {spent:.4g} spent, and epoch 3 would reach "
+        f"{autodp_epsilon(2.0, 8 * 3):.4g} > the budget {budget:g}."
+    )
+    caplog.clear()
+    planned = DP_Accountant(epsilon_budget=budget)
+    with caplog.at_level(logging.WARNING, logger="lipdp.core.callbacks"):
+        small_model().fit(*small_data(), batch_size=B, epochs=2, verbose=0,
+                          callbacks=[planned])  # fmt: skip
+    assert planned.stopped_by_budget is None and "privacy budget" not in caplog.text
+
+
+def test_log_fn_takes_the_original_package_s_names(caplog):
+    """``log_fn="logging"`` (the original ``deel.lipdp``'s name; before: ``TypeError: log_fn
+    must be callable``) logs each epoch's ``{"epoch", "epsilon", "delta"}`` at INFO;
+    ``"wandb"``/``"all"`` need wandb (one line if absent); another string is refused."""
+    import importlib.util
+
+    with caplog.at_level(logging.INFO, logger="lipdp.core.callbacks"):
+        history = small_model().fit(*small_data(), batch_size=B, epochs=2, verbose=0,
+                                    callbacks=[DP_Accountant(log_fn="logging")])  # fmt: skip
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("{'epoch'")]
+    epsilons = history.history["epsilon"]
+    assert logged == [
+        str({"epoch": e + 1, "epsilon": epsilons[e], "delta": 1e-5}) for e in range(2)
+    ]
+    if importlib.util.find_spec("wandb") is None:
+        for name in ("wandb", "all"):
+            with pytest.raises(ImportError) as info:
+                DP_Accountant(log_fn=name)
+            assert str(info.value) == (
+                f"log_fn={name!r} needs wandb, which is not installed: pip install wandb, "
+                "or use log_fn='logging'."
+            )
+    with pytest.raises(ValueError, match="log_fn must be a callable or one of 'logging'"):
+        DP_Accountant(log_fn="print")
