@@ -61,7 +61,7 @@ test-thorough: install
 # (the rest of the suite is TensorFlow programs; under KERAS_BACKEND=jax tests/conftest.py
 # collects tests/clipped/jax only, and the default suite skips tests/clipped/jax).
 test-jax: install
-	KERAS_BACKEND=jax $(BIN)/pytest -q -n 0 tests/clipped/jax
+	KERAS_BACKEND=jax $(BIN)/pytest -q -n 0 tests/clipped/jax tests/backends
 
 # The default suite on Keras 2 (TensorFlow 2.15.1; CI, before `make test`), with the
 # comparisons against tensorflow-privacy that only this stack can import.

@@ -47,20 +47,30 @@ def _native_start_up_lines_discarded():
             sys.stderr = python_stderr
 
 
-#: ``KERAS_BACKEND=jax`` (``make test-jax``): only tests/clipped/jax runs
-#: (tests/clipped/jax/conftest.py), without TensorFlow; every other directory is ignored
-#: (their modules import TensorFlow programs that refuse the JAX backend).
+#: ``KERAS_BACKEND=jax`` (``make test-jax``): only the JAX test directories run
+#: (tests/clipped/jax, tests/clipless/jax: each conftest.py skips itself on other backends;
+#: tests/backends, written for every backend, runs in the default suite too),
+#: without TensorFlow; every other directory is ignored (their modules import TensorFlow
+#: programs that refuse the JAX backend).
 JAX_RUN = os.environ.get("KERAS_BACKEND") == "jax"
-_JAX_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clipped", "jax")
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_JAX_TESTS = [
+    os.path.join(_TESTS, "clipped", "jax"),
+    os.path.join(_TESTS, "clipless", "jax"),
+    os.path.join(_TESTS, "backends"),
+]
 
 
 def pytest_ignore_collect(collection_path, config):
-    """On a JAX run, everything outside tests/clipped/jax is ignored (``None``: pytest decides)."""
+    """On a JAX run, everything outside the JAX test directories is ignored (``None``:
+    pytest decides)."""
     if not JAX_RUN:
         return None
     path = str(collection_path)
-    inside = path == _JAX_TESTS or path.startswith(_JAX_TESTS + os.sep)
-    return None if inside or _JAX_TESTS.startswith(path + os.sep) else True
+    for tests in _JAX_TESTS:
+        if path == tests or path.startswith(tests + os.sep) or tests.startswith(path + os.sep):
+            return None
+    return True
 
 
 if not JAX_RUN:
