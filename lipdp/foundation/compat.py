@@ -562,7 +562,9 @@ class _TensorFlowArrayOps:
         return self._tf().pad(x, pad_width, mode=mode.upper(), constant_values=constant_values or 0)
 
     def conv(self, inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
-        return self._tf().nn.convolution(inputs, kernel, strides, padding.upper())
+        # 2-D, channels last (tf.nn.convolution's op; its own wrapper on TF 2.15 leaves the
+        # data_format attribute unset, which the second-order gradient then reads)
+        return self._tf().nn.conv2d(inputs, kernel, strides, padding.upper())
 
     def average_pool(self, inputs, pool_size, strides=None, padding="valid", data_format=None):
         strides = pool_size if strides is None else strides
