@@ -339,3 +339,16 @@ def test_bias_projection_reaches_the_ball():
         assert np.linalg.norm(projected.astype(np.float64)) <= 0.5 * (1 + 2**-23)
     inside = np.array([0.1, -0.2, 0.0], "float32")
     np.testing.assert_array_equal(np.asarray(l2_ball_projection(inside, 0.5)), inside)
+
+
+def test_front_end_features_on_jax():
+    """lipdp.clipless.features on JAX: the weightless front-end applied in jitted batches
+    equals its eager call, and the public bound is the bound pass's (no call involved)."""
+    from lipdp.clipless.features import apply_front_end, front_end_bound
+
+    x = np.random.default_rng(0).normal(size=(5, 8, 8, 1)).astype("float32")
+    scattering = L.DP_ScatteringTransform(J=2, L=3, padding="zeros")
+    features = apply_front_end([scattering], x, batch_size=2)
+    np.testing.assert_allclose(features, np.asarray(scattering(x)), rtol=1e-6, atol=1e-7)
+    bounded = L.DP_BoundedInput(input_shape=(8, 8, 1), upper_bound=2.0)
+    assert front_end_bound([bounded, scattering]) == pytest.approx(2.0 * scattering.lipschitz)
