@@ -88,7 +88,6 @@ def _jax_numbers(model, x, g):
 
 CHAINS_DEFAULT = [
     "QuickSpectralConv2D(same,k5,stride2)",
-    "ScaledL2NormPooling2D(same)",
     "GroupNormalization",
     "ScatteringTransform(zeros,J2)",
     "ResidualConv(1-lip-add)",
@@ -97,7 +96,6 @@ CHAINS_DEFAULT = [
 CATALOGUE_DEFAULT = [
     "ScatteringTransform(zeros,J2)+GN",
     "AddBias(after conv and dense)",
-    "Lambda(stated constant)",
     "ResidualConvBlock",
 ]
 
