@@ -12,9 +12,7 @@ import tensorflow as tf
 
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
-from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.foundation.metadata import DatasetMetadata
-from lipdp.recipes import zoo
 
 BATCH = 4
 NB_CLASSES = 5
@@ -32,6 +30,9 @@ def build(
 ):
     """``nb_samples_train``: the declared training set size (``100 * batch`` when
     omitted); ``fit`` on arrays needs it to be the number of examples fitted."""
+    # imported here: the JAX tests read the cases' layers without the TensorFlow model
+    from lipdp.clipless.model import DP_Sequential, DPParameters
+
     meta = DatasetMetadata(
         input_shape=input_shape,
         nb_classes=NB_CLASSES,
@@ -350,9 +351,12 @@ NORM_BALL_MATRIX = {
 
 
 def zoo_case(builder, input_shape, upper_bound=3.0, **options):
-    """A zoo architecture at a small size. The zoo's list starts with the same
-    DP_BoundedInput that ``build`` adds, so ``build`` gets the layers after it."""
-    bounded, *body = builder(
+    """A zoo architecture (``builder``: a function name of lipdp.recipes.zoo) at a small
+    size. The zoo's list starts with the same DP_BoundedInput that ``build`` adds, so
+    ``build`` gets the layers after it."""
+    from lipdp.recipes import zoo
+
+    bounded, *body = getattr(zoo, builder)(
         input_shape=input_shape, upper_bound=upper_bound, nb_classes=NB_CLASSES, **options
     )
     assert isinstance(bounded, L.DP_BoundedInput) and bounded.upper_bound == upper_bound
@@ -361,18 +365,16 @@ def zoo_case(builder, input_shape, upper_bound=3.0, **options):
 
 #: One case per builder of lipdp.recipes.zoo (and both merge policies of the residual network).
 ZOO_CASES = {
-    "Zoo:pooled_cnn": lambda: zoo_case(zoo.pooled_cnn, (8, 8, 1), widths=(4, 8)),
-    "Zoo:strided_cnn(clip)": lambda: zoo_case(zoo.strided_cnn, (8, 8, 1), widths=(4, 16), clip=0.3),
-    "Zoo:tabular_mlp": lambda: zoo_case(zoo.tabular_mlp, VEC, width=8, depth=2, bias=1.0),
-    "Zoo:resnet(1-lip-add)": lambda: zoo_case(zoo.resnet, (4, 4, 1), blocks=2, width=2),
-    "Zoo:resnet(add)": lambda: zoo_case(
-        zoo.resnet, (6, 6, 1), merge_policy="add", blocks=1, width=4
-    ),
+    "Zoo:pooled_cnn": lambda: zoo_case("pooled_cnn", (8, 8, 1), widths=(4, 8)),
+    "Zoo:strided_cnn(clip)": lambda: zoo_case("strided_cnn", (8, 8, 1), widths=(4, 16), clip=0.3),
+    "Zoo:tabular_mlp": lambda: zoo_case("tabular_mlp", VEC, width=8, depth=2, bias=1.0),
+    "Zoo:resnet(1-lip-add)": lambda: zoo_case("resnet", (4, 4, 1), blocks=2, width=2),
+    "Zoo:resnet(add)": lambda: zoo_case("resnet", (6, 6, 1), merge_policy="add", blocks=1, width=4),
     "Zoo:lip_mlp(groupnorm,bias)": lambda: zoo_case(
-        zoo.lip_mlp, VEC, width=8, weight_norm_bound=2.0, group_norm=2, alpha=0.5, bias=0.5
+        "lip_mlp", VEC, width=8, weight_norm_bound=2.0, group_norm=2, alpha=0.5, bias=0.5
     ),
     "Zoo:lip_convnet(frobenius)": lambda: zoo_case(
-        zoo.lip_convnet,
+        "lip_convnet",
         (8, 8, 1),
         widths=(4, 4),
         dense=8,
@@ -382,7 +384,7 @@ ZOO_CASES = {
         alpha=0.4,
     ),
     "Zoo:mlp_mixer": lambda: zoo_case(
-        zoo.mlp_mixer, (4, 4, 2), patch_size=2, channels=4, token_hidden=8, channel_hidden=8
+        "mlp_mixer", (4, 4, 2), patch_size=2, channels=4, token_hidden=8, channel_hidden=8
     ),
 }
 

@@ -9,9 +9,10 @@ bound propagation.
 
 * Dense kernels: largest singular value of the float32 kernel, float64 SVD.
 * Convolutions: the linear map ``x -> conv2d(x, K_eff)`` on inputs of the layer's
-  real shape ``(h, w, c_in)`` (zero padding, strides) is materialised by applying
-  the convolution to the canonical basis (float64; every entry of the matrix is one
-  kernel coefficient or zero, so it is exact) and its largest singular value is
+  real shape ``(h, w, c_in)`` (zero padding, strides) is materialised in numpy by
+  placing each kernel coefficient where the convolution reads it (float64; every entry
+  of the matrix is one kernel coefficient or zero, so it is exact, whatever the
+  backend) and its largest singular value is
   computed in float64. When ``h * w * c_in`` exceeds ``max_exact_size`` the
   matrix is not built and a Fourier **upper bound** is returned instead (see
   :func:`conv_operator_norm`).
@@ -33,7 +34,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import tensorflow as tf
 
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
 from lipdp.clipless.layers.residual import DP_WrappedResidual
@@ -186,28 +186,47 @@ def _check_conv_args(kernel, input_shape, strides, padding):
     return kernel, input_shape, strides, padding, (out_h, out_w)
 
 
-def conv_matrix(kernel, input_shape, strides=(1, 1), padding="same", batch_size=256):
-    """Matrix of ``x -> tf.nn.conv2d(x, kernel, strides, padding)`` (float64).
+def conv_matrix(kernel, input_shape, strides=(1, 1), padding="same", batch_size=None):
+    """Matrix of ``x -> conv2d(x, kernel, strides, padding)`` (float64, exact).
 
     Row ``i`` is the flattened output for the ``i``-th canonical basis input of
     shape ``input_shape``; the returned array has shape ``(n_in, n_out)``, i.e. it
     is the *transpose* of the operator (same singular values).
+
+    Built in numpy, without running a convolution: output ``(p, q, o)`` reads input
+    pixel ``(p sh + a - top, q sw + b - left)`` through tap ``(a, b)`` (``top``, ``left``:
+    the zero padding before, as TensorFlow's and XLA's ``"same"`` put the smaller half
+    there; a pixel outside the input is a zero of the padding), so entry
+    ``((r, c, i), (p, q, o))`` is ``K[a, b, i, o]`` for the one tap that reads pixel
+    ``(r, c)`` at ``(p, q)``, or 0. It is what a float64 ``tf.nn.conv2d`` of the basis
+    gives (each output a sum of one product by 1 and zeros: exact), with no float64 or
+    TensorFlow needed (JAX computes in float32 unless x64 is enabled). ``batch_size`` is
+    accepted for compatibility and unused.
     """
     kernel, input_shape, strides, padding, (out_h, out_w) = _check_conv_args(
         kernel, input_shape, strides, padding
     )
-    n_in = int(np.prod(input_shape))
-    n_out = out_h * out_w * kernel.shape[3]
-    result = np.empty((n_in, n_out), dtype=np.float64)
-    k = tf.constant(kernel, dtype=tf.float64)
-    for start in range(0, n_in, batch_size):
-        stop = min(start + batch_size, n_in)
-        basis = np.zeros((stop - start, n_in), dtype=np.float64)
-        basis[np.arange(stop - start), np.arange(start, stop)] = 1.0
-        x = tf.constant(basis.reshape(stop - start, *input_shape))
-        y = tf.nn.conv2d(x, k, strides=strides, padding=padding.upper())
-        result[start:stop] = y.numpy().reshape(stop - start, n_out)
-    return result
+    h, w, c_in = input_shape
+    kh, kw, _, c_out = kernel.shape
+    (sh, sw), (_, top), (_, left) = (
+        strides,
+        _conv_geometry(h, kh, strides[0], padding),
+        _conv_geometry(w, kw, strides[1], padding),
+    )
+    result = np.zeros((h, w, c_in, out_h, out_w, c_out), dtype=np.float64)
+    out_rows, out_cols = np.arange(out_h), np.arange(out_w)
+    for a in range(kh):
+        rows = out_rows * sh + a - top
+        p = out_rows[(rows >= 0) & (rows < h)]
+        for b in range(kw):
+            cols = out_cols * sw + b - left
+            q = out_cols[(cols >= 0) & (cols < w)]
+            # (p, q) -> pixel (p sh + a - top, q sw + b - left): one tap per pair (a, b).
+            result[
+                (p * sh + a - top)[:, None], (q * sw + b - left)[None, :], :, p[:, None],
+                q[None, :], :,
+            ] = kernel[a, b]  # fmt: skip
+    return result.reshape(h * w * c_in, out_h * out_w * c_out)
 
 
 def conv_fft_bound(
@@ -277,7 +296,7 @@ def conv_operator_norm(
     max_matrix_entries: int = DEFAULT_MAX_MATRIX_ENTRIES,
     fallback: str = "bound",
 ) -> OperatorNorm:
-    """Operator norm of ``x -> tf.nn.conv2d(x, kernel, strides, padding)``.
+    """Operator norm of ``x -> conv2d(x, kernel, strides, padding)``.
 
     Args:
         kernel: ``(kh, kw, c_in, c_out)`` array (the *effective* kernel of a layer).
@@ -345,7 +364,7 @@ def _constrained_layers_with_inputs(model, input_shape):
     """``[(layer, per-example input shape)]`` for every constrained layer, found by a
     dummy forward pass (batch of one zero example) through the layers in order."""
     found = []
-    x = tf.zeros((1, *input_shape), dtype=tf.float32)
+    x = np.zeros((1, *input_shape), dtype=np.float32)
     for layer in model.layers_forward_order():
         inner, inner_input = layer, x
         while isinstance(inner, DP_WrappedResidual):
@@ -362,13 +381,13 @@ def audit_layer(layer, input_shape=None, tolerance=DEFAULT_TOLERANCE, **norm_kwa
     if _is_conv(layer):
         if input_shape is None:
             raise ValueError(f"auditing convolution {layer.name!r} needs its input_shape.")
-        kernel = layer.effective_kernel().numpy()
+        kernel = np.asarray(layer.effective_kernel())
         measured = conv_operator_norm(
             kernel, input_shape[-3:], layer.strides, layer.padding, **norm_kwargs
         )
         kind = "conv2d"
     else:
-        measured = dense_operator_norm(layer.kernel.numpy())
+        measured = dense_operator_norm(np.asarray(layer.kernel))
         kind, input_shape = "dense", None
     ok = float(measured) <= declared * (1.0 + tolerance)
     return AuditRecord(

@@ -31,10 +31,12 @@ per-example bound. :meth:`Bounds.sensitivities` returns ``B_v (1 + ROUNDOFF_SLAC
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import tensorflow as tf
+from typing import TYPE_CHECKING
 
 from lipdp.core.noise import ROUNDOFF_SLACK
+
+if TYPE_CHECKING:  # annotations only: the bound pass is plain Python on every backend
+    import tensorflow as tf
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class VariableBound:
     """The per-example gradient bound of one trainable variable.
 
     Attributes:
-        variable: the ``tf.Variable``.
+        variable: the variable (a Keras or ``tf.Variable``).
         layer: the DP layer that owns it (the wrapper, for a layer inside a residual block).
         key: ``"<layer name>/<variable name>"`` (:func:`variable_key`; Keras does not keep
             variable names unique across save/load; layer names are).

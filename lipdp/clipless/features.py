@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from lipdp.clipless.bounds import bound_pass
 from lipdp.clipless.layers import (
@@ -30,6 +29,7 @@ from lipdp.clipless.layers import (
     DP_ScatteringTransform,
     DPLayer,
 )
+from lipdp.foundation import compat
 
 #: Layers that map one example to its output by a fixed function: no variables, no
 #: randomness, no statistic of the batch. An allow-list of exact types: a weightless layer
@@ -94,9 +94,21 @@ def apply_front_end(layers, x, batch_size=256) -> np.ndarray:
             f"fixed features need weightless layers; {holding} hold variables. Train them "
             "in the model instead."
         )
-    compute = tf.function(model.call)
+    compute = _compiled(model.call)
     parts = [
-        compute(tf.constant(x[start : start + batch_size])).numpy()
-        for start in range(0, len(x), batch_size)
+        np.asarray(compute(x[start : start + batch_size])) for start in range(0, len(x), batch_size)
     ]
     return np.concatenate(parts).astype(np.float32)
+
+
+def _compiled(call):
+    """``call`` compiled for the backend: ``jax.jit`` on JAX (the layers hold no variables,
+    so the call is a pure function of its input), ``tf.function`` on TensorFlow."""
+    if compat.keras_backend() == "jax":
+        import jax
+
+        return jax.jit(call)
+    import tensorflow as tf
+
+    compiled = tf.function(call)
+    return lambda chunk: compiled(tf.constant(chunk))

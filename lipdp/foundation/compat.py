@@ -552,6 +552,33 @@ class _TensorFlowArrayOps:
     def concatenate(self, xs, axis=0):
         return self._tf().concat(xs, axis=axis)
 
+    def mean(self, x, axis=None, keepdims=False):
+        return self._tf().reduce_mean(x, axis=axis, keepdims=keepdims)
+
+    def transpose(self, x, axes=None):
+        return self._tf().transpose(x, perm=axes)
+
+    def pad(self, x, pad_width, mode="constant", constant_values=None):
+        return self._tf().pad(x, pad_width, mode=mode.upper(), constant_values=constant_values or 0)
+
+    def conv(self, inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
+        # 2-D, channels last (tf.nn.convolution's op; its own wrapper on TF 2.15 leaves the
+        # data_format attribute unset, which the second-order gradient then reads)
+        return self._tf().nn.conv2d(inputs, kernel, strides, padding.upper())
+
+    def average_pool(self, inputs, pool_size, strides=None, padding="valid", data_format=None):
+        strides = pool_size if strides is None else strides
+        return self._tf().nn.avg_pool(inputs, pool_size, strides, padding.upper())
+
+    def fft2(self, x):
+        spectrum = self._tf().signal.fft2d(self._tf().complex(*x))
+        return self._tf().math.real(spectrum), self._tf().math.imag(spectrum)
+
+    def ifft2(self, x):
+        real, imag = self.fft2((x[0], -x[1]))  # keras.ops.ifft2's formula on TensorFlow
+        size = self._tf().cast(self._tf().shape(x[0])[-2] * self._tf().shape(x[0])[-1], real.dtype)
+        return real / size, -imag / size
+
 
 _TENSORFLOW_ARRAY_OPS = _TensorFlowArrayOps()
 

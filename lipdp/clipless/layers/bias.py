@@ -6,9 +6,8 @@ import math
 
 import keras
 
-from lipdp.clipless import projections
 from lipdp.clipless.layers.base import DPLayer, register, validate_nm_coef
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 
 
 @register
@@ -67,9 +66,31 @@ class DP_AddBias(keras.layers.Layer, DPLayer):
 
     def project(self):
         if self.trainable:
-            self.bias.assign(projections.l2_ball_projection(self.bias, self.norm_max))
+            self.bias.assign(self.projected_values(self.bias))
+
+    def projected_values(self, bias):
+        """The projection of ``bias`` (a value, not the variable) onto the ball: a pure
+        function, which a jit-compiled step applies to its new trainable values."""
+        return l2_ball_projection(bias, self.norm_max)
 
     def get_config(self):
         config = super().get_config()
         config.update(norm_max=self.norm_max, nm_coef=self.nm_coef)
         return config
+
+
+def l2_ball_projection(vector, radius):
+    """Exact Euclidean projection onto the ball ``||v|| <= radius``: ``v * radius /
+    max(||v||, radius)``, written with :func:`lipdp.foundation.compat.array_ops` so that it
+    runs on every backend and under ``jax.jit``. It is ``tf.clip_by_norm``'s formula, op
+    for op (the norm through a ``where`` so that its gradient at 0 is finite), so the
+    TensorFlow numbers are those of ``tf.clip_by_norm``. The result has norm at most
+    ``radius`` up to one rounding of the final product (rule S4 for the bias is the bound
+    ``X + sqrt(m) * norm_max``; a relative excess of a float32 ulp is within the
+    round-off slack of the sensitivity)."""
+    ops = compat.array_ops()
+    squared = ops.sum(vector * vector, keepdims=True)
+    positive = squared > 0
+    safe = ops.where(positive, squared, ops.ones_like(squared))
+    norm = ops.where(positive, ops.sqrt(safe), squared)
+    return (vector * radius) / ops.maximum(norm, radius)

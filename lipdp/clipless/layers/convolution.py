@@ -41,12 +41,11 @@ from __future__ import annotations
 import math
 
 import keras
-import tensorflow as tf
 
 from lipdp.clipless import projections
 from lipdp.clipless.layers.base import refuse_bias, register
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 
 
 def patch_overlap(kernel_size, strides) -> int:
@@ -113,12 +112,14 @@ class _ConstrainedConv2D(keras.layers.Layer, ConstrainedKernelLayer):
         )
         super().build(input_shape)
 
-    def effective_kernel(self) -> tf.Tensor:
+    def effective_kernel(self):
         return self.kernel * self.correction
 
     def call(self, inputs):
-        return tf.nn.conv2d(
-            inputs, self.effective_kernel(), strides=self.strides, padding=self.padding.upper()
+        # ``ops.conv``: tf.nn.conv2d on TensorFlow (same zero padding, "same" puts the
+        # smaller half before, as lax.conv_general_dilated does on JAX).
+        return compat.array_ops().conv(
+            inputs, self.effective_kernel(), strides=self.strides, padding=self.padding
         )
 
     def compute_output_shape(self, input_shape):
@@ -130,7 +131,7 @@ class _ConstrainedConv2D(keras.layers.Layer, ConstrainedKernelLayer):
                 _ceil_div(h - self.kernel_size[0] + 1, self.strides[0]),
                 _ceil_div(w - self.kernel_size[1] + 1, self.strides[1]),
             ]
-        return tf.TensorShape([input_shape[0], *out, self.filters])
+        return (input_shape[0], *out, self.filters)
 
     def backpropagate_params(self, input_bound, gradient_bound):
         # correction * sqrt(n) == 1 (module docstring).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 
 from lipdp.clipless.layers.base import DPLayer, register
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 
 
 @register
@@ -22,6 +22,16 @@ class DP_Lambda(keras.layers.Lambda, DPLayer):
 
     Nothing can check these claims in general: an arbitrary function is never
     assumed 1-Lipschitz, and the claims are the caller's responsibility.
+
+    Rows (rule S2): the function is user code, so it must see one example at a time. On
+    TensorFlow the private model's forward pass runs this layer row by row
+    (:mod:`lipdp.core.isolation`). On Keras 3's JAX backend the layer does it itself:
+    :meth:`call` is ``jax.vmap`` over the rows of the function applied to a batch of one
+    (``x[i][None]``), so ``out[i] = f(x[i][None])[0]`` whatever ``f`` reads (a batch mean,
+    a batch size, a sort over rows see one row), eagerly and under ``jax.jit`` alike.
+    ``vmap`` maps every JAX primitive lane by lane; the primitives whose batching is not
+    lane-wise (``custom_vmap``, host callbacks, foreign calls) are refused by the JAX step
+    on the jaxpr of one row (``refuse_cross_row_primitives`` of the JAX trainer).
     """
 
     def __init__(
@@ -42,6 +52,12 @@ class DP_Lambda(keras.layers.Lambda, DPLayer):
         self.output_gain = output_gain
         self.output_offset = output_offset
 
+    def call(self, inputs, mask=None, training=None):
+        apply = super().call
+        if compat.keras_backend() != "jax":
+            return apply(inputs, mask=mask, training=training)
+        return _row_by_row(lambda x, m: apply(x, mask=m, training=training), inputs, mask)
+
     def propagate_inputs(self, input_bound):
         return self.output_gain * input_bound + self.output_offset
 
@@ -56,3 +72,15 @@ class DP_Lambda(keras.layers.Lambda, DPLayer):
             output_offset=self.output_offset,
         )
         return config
+
+
+def _row_by_row(function, inputs, mask):
+    """``jax.vmap`` over the rows of ``function`` on a batch of one: row ``i`` of the
+    result is ``function(inputs[i][None], mask[i][None])[0]`` (JAX backend only)."""
+    import jax
+
+    def one_row(row, row_mask):
+        batch_of_one = jax.tree_util.tree_map(lambda t: t[None], (row, row_mask))
+        return jax.tree_util.tree_map(lambda t: t[0], function(*batch_of_one))
+
+    return jax.vmap(one_row)(inputs, mask)

@@ -6,10 +6,9 @@ import math
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from lipdp.clipless.layers.base import DPLayer, NonExpansiveLayer, register
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 
 
 @register
@@ -46,7 +45,7 @@ class DP_LayerCentering(keras.layers.Layer, NonExpansiveLayer):
 
     def call(self, inputs):
         axes = self._axes(len(inputs.shape))
-        return inputs - tf.reduce_mean(inputs, axis=axes, keepdims=True)
+        return inputs - compat.array_ops().mean(inputs, axis=axes, keepdims=True)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -106,14 +105,14 @@ class DP_GroupNormalization(keras.layers.Layer, DPLayer):
         super().build(input_shape)
 
     def call(self, inputs):
+        ops = compat.array_ops()
         channels = inputs.shape[-1]
-        grouped = tf.reshape(
-            inputs, [tf.shape(inputs)[0], -1, self.groups, channels // self.groups]
-        )
-        centred = grouped - tf.reduce_mean(grouped, axis=[1, 3], keepdims=True)
-        variance = tf.reduce_mean(tf.square(centred), axis=[1, 3], keepdims=True)
-        divisor = tf.sqrt(tf.maximum(variance, tf.cast(self.alpha**2, inputs.dtype)))
-        return tf.reshape(centred / divisor, tf.shape(inputs))
+        positions = math.prod(int(d) for d in inputs.shape[1:-1])
+        grouped = ops.reshape(inputs, (-1, positions, self.groups, channels // self.groups))
+        centred = grouped - ops.mean(grouped, axis=(1, 3), keepdims=True)
+        variance = ops.mean(ops.square(centred), axis=(1, 3), keepdims=True)
+        divisor = ops.sqrt(ops.maximum(variance, ops.cast(self.alpha**2, inputs.dtype)))
+        return ops.reshape(centred / divisor, (-1, *inputs.shape[1:]))
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -126,7 +125,7 @@ class DP_GroupNormalization(keras.layers.Layer, DPLayer):
             return None
         if isinstance(input_bound, (int, float)):
             return min(input_bound / self.alpha, cap)
-        return tf.minimum(input_bound / self.alpha, cap)
+        return compat.array_ops().minimum(input_bound / self.alpha, cap)
 
     def backpropagate_inputs(self, input_bound, gradient_bound):
         return gradient_bound / self.alpha

@@ -13,16 +13,15 @@ from __future__ import annotations
 import math
 
 import keras
-import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 
 _EPS = 1e-6
 
 
 def _smooth_norm(squared_norm, eps):
-    return tf.sqrt(squared_norm + eps) - math.sqrt(eps)
+    return compat.array_ops().sqrt(squared_norm + eps) - math.sqrt(eps)
 
 
 def _check_disjoint_windows(name, pool_size, strides):
@@ -53,12 +52,13 @@ class DP_ScaledL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
         self.eps = validation.positive("eps", eps)
 
     def call(self, inputs):
-        squares = tf.square(inputs)
+        ops = compat.array_ops()
+        squares = ops.square(inputs)
         if self.padding == "same":
-            squares = tf.pad(squares, self._same_padding(inputs.shape))
+            squares = ops.pad(squares, self._same_padding(inputs.shape))
         area = self.pool_size[0] * self.pool_size[1]
-        # avg_pool over VALID windows times the area is the exact window sum.
-        sums = area * tf.nn.avg_pool2d(squares, self.pool_size, self.pool_size, "VALID")
+        # average over VALID windows times the area is the window sum (to round-off).
+        sums = area * ops.average_pool(squares, self.pool_size, self.pool_size, "valid")
         return _smooth_norm(sums, self.eps)
 
     def _same_padding(self, shape):
@@ -75,7 +75,7 @@ class DP_ScaledL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
                 out.append(None)
             else:
                 out.append(-(-size // pool) if self.padding == "same" else size // pool)
-        return tf.TensorShape([input_shape[0], *out, input_shape[3]])
+        return (input_shape[0], *out, input_shape[3])
 
     def get_config(self):
         config = super().get_config()
@@ -96,10 +96,11 @@ class DP_ScaledGlobalL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
         self.eps = validation.positive("eps", eps)
 
     def call(self, inputs):
-        return _smooth_norm(tf.reduce_sum(tf.square(inputs), axis=[1, 2]), self.eps)
+        ops = compat.array_ops()
+        return _smooth_norm(ops.sum(ops.square(inputs), axis=(1, 2)), self.eps)
 
     def compute_output_shape(self, input_shape):
-        return tf.TensorShape([input_shape[0], input_shape[-1]])
+        return (input_shape[0], input_shape[-1])
 
     def get_config(self):
         config = super().get_config()

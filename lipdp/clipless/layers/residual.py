@@ -11,6 +11,7 @@ from __future__ import annotations
 import keras
 
 from lipdp.clipless.layers.base import DPLayer, register
+from lipdp.foundation import compat
 
 MERGE_POLICIES = ("add", "1-lip-add")
 #: ``merge(x1, x2) = scale * (x1 + x2)``.
@@ -98,6 +99,21 @@ class DP_WrappedResidual(keras.layers.Layer, DPLayer):
         if not isinstance(block, DPLayer):
             raise TypeError(f"DP_WrappedResidual wraps DP layers only, got {type(block).__name__}.")
         self.block = block
+
+    def build(self, input_shape):
+        """Builds ``block`` on the second path's shape (Keras 3). Keras 3 infers this
+        layer's output without running its ``call`` on symbolic values
+        (:meth:`compute_output_spec`): on JAX that ``call`` would run the block's maths on
+        tracers of a shape-only trace. On Keras 2 the first call builds the block."""
+        if compat.keras_3() and not self.block.built:
+            _, shape = _paths(input_shape, "the input shape")
+            self.block.build(shape)
+        super().build(input_shape)
+
+    def compute_output_spec(self, inputs, training=None, loss_normalizer=None):
+        x1, x2 = _paths(inputs, "the inputs")
+        skip = keras.KerasTensor(x1.shape, dtype=x1.dtype)  # a new tensor: no graph cycle
+        return (skip, self.block.compute_output_spec(x2))
 
     def call(self, inputs, training=None, loss_normalizer=None):
         x1, x2 = _paths(inputs, "the inputs")

@@ -6,31 +6,51 @@ import functools
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from lipdp.clipless import wavelets
 from lipdp.clipless.layers.base import DPLayer, register
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 
 #: Relative slack on the certified constant for float32 round-off in the FFTs (their
 #: relative error is ~1e-6; the certificate itself is computed in float64).
 FFT_ROUNDOFF = 1e-4
 
+# Complex values are (real, imaginary) pairs of real arrays, as ``keras.ops.fft2`` takes
+# and gives them: the same code runs on TensorFlow and JAX (and under ``jax.jit``). The
+# filters are real (real parts of DFTs, :func:`lipdp.clipless.wavelets.morlet_filter_bank`),
+# so a product with a filter is the product of each part.
+
+
+def _each(function, z):
+    """``function`` applied to both parts of the pair ``z``."""
+    return function(z[0]), function(z[1])
+
+
+def _fft2(z):
+    return compat.array_ops().fft2(z)
+
+
+def _ifft2(z):
+    """Inverse 2-D DFT of the pair ``z`` over its last two axes (``keras.ops.ifft2``; the
+    K2 shim and Keras 3 on TensorFlow compute it as ``conj(fft2(conj(z))) / (n m)``)."""
+    return compat.array_ops().ifft2(z)
+
 
 def _modulus(z):
-    """``|z|``, with the zero sub-gradient where ``z = 0`` (``tf.abs`` gives NaN there;
+    """``|z|``, with the zero sub-gradient where ``z = 0`` (``sqrt`` alone gives NaN there;
     zero-padded and blank image regions make exact zeros common)."""
-    squared = tf.square(tf.math.real(z)) + tf.square(tf.math.imag(z))
+    ops = compat.array_ops()
+    squared = ops.square(z[0]) + ops.square(z[1])
     positive = squared > 0
-    safe = tf.where(positive, squared, tf.ones_like(squared))
-    return tf.where(positive, tf.sqrt(safe), tf.zeros_like(squared))
+    safe = ops.where(positive, squared, ops.ones_like(squared))
+    return ops.where(positive, ops.sqrt(safe), ops.zeros_like(squared))
 
 
 def _as_complex(x):
-    """``x + 0i`` (``tf.cast`` to complex warns in its gradient, which drops the
-    imaginary part; ``tf.complex`` has the same gradient without the warning)."""
-    x = tf.cast(x, tf.float32)
-    return tf.complex(x, tf.zeros_like(x))
+    """``x + 0i``."""
+    ops = compat.array_ops()
+    x = ops.cast(x, "float32")
+    return x, ops.zeros_like(x)
 
 
 def _decimate(z, k):
@@ -38,16 +58,19 @@ def _decimate(z, k):
     the mean of the ``k^2`` aliases of each frequency."""
     if k == 1:
         return z
-    n, m = z.shape[-2], z.shape[-1]
-    aliases = tf.reshape(z, [-1, k, n // k, k, m // k])
-    return tf.reduce_mean(aliases, axis=[1, 3])
+    ops = compat.array_ops()
+    n, m = z[0].shape[-2], z[0].shape[-1]
+    return _each(
+        lambda part: ops.mean(ops.reshape(part, (-1, k, n // k, k, m // k)), axis=(1, 3)), z
+    )
 
 
 def _filter_rows(z, filters):
-    """Every row of ``z`` (rows, n, m) times every filter (F, n, m): (rows * F, n, m),
+    """Every row of ``z`` (rows, n, m) times every real filter (F, n, m): (rows * F, n, m),
     row ``r * F + f``."""
-    n, m = z.shape[-2], z.shape[-1]
-    return tf.reshape(z[:, None] * filters[None], [-1, n, m])
+    ops = compat.array_ops()
+    n, m = z[0].shape[-2], z[0].shape[-1]
+    return _each(lambda part: ops.reshape(part[:, None] * filters[None], (-1, n, m)), z)
 
 
 @functools.lru_cache(maxsize=16)
@@ -133,63 +156,66 @@ class DP_ScatteringTransform(keras.layers.Layer, DPLayer):
 
     def _make_filter_constants(self):
         def constant(values):
-            return tf.constant(np.asarray(values, dtype=np.complex64))
+            return np.asarray(values, dtype=np.float32)
 
         bank = self._bank
-        # Eager constants, reused by every call: Keras 3 builds a model's layers inside a
-        # graph traced for shapes only, whose tensors a later call could not use.
-        with tf.init_scope():
-            self._phi = [constant(level) for level in bank.phi]
-            # _psi[j][res]: the L wavelets of scale j at resolution res, stacked.
-            self._psi = [
-                [constant([w.levels[res] for w in bank.psi if w.j == j]) for res in range(j + 1)]
-                for j in range(self.J)
-            ]
+        # numpy constants (real: the filters are real parts of DFTs), which every backend
+        # embeds in its graph or jit trace as constants.
+        self._phi = [constant(level) for level in bank.phi]
+        # _psi[j][res]: the L wavelets of scale j at resolution res, stacked.
+        self._psi = [
+            [constant([w.levels[res] for w in bank.psi if w.j == j]) for res in range(j + 1)]
+            for j in range(self.J)
+        ]
 
     # ----------------------------------------------------------------------- call
     def call(self, inputs):
-        batch = tf.shape(inputs)[0]
+        ops = compat.array_ops()
         height, width, channels = inputs.shape[1], inputs.shape[2], inputs.shape[3]
-        images = tf.reshape(tf.transpose(inputs, [0, 3, 1, 2]), [-1, height, width])
-        mode = "REFLECT" if self.padding == "reflect" else "CONSTANT"
-        images = tf.pad(images, [[0, 0], list(self._pads[0]), list(self._pads[1])], mode=mode)
-        spectrum = tf.signal.fft2d(_as_complex(images))
+        images = ops.reshape(ops.transpose(inputs, (0, 3, 1, 2)), (-1, height, width))
+        mode = "reflect" if self.padding == "reflect" else "constant"
+        images = ops.pad(images, [[0, 0], list(self._pads[0]), list(self._pads[1])], mode=mode)
+        spectrum = _fft2(_as_complex(images))
         coefficients = self._scatter(spectrum)  # (batch * channels, K, h', w')
         per_channel = wavelets.coefficients_per_channel(self.J, self.L, self.max_order)
-        per_example = tf.reshape(
-            coefficients, [batch, channels * per_channel, *coefficients.shape[-2:]]
+        per_example = ops.reshape(
+            coefficients, (-1, channels * per_channel, *coefficients.shape[-2:])
         )
-        return tf.cast(tf.transpose(per_example, [0, 2, 3, 1]), inputs.dtype)
+        return ops.cast(ops.transpose(per_example, (0, 2, 3, 1)), inputs.dtype)
 
     def _low_pass(self, spectrum, res):
         """Order-``res`` output: low-pass, decimate to scale ``2^J``, real part, crop."""
-        averaged = _decimate(spectrum * self._phi[res][None], 2 ** (self.J - res))
-        return tf.math.real(tf.signal.ifft2d(averaged))[:, 1:-1, 1:-1]
+        phi = self._phi[res][None]
+        averaged = _decimate(_each(lambda part: part * phi, spectrum), 2 ** (self.J - res))
+        return _ifft2(averaged)[0][:, 1:-1, 1:-1]
 
     def _band_pass(self, spectrum, j, res):
         """``FFT |(u * psi_{j, .}) down 2^(j - res)|`` for a signal at resolution ``res``:
         (rows * L, n, m), row ``r * L + theta``."""
         filtered = _decimate(_filter_rows(spectrum, self._psi[j][res]), 2 ** (j - res))
-        return tf.signal.fft2d(_as_complex(_modulus(tf.signal.ifft2d(filtered))))
+        return _fft2(_as_complex(_modulus(_ifft2(filtered))))
 
     def _scatter(self, spectrum):
-        rows = tf.shape(spectrum)[0]
+        ops = compat.array_ops()
         J, L = self.J, self.L
+        out = tuple(self._out_shape)
         order0 = [self._low_pass(spectrum, 0)[:, None]]
         order1, order2 = [], []
         for j1 in range(J):
             first = self._band_pass(spectrum, j1, 0)  # (rows * L, ...)
-            order1.append(tf.reshape(self._low_pass(first, j1), [rows, L, *self._out_shape]))
+            order1.append(ops.reshape(self._low_pass(first, j1), (-1, L, *out)))
             if self.max_order < 2:
                 continue
             by_scale = []
             for j2 in range(j1 + 1, J):
                 second = self._band_pass(first, j2, j1)  # (rows * L * L, ...)
-                by_scale.append(tf.reshape(self._low_pass(second, j2), [rows, L, 1, L, -1]))
+                by_scale.append(
+                    ops.reshape(self._low_pass(second, j2), (-1, L, 1, L, out[0] * out[1]))
+                )
             if by_scale:  # Kymatio's order: (theta1, j2, theta2) for each j1
-                block = tf.concat(by_scale, axis=2)
-                order2.append(tf.reshape(block, [rows, -1, *self._out_shape]))
-        return tf.concat(order0 + order1 + order2, axis=1)
+                block = ops.concatenate(by_scale, axis=2)
+                order2.append(ops.reshape(block, (-1, L * len(by_scale) * L, *out)))
+        return ops.concatenate(order0 + order1 + order2, axis=1)
 
     @property
     def _out_shape(self):
@@ -200,7 +226,7 @@ class DP_ScatteringTransform(keras.layers.Layer, DPLayer):
         channels = int(input_shape[3]) * wavelets.coefficients_per_channel(
             self.J, self.L, self.max_order
         )
-        return tf.TensorShape([input_shape[0], height, width, channels])
+        return (input_shape[0], height, width, channels)
 
     # --------------------------------------------------------------------- bounds
     def _certified(self):
