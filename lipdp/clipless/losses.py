@@ -57,7 +57,8 @@ constants above assume.
 
 **Backends.** Every loss is written once with :func:`lipdp.foundation.compat.array_ops`
 (``keras.ops``; the TensorFlow shim on Keras 2) and runs under ``jax.jit``: the number of
-classes ``K`` is read from the static shape; the only run-time checks left are TensorFlow's
+classes ``K`` is read from the static shape (and the tempered softmax is shifted before
+its scaling on JAX, :func:`_scaled_log_softmax`); the only run-time checks left are TensorFlow's
 for shapes unknown when a graph is traced (``tf.debugging`` asserts, never reached on JAX,
 whose shapes are static) and the sample-weight check of :meth:`DP_Loss.__call__` (a
 per-backend hook: an assert on TensorFlow, a host check on concrete JAX arrays, and the
@@ -380,7 +381,7 @@ class DP_TauCategoricalCrossentropy(DP_Loss):
         y_true = _relu(y_true)
         total = ops.sum(y_true, axis=-1, keepdims=True)
         y_true = y_true / ops.maximum(total, 1.0)
-        log_p = ops.log_softmax(self.tau * y_pred, axis=-1)
+        log_p = _scaled_log_softmax(y_pred, self.tau)
         return _per_example(-ops.sum(y_true * log_p, axis=-1) / self.tau)
 
     def get_L(self) -> float:
@@ -424,6 +425,24 @@ class DP_TauBCE(DP_Loss):
 
     def get_config(self):
         return {**super().get_config(), "tau": self.tau}
+
+
+def _scaled_log_softmax(logits, tau):
+    """``log_softmax(tau z)`` on the last axis.
+
+    Per-backend hook. TensorFlow: ``log_softmax(tau z)``, the numbers lipdp has always
+    given. JAX: ``log_softmax(tau (z - max z))``, the same function (the shift is a
+    constant of the row, outside the gradient), because XLA's CPU code contracts the
+    ``tau z - max(tau z)`` inside ``log_softmax`` into one fused multiply-add whose
+    unrounded product no longer cancels the rounded maximum: at ``tau z ~ 4e31`` the shift
+    is off by ~1e24, ``exp`` overflows and the loss and its gradient are NaN under
+    ``jax.jit``. Shifted first, the row's largest entry is exactly 0 and nothing overflows.
+    """
+    ops = compat.array_ops()
+    if compat.keras_backend() == "tensorflow":
+        return ops.log_softmax(tau * logits, axis=-1)
+    shift = ops.stop_gradient(ops.max(logits, axis=-1, keepdims=True))
+    return ops.log_softmax(tau * (logits - shift), axis=-1)
 
 
 def _sigmoid_cross_entropy(labels, logits):
@@ -645,7 +664,9 @@ class DP_KCosineSimilarity(DP_Loss):
         # z / sqrt(max(||z||^2, K^2)) = z / max(||z||, K); the gradient is finite at z = 0.
         sq_norm = ops.sum(ops.square(y_pred), axis=self.axis, keepdims=True)
         k_sq = ops.cast(self.K * self.K, y_pred.dtype)
-        z_scaled = y_pred * ops.rsqrt(ops.maximum(sq_norm, k_sq))
+        # max(||z||^2, K^2) as a where: at ||z|| = K the gradient follows ||z||^2 on every
+        # backend (tf.maximum's rule; JAX's maximum would split it between both sides).
+        z_scaled = y_pred * ops.rsqrt(ops.where(sq_norm >= k_sq, sq_norm, k_sq))
         return _per_example(-ops.sum(y_unit * z_scaled, axis=self.axis))
 
     def get_L(self) -> float:
@@ -673,7 +694,13 @@ class DP_MeanAbsoluteError(DP_Loss):
 
     def per_example_loss(self, y_true, y_pred):
         y_true, y_pred = _prepare(y_true, y_pred)
-        return _per_example(compat.array_ops().abs(y_pred - y_true))
+        ops = compat.array_ops()
+        # |d| with the subgradient 0 at d = 0 on every backend (TensorFlow's abs; JAX's abs
+        # has derivative 1 there): the where sends no gradient to a tied output.
+        difference = y_pred - y_true
+        return _per_example(
+            ops.where(difference == 0, ops.zeros_like(difference), ops.abs(difference))
+        )
 
     def get_L(self) -> float:
         return 1.0
