@@ -139,6 +139,7 @@ def _numbers():  # noqa: PLR0915 - one flat list of cases
     z[3] = 0.0
     z[4] = [2, 2, 2, -1, -1]
     z[5] = [-1e30, 1e30, -1e30, 1e30, 0]
+    z[13] = [2, 0, 0, 0, 0]  # ||z|| = K of DP_KCosineSimilarity(K=2): its kink
     y = np.eye(k, dtype=np.float32)[rng.integers(0, k, size=16)]
     y[6] = [0, 0, 0, 0, 0]
     y[7] = [1, 1, 0, 0, 0]
