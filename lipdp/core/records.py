@@ -183,8 +183,8 @@ def neutralised_losses(per_example, labels, predictions, ignore_class=None):
 
 
 def _sparse(labels, predictions) -> bool:
-    """:func:`sparse_labels` of any backend's arrays (JAX arrays have static shapes and
-    are never class indices for the losses lipdp runs there)."""
+    """:func:`sparse_labels` for any backend's arrays: TensorFlow tensors by it, arrays
+    without a ``TensorShape`` (JAX: static shapes) by the same rule on their shapes."""
     if not hasattr(labels.shape, "rank"):  # not a TensorFlow tensor: a static shape
         if len(predictions.shape) < 2 or predictions.shape[-1] == 1:
             return False
