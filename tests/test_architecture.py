@@ -266,6 +266,15 @@ JAX_PATH = [
     "lipdp.accounting",
     "lipdp.foundation.metadata",
     "lipdp.foundation.compat",
+    # the clipless family's modules written with compat.array_ops() (issue 38 item 5)
+    "lipdp.clipless.jax",
+    "lipdp.clipless.projections",
+    "lipdp.clipless.losses",
+    "lipdp.clipless.layers.base",
+    "lipdp.clipless.layers.inputs",
+    "lipdp.clipless.layers.dense",
+    "lipdp.clipless.layers.constrained",
+    "lipdp.clipless.layers.clipping",
 ]
 
 

@@ -25,7 +25,7 @@ estimate can be low by tens of percent, far more than any reasonable margin. The
 projections therefore never rely on it alone:
 
 * the **spectral ball** uses the exact largest singular value
-  (``tf.linalg.svd``, float32), times ``1 + margin`` for round-off;
+  (``svd``, float32), times ``1 + margin`` for round-off;
 * the **orthogonal** projection divides by ``d = max(sigma_est (1 + margin),
   sqrt(r) / 2)`` where ``r`` is the largest absolute row sum of the Gram matrix
   ``W^T W`` (Gershgorin: ``sigma_max^2 <= r``). Hence ``||W / d||_2 <= 2``. Björck's
@@ -37,11 +37,19 @@ projections therefore never rely on it alone:
 
 A final factor ``1 - 2^-20`` absorbs float32 round-off in the last Björck step.
 Exact operator norms can be audited with :mod:`lipdp.clipless.audit`.
+
+**Backends.** Every function is written once with :func:`lipdp.foundation.compat.array_ops`
+(``keras.ops`` on Keras 3 -- TensorFlow or JAX --, the TensorFlow shim on Keras 2), takes the
+backend's arrays and runs under ``tf.function`` and ``jax.jit`` alike (the Python loops
+unroll). Two per-backend points: :func:`matmul` uses TensorFlow's transpose flags on
+TensorFlow (the numbers lipdp has always produced: a flagged product does not sum in the
+order of a product of an explicit transpose) and :func:`certified_operator_norm` (float64
+eigenvalues) runs on TensorFlow only.
 """
 
 from __future__ import annotations
 
-import tensorflow as tf
+from lipdp.foundation import compat
 
 #: Relative margin on the largest singular value (float32 round-off is ~1e-7
 #: relative; the margin keeps projected kernels clearly inside the ball).
@@ -53,11 +61,57 @@ DEFAULT_BJORCK_ITERATIONS = 15
 #: Relative slack on a norm rounded to float32 (one float32 rounding is at most 2^-24
 #: relative; the slack is generous).
 NORM_ROUNDOFF = 1e-6
+#: ``tf.math.l2_normalize``'s default floor on the squared norm.
+_L2_EPSILON = 1e-12
 
 
-def power_iteration(
-    matrix: tf.Tensor, u: tf.Tensor, iterations: int
-) -> tuple[tf.Tensor, tf.Tensor]:
+def matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False):
+    """``a^(T) b^(T)``, the transposes as the flags say.
+
+    Per-backend hook: on TensorFlow ``tf.matmul`` with its transpose flags, the product
+    lipdp has always computed (its flagged kernel does not sum in the order a product with
+    an explicit transpose does, so the flags keep the TensorFlow numbers bitwise); elsewhere
+    ``ops.matmul`` of the transposed operands.
+    """
+    if compat.keras_backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    ops = compat.array_ops()
+    a = ops.transpose(a) if transpose_a else a
+    b = ops.transpose(b) if transpose_b else b
+    return ops.matmul(a, b)
+
+
+def l2_normalize(x, axis=-1):
+    """``x / max(||x||, 1e-6)`` along ``axis``, as ``tf.math.l2_normalize`` computes it:
+    ``x * rsqrt(max(sum x^2, 1e-12))`` (the same operations, so the same numbers)."""
+    ops = compat.array_ops()
+    square_sum = ops.sum(ops.square(x), axis=axis, keepdims=True)
+    return x * ops.rsqrt(ops.maximum(square_sum, _L2_EPSILON))
+
+
+def frobenius_norm(x):
+    """``sqrt(sum x^2)`` over every entry (``tf.norm``'s Euclidean norm)."""
+    ops = compat.array_ops()
+    return ops.sqrt(ops.sum(ops.square(x)))
+
+
+def clip_by_norm(x, limit, axes=None):
+    """``x min(1, limit / ||x||)``, the norm over ``axes`` (every axis: ``None``), in the
+    operations of ``tf.clip_by_norm``: ``x limit / max(||x||, limit)`` with ``||x||`` taken
+    as 0 where ``sum x^2 = 0`` (no square root of 0 on the gradient's path, so a zero ``x``
+    has a finite gradient). ``limit > 0``: a zero ``x`` stays zero."""
+    ops = compat.array_ops()
+    limit = ops.cast(limit, x.dtype)
+    l2sum = ops.sum(x * x, axis=axes, keepdims=True)
+    positive = l2sum > 0
+    l2sum_safe = ops.where(positive, l2sum, ops.ones_like(l2sum))
+    l2norm = ops.where(positive, ops.sqrt(l2sum_safe), l2sum)
+    return (x * limit) / ops.maximum(l2norm, limit)
+
+
+def power_iteration(matrix, u, iterations: int):
     """Estimate the largest singular value of ``matrix`` (shape ``(m, n)``).
 
     ``u`` (shape ``(1, n)``) is a warm start, normally the vector returned by the
@@ -68,66 +122,70 @@ def power_iteration(
     under-estimate, hence the margin used by the projections) and the new unit
     vector ``u``.
     """
-    u = tf.math.l2_normalize(u, axis=-1)
+    ops = compat.array_ops()
+    u = l2_normalize(u, axis=-1)
     for _ in range(iterations):
-        v = tf.math.l2_normalize(tf.matmul(u, matrix, transpose_b=True), axis=-1)  # (1, m)
-        u = tf.math.l2_normalize(tf.matmul(v, matrix), axis=-1)  # (1, n)
-    sigma = tf.norm(tf.matmul(u, matrix, transpose_b=True))
-    return tf.stop_gradient(sigma), tf.stop_gradient(u)
+        v = l2_normalize(matmul(u, matrix, transpose_b=True), axis=-1)  # (1, m)
+        u = l2_normalize(matmul(v, matrix), axis=-1)  # (1, n)
+    sigma = frobenius_norm(matmul(u, matrix, transpose_b=True))
+    return ops.stop_gradient(sigma), ops.stop_gradient(u)
 
 
-def largest_singular_value(matrix: tf.Tensor) -> tf.Tensor:
+def largest_singular_value(matrix):
     """Exact (up to float round-off) largest singular value."""
-    return tf.reduce_max(tf.linalg.svd(matrix, compute_uv=False))
+    ops = compat.array_ops()
+    return ops.max(ops.svd(matrix, compute_uv=False))
 
 
-def gershgorin_sigma_bound(matrix: tf.Tensor) -> tf.Tensor:
+def _gram(matrix):
+    """The Gram matrix on the smaller side: ``M^T M`` (``m >= n``) or ``M M^T``."""
+    m, n = matrix.shape
+    if m >= n:
+        return matmul(matrix, matrix, transpose_a=True)
+    return matmul(matrix, matrix, transpose_b=True)
+
+
+def gershgorin_sigma_bound(matrix):
     """Certified upper bound on ``sigma_max``: sqrt of the largest absolute row sum
     of the Gram matrix (on the smaller side). Tight for nearly orthogonal matrices."""
-    m, n = matrix.shape
-    gram = (
-        tf.matmul(matrix, matrix, transpose_a=True)
-        if m >= n
-        else tf.matmul(matrix, matrix, transpose_b=True)
-    )
-    return tf.sqrt(tf.reduce_max(tf.reduce_sum(tf.abs(gram), axis=1)))
+    ops = compat.array_ops()
+    return ops.sqrt(ops.max(ops.sum(ops.abs(_gram(matrix)), axis=1)))
 
 
-def bjorck_step(matrix: tf.Tensor) -> tf.Tensor:
+def bjorck_step(matrix):
     """One Björck orthogonalisation step, ``W <- 1.5 W - 0.5 W W^T W``.
 
     The product is ordered so that the Gram matrix has the smaller dimension.
     """
     m, n = matrix.shape
     if m >= n:
-        gram_term = tf.matmul(matrix, tf.matmul(matrix, matrix, transpose_a=True))
+        gram_term = matmul(matrix, matmul(matrix, matrix, transpose_a=True))
     else:
-        gram_term = tf.matmul(tf.matmul(matrix, matrix, transpose_b=True), matrix)
+        gram_term = matmul(matmul(matrix, matrix, transpose_b=True), matrix)
     return 1.5 * matrix - 0.5 * gram_term
 
 
-def spectral_ball_projection(
-    matrix: tf.Tensor, *, margin: float = DEFAULT_MARGIN, radius: float = 1.0
-) -> tf.Tensor:
+def spectral_ball_projection(matrix, *, margin: float = DEFAULT_MARGIN, radius: float = 1.0):
     """Rescale ``matrix`` so that its spectral norm is at most ``radius``.
 
     ``W <- W / max(1, sigma_max (1 + margin) / C)`` with the exact ``sigma_max``. A
     matrix already inside the ball is left unchanged, so the projection does not
     fight the optimizer.
     """
+    ops = compat.array_ops()
     sigma = largest_singular_value(matrix)
-    return matrix / tf.maximum(tf.cast(1.0, matrix.dtype), sigma * (1.0 + margin) / radius)
+    return matrix / ops.maximum(ops.cast(1.0, matrix.dtype), sigma * (1.0 + margin) / radius)
 
 
 def orthogonal_projection(
-    matrix: tf.Tensor,
-    u: tf.Tensor,
+    matrix,
+    u,
     *,
     power_iterations: int = DEFAULT_POWER_ITERATIONS,
     bjorck_iterations: int = DEFAULT_BJORCK_ITERATIONS,
     margin: float = DEFAULT_MARGIN,
     radius: float = 1.0,
-) -> tuple[tf.Tensor, tf.Tensor]:
+):
     """Map ``matrix`` to (nearly) ``radius`` times the closest matrix with orthonormal
     rows or columns.
 
@@ -136,23 +194,25 @@ def orthogonal_projection(
     ``radius`` whatever the accuracy of the warm-started power iteration, which only
     decides how close to orthogonal the result is. Returns ``(projected, u)``.
     """
+    ops = compat.array_ops()
     sigma, u = power_iteration(matrix, u, power_iterations)
-    divisor = tf.maximum(sigma * (1.0 + margin), 0.5 * gershgorin_sigma_bound(matrix))
+    divisor = ops.maximum(sigma * (1.0 + margin), 0.5 * gershgorin_sigma_bound(matrix))
     matrix = matrix / divisor
     for _ in range(bjorck_iterations):
         matrix = bjorck_step(matrix)
     return matrix * (_BJORCK_ROUNDOFF * radius), u
 
 
-def frobenius_ball_projection(matrix: tf.Tensor, *, radius: float = 1.0) -> tf.Tensor:
+def frobenius_ball_projection(matrix, *, radius: float = 1.0):
     """Euclidean projection onto ``{W : ||W||_F <= radius}``: ``W / max(1, ||W|| / C)``,
     with ``||W||`` rounded up by ``NORM_ROUNDOFF`` so that float32 round-off of the
     division cannot leave the result a hair outside the ball."""
-    norm = tf.norm(matrix) * (1.0 + NORM_ROUNDOFF)
-    return matrix / tf.maximum(tf.cast(1.0, matrix.dtype), norm / radius)
+    ops = compat.array_ops()
+    norm = frobenius_norm(matrix) * (1.0 + NORM_ROUNDOFF)
+    return matrix / ops.maximum(ops.cast(1.0, matrix.dtype), norm / radius)
 
 
-def certified_operator_norm(matrix: tf.Tensor, norm: str) -> tf.Tensor:
+def certified_operator_norm(matrix, norm: str):
     """An upper bound on the spectral norm of ``matrix``, from its entries alone.
 
     ``norm="spectral"``: ``sigma_max`` from the eigenvalues of the smaller Gram matrix,
@@ -161,7 +221,19 @@ def certified_operator_norm(matrix: tf.Tensor, norm: str) -> tf.Tensor:
     (``>= sigma_max``), summed in float64. Both are multiplied by ``1 + NORM_ROUNDOFF``
     to cover the final rounding to float32. Differentiable (the adversarial soundness
     search differentiates through it).
+
+    TensorFlow only: the JAX backend computes in float32 unless ``jax_enable_x64`` is set,
+    and this certificate's argument is the float64 solver (``adaptive_norm=True`` is refused
+    there with this message).
     """
+    if compat.keras_backend() != "tensorflow":
+        raise ValueError(
+            "adaptive_norm=True needs float64 eigenvalues (certified_operator_norm), which "
+            f"the {compat.keras_backend()} backend does not compute: use adaptive_norm=False "
+            "or train on KERAS_BACKEND=tensorflow."
+        )
+    import tensorflow as tf
+
     wide = tf.cast(matrix, tf.float64)
     if norm == "frobenius":
         value = tf.sqrt(tf.reduce_sum(tf.square(wide)))
@@ -178,6 +250,7 @@ def certified_operator_norm(matrix: tf.Tensor, norm: str) -> tf.Tensor:
     return tf.cast(value * (1.0 + NORM_ROUNDOFF), matrix.dtype)
 
 
-def l2_ball_projection(vector: tf.Tensor, radius: float) -> tf.Tensor:
-    """Exact Euclidean projection onto the ball of the given radius."""
-    return tf.clip_by_norm(vector, radius)
+def l2_ball_projection(vector, radius: float):
+    """Exact Euclidean projection onto the ball of the given radius (:func:`clip_by_norm`
+    over every axis)."""
+    return clip_by_norm(vector, radius)

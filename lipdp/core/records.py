@@ -48,21 +48,36 @@ import tensorflow as tf
 from lipdp.foundation import compat
 
 
+def _dtype_name(dtype) -> str:
+    """``"float32"``, ``"int64"``, ``"bool"``...: the name of a TensorFlow, NumPy or JAX
+    dtype (each has a ``name``)."""
+    return str(getattr(dtype, "name", dtype))
+
+
+def is_floating(dtype) -> bool:
+    """Whether ``dtype`` (any backend's) is a real floating type (``bfloat16`` included)."""
+    return _dtype_name(dtype).startswith(("float", "bfloat"))
+
+
 def finite_rows(values):
     """``(batch,)`` booleans: every entry of the example is finite (not NaN, not inf).
-    Non-floating tensors (integer labels) are finite."""
-    values = tf.convert_to_tensor(values)
-    if not values.dtype.is_floating:
-        return tf.ones(tf.shape(values)[:1], dtype=tf.bool)
-    flat = tf.reshape(values, tf.stack([tf.shape(values)[0], -1]))
-    return tf.reduce_all(tf.math.is_finite(flat), axis=1)
+    Non-floating tensors (integer labels) are finite. Any backend's arrays, jit-safe
+    (:func:`lipdp.foundation.compat.array_ops`)."""
+    ops = compat.array_ops()
+    values = ops.convert_to_tensor(values)
+    rows = ops.shape(values)[0]
+    if not is_floating(values.dtype):
+        return ops.ones((rows,), dtype="bool")
+    flat = ops.reshape(values, (rows, -1))
+    return ops.all(ops.isfinite(flat), axis=1)
 
 
 def zero_rows(keep, values):
-    """``values`` with the examples where ``keep`` is False replaced by zeros."""
-    shape = tf.concat([tf.shape(keep), tf.ones([tf.rank(values) - 1], tf.int32)], axis=0)
-    mask = tf.broadcast_to(tf.reshape(keep, shape), tf.shape(values))
-    return tf.where(mask, values, tf.zeros_like(values))
+    """``values`` with the examples where ``keep`` is False replaced by zeros (any
+    backend's arrays of known rank, jit-safe)."""
+    ops = compat.array_ops()
+    mask = ops.reshape(keep, (-1,) + (1,) * (len(values.shape) - 1))
+    return ops.where(mask, values, ops.zeros_like(values))
 
 
 def kept_rows(finite, ids):
@@ -147,11 +162,38 @@ def neutralised_losses(per_example, labels, predictions, ignore_class=None):
     label is unusable -- a NaN or an infinity (:func:`finite_rows`) or a class index out
     of range (:func:`labels_in_range`) -- counting zero: its label is replaced by zeros
     first (finite, and class 0 for indices, so the loss neither fails nor turns NaN), then
-    its loss by 0, so that its gradient is exactly 0, within every bound."""
-    labels = tf.convert_to_tensor(labels)
-    usable = finite_rows(labels) & labels_in_range(labels, predictions, ignore_class)
+    its loss by 0, so that its gradient is exactly 0, within every bound.
+
+    Backend-neutral for labels that are not class indices (:func:`sparse_labels`, decided
+    from the static shapes: the range test is then all True and is skipped); class indices
+    are checked by :func:`labels_in_range`, on TensorFlow."""
+    ops = compat.array_ops()
+    labels = ops.convert_to_tensor(labels)
+    usable = finite_rows(labels)
+    if _sparse(labels, predictions):
+        if compat.keras_backend() != "tensorflow":
+            raise ValueError(
+                "Class-index labels reach a loss on the "
+                f"{compat.keras_backend()} backend, which checks only labels of the "
+                "predictions' shape: one-hot encode the labels."
+            )
+        usable = usable & labels_in_range(labels, predictions, ignore_class)
     losses = per_example(zero_rows(usable, labels), predictions)
-    return tf.where(usable, losses, tf.zeros_like(losses))
+    return ops.where(usable, losses, ops.zeros_like(losses))
+
+
+def _sparse(labels, predictions) -> bool:
+    """:func:`sparse_labels` for any backend's arrays: TensorFlow tensors by it, arrays
+    without a ``TensorShape`` (JAX: static shapes) by the same rule on their shapes."""
+    if not hasattr(labels.shape, "rank"):  # not a TensorFlow tensor: a static shape
+        if len(predictions.shape) < 2 or predictions.shape[-1] == 1:
+            return False
+        kind = _dtype_name(labels.dtype)
+        if not (kind.startswith(("int", "uint")) or is_floating(labels.dtype)):
+            return False
+        rank, target = len(labels.shape), len(predictions.shape)
+        return rank == target - 1 or (rank == target and labels.shape[-1] == 1)
+    return sparse_labels(labels, predictions)
 
 
 # ------------------------------------------------------------------- id ranges

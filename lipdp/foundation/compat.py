@@ -555,6 +555,10 @@ class _TensorFlowArrayOps:
     def mean(self, x, axis=None, keepdims=False):
         return self._tf().reduce_mean(x, axis=axis, keepdims=keepdims)
 
+    # The clipless family's layers, projections and losses (issue 38 item 5).
+    def tensordot(self, x1, x2, axes=2):
+        return self._tf().tensordot(x1, x2, axes=axes)
+
     def transpose(self, x, axes=None):
         return self._tf().transpose(x, perm=axes)
 
@@ -578,6 +582,49 @@ class _TensorFlowArrayOps:
         real, imag = self.fft2((x[0], -x[1]))  # keras.ops.ifft2's formula on TensorFlow
         size = self._tf().cast(self._tf().shape(x[0])[-2] * self._tf().shape(x[0])[-1], real.dtype)
         return real / size, -imag / size
+
+    def sort(self, x, axis=-1):
+        return self._tf().sort(x, axis=axis)
+
+    def svd(self, x, full_matrices=True, compute_uv=True):
+        if compute_uv:
+            raise NotImplementedError("the Keras 2 shim computes singular values only")
+        return self._tf().linalg.svd(x, full_matrices=full_matrices, compute_uv=False)
+
+    def stop_gradient(self, x):
+        return self._tf().stop_gradient(x)
+
+    def rsqrt(self, x):
+        return self._tf().math.rsqrt(x)
+
+    def exp(self, x):
+        return self._tf().exp(x)
+
+    def log1p(self, x):
+        return self._tf().math.log1p(x)
+
+    def relu(self, x):
+        return self._tf().nn.relu(x)
+
+    def log_softmax(self, x, axis=-1):
+        return self._tf().nn.log_softmax(x, axis=axis)
+
+    def clip(self, x, x_min, x_max):
+        return self._tf().clip_by_value(x, x_min, x_max)
+
+    def all(self, x, axis=None, keepdims=False):
+        return self._tf().reduce_all(self._tf().cast(x, "bool"), axis=axis, keepdims=keepdims)
+
+    def ones(self, shape, dtype=None):
+        return self._tf().ones(shape, dtype=dtype or "float32")
+
+    def argmax(self, x, axis=None, keepdims=False):
+        if keepdims:
+            raise NotImplementedError("the Keras 2 shim's argmax has no keepdims")
+        return self._tf().argmax(x, axis=axis, output_type=self._tf().int32)
+
+    def one_hot(self, x, num_classes, axis=-1, dtype=None):
+        return self._tf().one_hot(x, num_classes, axis=axis, dtype=dtype or "float32")
 
 
 _TENSORFLOW_ARRAY_OPS = _TensorFlowArrayOps()

@@ -4,7 +4,7 @@ The step of :class:`lipdp.clipless.model.DP_Model` (TensorFlow), as one pure fun
 state, compiled by ``jax.jit``:
 
 1. rule S9: ``DP_BoundedInput`` zeroes the rows with a NaN or an infinity and clips every row
-   to ``X_0``; a row whose label is not finite has loss 0 (:func:`calls.tau_cce_rows`);
+   to ``X_0``; a row whose label is not finite has loss 0 (:meth:`DP_Loss.call`);
 2. the gradient of ``sum_i loss_i / b`` by ONE ``jax.grad`` of the batched
    ``stateless_call`` (no per-example gradient: the bound pass bounds every row's part);
 3. the sensitivities ``Delta_v = B_v (1 + ROUNDOFF_SLACK) / b`` from the ONE bound pass
@@ -15,8 +15,9 @@ state, compiled by ``jax.jit``:
    value variable), so they are constants of the compiled step;
 4. Gaussian noise from a key carried in the state (split at every step);
 5. ``optimizer.stateless_apply``, then every trainable constrained kernel projected onto its
-   set by the pure :func:`calls.projected_kernel` (the power vector of an orthogonal kernel
-   carried in the non-trainable state), as ``project()`` does after every TensorFlow step.
+   set by the pure :meth:`ConstrainedKernelLayer.projected_values` (the power vector of an
+   orthogonal kernel carried in the non-trainable state), as ``project()`` does after every
+   TensorFlow step.
 
 Not a private model yet (no ledger, no plan, no guards): the design note's step 3 wraps it in
 ``DP_Model`` through the JAX trainer the clipped family has.
@@ -34,9 +35,8 @@ import numpy as np
 
 from lipdp.clipless import layers as dp_layers
 from lipdp.clipless.bounds import bound_pass
-from lipdp.clipless.jax import calls
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
-from lipdp.clipless.losses import DP_TauCategoricalCrossentropy
+from lipdp.clipless.losses import DP_Loss
 from lipdp.core import noise
 from lipdp.core.jax.trainer import JaxPrivateTrainer
 from lipdp.foundation import compat
@@ -73,8 +73,8 @@ def check_slice(layers, loss) -> None:
                 f"Layer {layer.name!r} has adaptive_norm=True (a float64 certificate): train "
                 "on KERAS_BACKEND=tensorflow."
             )
-    if type(loss) is not DP_TauCategoricalCrossentropy:
-        raise TypeError("The JAX slice trains with DP_TauCategoricalCrossentropy only.")
+    if not isinstance(loss, DP_Loss):
+        raise TypeError("The JAX slice trains with a loss of lipdp.clipless.losses only.")
 
 
 class CliplessJaxStep:
@@ -82,7 +82,7 @@ class CliplessJaxStep:
 
     Args:
         model: the network; its layers are the DP layers, in order.
-        loss: a :class:`DP_TauCategoricalCrossentropy`.
+        loss: a loss of :mod:`lipdp.clipless.losses`.
         optimizer: a Keras optimizer (built here on the trainable variables).
         noise_multiplier: ``sigma`` (0: no noise drawn).
         batch_size: ``b``, the loss normaliser and the sensitivities' divisor.
@@ -155,7 +155,7 @@ class CliplessJaxStep:
     def loss_rows(self, trainable, non_trainable, x, y):
         """Each row's loss (shape ``(batch,)``) and the predictions."""
         y_pred = self.forward(trainable, non_trainable, x)
-        return calls.tau_cce_rows(self.loss.tau, y, y_pred), y_pred
+        return self.loss.call(y, y_pred), y_pred
 
     def gradients(self, trainable, non_trainable, x, y):
         """The gradient of ``sum_i loss_i / b`` (the TensorFlow step's ``_clean_loss``)."""
@@ -180,8 +180,8 @@ class CliplessJaxStep:
         )
         trainable, non_trainable = list(trainable), list(non_trainable)
         for layer, at, u_at in self._projections:
-            trainable[at], non_trainable[u_at] = calls.projected_kernel(
-                layer, trainable[at], non_trainable[u_at]
+            trainable[at], non_trainable[u_at] = layer.projected_values(
+                trainable[at], non_trainable[u_at]
             )
         return trainable, non_trainable, optimizer_variables, key, released
 

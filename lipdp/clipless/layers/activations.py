@@ -69,6 +69,13 @@ class DP_GroupSort(keras.layers.Layer, NonExpansiveLayer):
     XLA-compiled when ``jit_compile`` allows it), otherwise ``tf.sort``, whose gradient
     scatters the cotangent through the sort indices (a permutation, ties included).
 
+    Backends: the grouped sort is ``ops.sort`` (:func:`lipdp.foundation.compat.array_ops`) on
+    every backend; ``n = 2`` on TensorFlow runs :func:`sort_pairs` instead (a per-backend
+    hook: ``tf.custom_gradient``, XLA). JAX differentiates ``sort`` by sorting the operand
+    together with an iota and gathering the tangent with the resulting permutation: the
+    Jacobian is that permutation matrix, ties included (a tie keeps the iota's order), so
+    ``||J^T g|| = ||g||`` everywhere (``tests/clipless/jax`` checks it at tied zeros).
+
     The layer is lipdp's own: it no longer derives from deel-lip's ``GroupSort`` (a Keras 2
     layer), and reads and writes the same configuration keys (``n``, ``data_format``,
     ``k_coef_lip``), so models saved before load unchanged.
@@ -103,7 +110,7 @@ class DP_GroupSort(keras.layers.Layer, NonExpansiveLayer):
         self.jit_compile = jit_compile
 
     def build(self, input_shape):
-        input_shape = tf.TensorShape(input_shape)
+        input_shape = tuple(input_shape)
         channels = input_shape[-1]
         if self.n is None or self.n > channels:
             self.n = channels
@@ -111,7 +118,7 @@ class DP_GroupSort(keras.layers.Layer, NonExpansiveLayer):
             raise ValueError(
                 f"DP_GroupSort: the group size n={self.n} must divide the {channels} channels."
             )
-        # The groups as the last axis, for tf.sort (n > 2).
+        # The groups as the last axis, for ops.sort.
         self.flat_shape = (-1, *input_shape[1:-1], channels // self.n, self.n)
         super().build(input_shape)
 
@@ -124,14 +131,11 @@ class DP_GroupSort(keras.layers.Layer, NonExpansiveLayer):
         return math.prod(input_shape[1:]) >= XLA_MIN_VALUES_PER_EXAMPLE
 
     def call(self, x):
-        if compat.keras_backend() == "jax":  # prototype slice (lipdp.clipless.jax)
-            from lipdp.clipless.jax import calls
-
-            return calls.group_sort(x, self.n)
-        if self.n == 2:
+        if self.n == 2 and compat.keras_backend() == "tensorflow":
             return sort_pairs_xla(x) if self._use_xla(x.shape) else sort_pairs(x)
-        groups = tf.reshape(x, self.flat_shape)
-        return tf.reshape(tf.sort(groups, axis=-1), tf.shape(x))
+        ops = compat.array_ops()
+        groups = ops.reshape(x, self.flat_shape)
+        return ops.reshape(ops.sort(groups, axis=-1), ops.shape(x))
 
     def get_config(self):
         return {

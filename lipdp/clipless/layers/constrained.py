@@ -39,11 +39,10 @@ norm is at the radius.
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 from lipdp.clipless import projections
 from lipdp.clipless.layers.base import DPLayer, validate_nm_coef
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 
 #: The constraint sets a kernel (seen as a matrix) can be projected onto.
 CONSTRAINTS = ("orthogonal", "spectral", "frobenius")
@@ -113,9 +112,10 @@ class ConstrainedKernelLayer(DPLayer):
         warm_start = keras.initializers.RandomNormal(seed=0)
 
         def projected_initializer(shape, dtype=None):
-            matrix = tf.reshape(initializer(shape, dtype=dtype), (-1, units))
+            ops = compat.array_ops()
+            matrix = ops.reshape(initializer(shape, dtype=dtype), (-1, units))
             projected, _ = self._project(matrix, warm_start((1, units), dtype=dtype))
-            return tf.reshape(projected, shape)
+            return ops.reshape(projected, shape)
 
         self.kernel = self.add_weight(
             name="kernel", shape=shape, initializer=projected_initializer, trainable=True
@@ -124,10 +124,10 @@ class ConstrainedKernelLayer(DPLayer):
             name="power_vector", shape=(1, units), initializer=warm_start, trainable=False
         )
 
-    def kernel_matrix(self) -> tf.Tensor:
-        return tf.reshape(self.kernel, (-1, self.kernel.shape[-1]))
+    def kernel_matrix(self):
+        return compat.array_ops().reshape(self.kernel, (-1, self.kernel.shape[-1]))
 
-    def _project(self, matrix, warm_start) -> tuple[tf.Tensor, tf.Tensor]:
+    def _project(self, matrix, warm_start):
         """``(projection of matrix onto the constraint set, next warm start)``."""
         radius = self.weight_norm_bound
         if self.constraint == "frobenius":
@@ -146,7 +146,19 @@ class ConstrainedKernelLayer(DPLayer):
             radius=radius,
         )
 
-    def projected_matrix(self) -> tf.Tensor:
+    def projected_values(self, kernel, power_vector):
+        """``(kernel, power_vector)`` after the projection, as a pure function of the values
+        (any array of the kernel's shape, e.g. a jit step's state): the kernel's matrix view
+        projected by :meth:`_project` and reshaped back, and the next warm start (unchanged
+        unless the constraint is orthogonal). :meth:`project` assigns exactly this."""
+        ops = compat.array_ops()
+        matrix = ops.reshape(kernel, (-1, kernel.shape[-1]))
+        projected, u = self._project(matrix, power_vector)
+        if self.constraint != "orthogonal":
+            u = power_vector
+        return ops.reshape(projected, kernel.shape), u
+
+    def projected_matrix(self):
         """The projection of the current kernel matrix (also updates the warm start)."""
         matrix, u = self._project(self.kernel_matrix(), self.power_vector)
         if self.constraint == "orthogonal":
@@ -154,7 +166,8 @@ class ConstrainedKernelLayer(DPLayer):
         return matrix
 
     def _assign_projection(self) -> None:
-        self.kernel.assign(tf.reshape(self.projected_matrix(), self.kernel.shape))
+        ops = compat.array_ops()
+        self.kernel.assign(ops.reshape(self.projected_matrix(), self.kernel.shape))
 
     def project(self) -> None:
         # A frozen kernel was projected when built and never moves.
@@ -176,7 +189,8 @@ class ConstrainedKernelLayer(DPLayer):
             return memo[0]
         norm = "frobenius" if self.constraint == "frobenius" else "spectral"
         current = projections.certified_operator_norm(self.kernel_matrix(), norm)
-        value = tf.minimum(tf.cast(self.weight_norm_bound, current.dtype), current)
+        ops = compat.array_ops()
+        value = ops.minimum(ops.cast(self.weight_norm_bound, current.dtype), current)
         if memo is not None:
             memo.append(value)
         return value

@@ -16,7 +16,6 @@ rule S3) and ``W`` is projected after every optimizer step.
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 from lipdp.clipless import projections
 from lipdp.clipless.layers.base import refuse_bias, register
@@ -61,14 +60,10 @@ class _ConstrainedDense(keras.layers.Layer, ConstrainedKernelLayer):
         super().build(input_shape)
 
     def call(self, inputs):
-        if compat.keras_backend() == "jax":  # prototype slice (lipdp.clipless.jax)
-            from lipdp.clipless.jax import calls
-
-            return calls.dense(inputs, self.kernel)
-        return tf.tensordot(inputs, self.kernel, axes=[[-1], [0]])
+        return compat.array_ops().tensordot(inputs, self.kernel, axes=[[-1], [0]])
 
     def compute_output_shape(self, input_shape):
-        return tf.TensorShape(input_shape)[:-1].concatenate([self.units])
+        return (*tuple(input_shape)[:-1], self.units)
 
     def backpropagate_params(self, input_bound, gradient_bound):
         return input_bound * gradient_bound

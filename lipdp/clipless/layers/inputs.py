@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import keras
-import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
 from lipdp.core.records import finite_rows, zero_rows
@@ -57,10 +56,6 @@ class DP_BoundedInput(keras.layers.Layer, NonExpansiveLayer):
             )
 
     def call(self, inputs):
-        if compat.keras_backend() == "jax":  # prototype slice (lipdp.clipless.jax)
-            from lipdp.clipless.jax import calls
-
-            return calls.bounded_input(inputs, self.upper_bound, self.enforce_clipping)
         inputs = zero_rows(finite_rows(inputs), inputs)  # also unclipped: NaN is never <= B
         if not self.enforce_clipping:
             return inputs
@@ -89,13 +84,15 @@ def clip_rows(inputs, bound):
     its largest magnitude ``s`` first: with ``u = x / s`` (entries in [-1, 1], ``||u|| <=
     sqrt(d)``) the output is ``u min(s, B / ||u||)``, the same function, whose norm
     ``min(||x||, B)`` is computed from finite numbers only; a zero row stays zero.
+    Written with :func:`lipdp.foundation.compat.array_ops` (any backend, jit-safe).
     """
-    axes = list(range(1, len(inputs.shape)))
-    scale = tf.reduce_max(tf.abs(inputs), axis=axes, keepdims=True)
-    unit = inputs / tf.where(scale > 0, scale, tf.ones_like(scale))
-    norm = tf.sqrt(tf.reduce_sum(tf.square(unit), axis=axes, keepdims=True))
-    safe_norm = tf.where(norm > 0, norm, tf.ones_like(norm))
-    return unit * tf.minimum(scale, tf.cast(bound, inputs.dtype) / safe_norm)
+    ops = compat.array_ops()
+    axes = tuple(range(1, len(inputs.shape)))
+    scale = ops.max(ops.abs(inputs), axis=axes, keepdims=True)
+    unit = inputs / ops.where(scale > 0, scale, ops.ones_like(scale))
+    norm = ops.sqrt(ops.sum(ops.square(unit), axis=axes, keepdims=True))
+    safe_norm = ops.where(norm > 0, norm, ops.ones_like(norm))
+    return unit * ops.minimum(scale, ops.cast(bound, inputs.dtype) / safe_norm)
 
 
 @register

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from lipdp.clipless import layers as L
-from lipdp.clipless.jax import calls
 from lipdp.clipless.jax.step import CliplessJaxStep
 from lipdp.clipless.losses import DP_TauCategoricalCrossentropy
 from lipdp.core.noise import ROUNDOFF_SLACK
@@ -145,12 +144,16 @@ def test_every_row_within_its_bound_and_remove_one(clip):
 def test_group_sort_gradient_is_a_permutation_at_ties():
     # x = 0: every pair tied. A min/max GroupSort sends both cotangents of a pair to one
     # channel (norm sqrt(2) ||g|| for g = (1, 1)); the permutation keeps ||g||.
+    # The layer's own call (ops.sort on the groups on JAX), eager and under jax.jit.
     x = jnp.zeros((1, 8))
     g = jnp.ones((1, 8))
-    _, pullback = jax.vjp(lambda t: calls.group_sort(t, 2), x)
-    assert float(jnp.linalg.norm(pullback(g)[0])) == pytest.approx(float(jnp.linalg.norm(g)))
-    _, pullback = jax.vjp(lambda t: calls.group_sort(t, 4), x)
-    assert float(jnp.linalg.norm(pullback(g)[0])) == pytest.approx(float(jnp.linalg.norm(g)))
+    for n in (2, 4):
+        layer = L.DP_GroupSort(n)
+        layer.build((None, 8))
+        for fn in (layer, jax.jit(layer.__call__)):
+            _, pullback = jax.vjp(fn, x)
+            norm = float(jnp.linalg.norm(pullback(g)[0]))
+            assert norm == pytest.approx(float(jnp.linalg.norm(g)))
 
 
 def test_jit_step_noise_and_projection():
