@@ -413,6 +413,8 @@ def _output_shape(layer, shape) -> tuple:
     if compat.keras_3() and isinstance(layer, keras.Model):
         inputs = keras.tree.map_shape_structure(lambda s: keras.KerasTensor(tuple(s)), shape)
         return tuple(compat.symbolic_call(layer, inputs).shape)
+    if compat.keras_backend() == compat.JAX_BACKEND:  # tuples (no TensorFlow on JAX)
+        return tuple(layer.compute_output_shape(shape))
     import tensorflow as tf
 
     return tuple(tf.TensorShape(layer.compute_output_shape(tf.TensorShape(shape))))

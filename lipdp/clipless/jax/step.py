@@ -25,7 +25,6 @@ Not a private model yet (no ledger, no plan, no guards): the design note's step 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -34,6 +33,7 @@ import keras
 import numpy as np
 
 from lipdp.clipless import layers as dp_layers
+from lipdp.clipless import losses as dp_losses
 from lipdp.clipless.bounds import bound_pass
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
 from lipdp.clipless.losses import DP_Loss
@@ -207,18 +207,36 @@ class CliplessJaxStep:
 
 
 # ------------------------------------------------------------------ the trainer
-#: The layer classes whose ``call`` (and ``project``) run under ``jax.jit`` on the JAX
-#: backend (exact classes: a subclass may change ``call``). Every other layer is refused on
-#: JAX with a one-line message naming the way out (:func:`refuse_not_ported`). The helpers
-#: porting the other calls with :func:`lipdp.foundation.compat.array_ops` ADD their classes
-#: here (the convolutions, pooling, normalisation, ... of plan steps 6 and 8).
-JAX_READY_LAYERS = list(SLICE_LAYERS)
-#: The loss classes whose per-row values are jit-safe on JAX, with the function giving
-#: ``(y_true, y_pred) -> per-row losses`` (``None``: the loss's own ``call``, once written
-#: with ``array_ops``). Extended like :data:`JAX_READY_LAYERS`.
-JAX_READY_LOSSES = {
-    DP_TauCategoricalCrossentropy: lambda loss: functools.partial(calls.tau_cce_rows, loss.tau)
-}
+#: The layer classes whose ``call`` and projection run under ``jax.jit`` on the JAX
+#: backend: every layer of :mod:`lipdp.clipless.layers`, written once with
+#: :func:`lipdp.foundation.compat.array_ops` (exact classes: a subclass may change ``call``
+#: with TensorFlow code, and is refused on JAX in one line, :func:`refuse_not_ported`).
+JAX_READY_LAYERS = (
+    dp_layers.DP_InputLayer,
+    dp_layers.DP_BoundedInput,
+    dp_layers.DP_SpectralDense,
+    dp_layers.DP_QuickSpectralDense,
+    dp_layers.DP_QuickFrobeniusDense,
+    dp_layers.DP_SpectralConv2D,
+    dp_layers.DP_QuickSpectralConv2D,
+    dp_layers.DP_GroupSort,
+    dp_layers.DP_ReLU,
+    dp_layers.DP_ScaledL2NormPooling2D,
+    dp_layers.DP_ScaledGlobalL2NormPooling2D,
+    dp_layers.DP_MaxPool2D,
+    dp_layers.DP_Flatten,
+    dp_layers.DP_Reshape,
+    dp_layers.DP_Permute,
+    dp_layers.DP_LayerCentering,
+    dp_layers.DP_GroupNormalization,
+    dp_layers.DP_ScatteringTransform,
+    dp_layers.DP_AddBias,
+    dp_layers.DP_ClipGradient,
+    dp_layers.DP_Lambda,
+    dp_layers.DP_SplitResidual,
+    dp_layers.DP_WrappedResidual,
+    dp_layers.DP_MergeResidual,
+)
 
 #: What every refusal ends with.
 _WAY_OUT = "train on KERAS_BACKEND=tensorflow"
@@ -255,15 +273,22 @@ def refuse_not_ported(layers, dp_parameters) -> None:
         )
 
 
+#: The losses whose ``call`` runs under ``jax.jit``: every loss of
+#: :mod:`lipdp.clipless.losses`, written once with
+#: :func:`~lipdp.foundation.compat.array_ops` (exact classes, as :data:`JAX_READY_LAYERS`).
+JAX_READY_LOSSES = tuple(
+    getattr(dp_losses, name) for name in dp_losses.__all__ if name != "DP_Loss"
+)
+
+
 def loss_rows_function(loss):
-    """``(y_true, y_pred) -> per-row losses`` of ``loss`` under ``jax.jit``, or a one-line
-    refusal for a loss not ported yet."""
-    ready = JAX_READY_LOSSES.get(type(loss), False)
-    if ready is False:
+    """``(y_true, y_pred) -> per-row losses`` of ``loss`` under ``jax.jit`` (its ``call``),
+    or a one-line refusal for a loss not ported (another class, a subclass)."""
+    if type(loss) not in JAX_READY_LOSSES:
         raise TypeError(
             f"The loss {type(loss).__name__} does not run under jax.jit yet: {_WAY_OUT}."
         )
-    return loss.call if ready is None else ready(loss)
+    return loss.call
 
 
 class CliplessJaxTrainer(JaxPrivateTrainer):
@@ -285,7 +310,7 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
       constants of the compiled step (every bound of the ported layers is a Python float or
       a fixed clip value read when the step is made).
     * :meth:`_projected`: every trainable constrained kernel projected onto its set by the
-      pure :func:`calls.projected_kernel` after the optimizer (the power vector of an
+      pure ``projected_values`` of its layer after the optimizer (the power vector of an
       orthogonal kernel in the non-trainable state), as ``project()`` after every
       TensorFlow step; a frozen layer is not projected.
 
@@ -411,13 +436,15 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
         the state (class docstring)."""
         position = {id(v): i for i, v in enumerate(self.trainable_variables)}
         state = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
-        for layer in self._all_layers():
-            if not isinstance(layer, ConstrainedKernelLayer) or id(layer.kernel) not in position:
-                continue
-            at, u_at = position[id(layer.kernel)], state[id(layer.power_vector)]
-            trainable[at], non_trainable[u_at] = calls.projected_kernel(
-                layer, trainable[at], non_trainable[u_at]
-            )
+        for layer in self._all_layers():  # a frozen layer's weights are not trainable here
+            if isinstance(layer, ConstrainedKernelLayer) and id(layer.kernel) in position:
+                at, u_at = position[id(layer.kernel)], state[id(layer.power_vector)]
+                trainable[at], non_trainable[u_at] = layer.projected_values(
+                    trainable[at], non_trainable[u_at]
+                )
+            elif isinstance(layer, dp_layers.DP_AddBias) and id(layer.bias) in position:
+                at = position[id(layer.bias)]
+                trainable[at] = layer.projected_values(trainable[at])
         return trainable, non_trainable
 
     # ------------------------------------------------------------ serialisation

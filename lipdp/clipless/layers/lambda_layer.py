@@ -79,8 +79,19 @@ def _row_by_row(function, inputs, mask):
     result is ``function(inputs[i][None], mask[i][None])[0]`` (JAX backend only)."""
     import jax
 
+    from lipdp.core.jax.isolation import refuse_cross_row_primitives
+
     def one_row(row, row_mask):
         batch_of_one = jax.tree_util.tree_map(lambda t: t[None], (row, row_mask))
         return jax.tree_util.tree_map(lambda t: t[0], function(*batch_of_one))
 
+    # Rule S2: under vmap a custom_vmap rule, a host callback or a foreign call would see
+    # every row at once; they are refused on the function of one row, unbatched (under
+    # vmap a custom_vmap rule is already replaced by what it computes).
+    def spec(t):
+        return None if t is None else jax.ShapeDtypeStruct(t.shape[1:], t.dtype)
+
+    refuse_cross_row_primitives(
+        one_row, jax.tree_util.tree_map(spec, inputs), jax.tree_util.tree_map(spec, mask)
+    )
     return jax.vmap(one_row)(inputs, mask)
