@@ -72,6 +72,7 @@ def make_private(
     input_bound=None,
     sampling="poisson",
     accountant="rdp",
+    allow_large_delta=False,
     **model_options,
 ):
     """A private model meeting ``(epsilon, delta)`` after ``epochs`` epochs (module doc).
@@ -99,6 +100,9 @@ def make_private(
         sampling: ``"poisson"`` (what the accountant analyses; feed
             :func:`private_batches`) or ``"shuffle"``.
         accountant: ``"rdp"``, ``"pld"`` or ``"gdp"``, for the calibration.
+        allow_large_delta: keep a ``delta >= 1/dataset_size`` (refused otherwise: such a
+            ``delta`` is met by a mechanism that publishes one record at random,
+            :func:`lipdp.foundation.validation.delta_for_dataset`); logged as a warning.
         **model_options: passed to the model class (``gradient_method``, ``ascent``,
             ``row_isolation`` -- each example's loss computed on its own, forward and
             backward, :mod:`lipdp.core.isolation`; the JAX step always does --, ...).
@@ -110,6 +114,9 @@ def make_private(
     """
     method = validation.choice("method", method, METHODS)
     epochs = validation.count("epochs", epochs, minimum=1)
+    epsilon = validation.positive("epsilon", epsilon)
+    dataset_size = validation.count("dataset_size", dataset_size, minimum=1)
+    delta = validation.delta_for_dataset(delta, dataset_size, allow_large=allow_large_delta)
     jax = compat.keras_backend() == compat.JAX_BACKEND
     if jax and _jax_family(model_or_layers, method) == "clipped":
         model = _jax_model(

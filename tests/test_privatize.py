@@ -151,6 +151,39 @@ def test_bad_calls_are_refused_with_one_line(layers, options, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            {"delta": 0.5},
+            r"delta 0.5 >= 1/N = 0.0156 \(N = 64 training examples\).*allow_large_delta",
+        ),
+        ({"delta": 1 / N}, "delta 0.015625 >= 1/N"),
+        ({"epsilon": 0.0}, "epsilon must be"),
+    ],
+    ids=["delta-half", "delta-one-over-n", "epsilon-zero"],
+)
+def test_a_guarantee_that_protects_no_one_is_refused_with_one_line(options, message):
+    """delta >= 1/N is met by publishing one record at random (issue 40: delta = 0.5 was
+    accepted); the messages name make_private's own arguments."""
+    arguments = {"epsilon": TARGET, "delta": DELTA, **options}
+    with pytest.raises(ValueError, match=message) as error:
+        lipdp.make_private(
+            _clipped_layers(), epochs=EPOCHS, batch_size=B, dataset_size=N, **arguments
+        )
+    assert "\n" not in str(error.value)
+
+
+def test_a_large_delta_is_kept_when_forced_with_a_warning(caplog):
+    with caplog.at_level("WARNING"):
+        model = lipdp.make_private(
+            _clipped_layers(), epsilon=TARGET, delta=0.5, epochs=EPOCHS, batch_size=B,
+            dataset_size=N, allow_large_delta=True,
+        )  # fmt: skip
+    assert model.dp_parameters.delta == 0.5
+    assert "delta = 0.5 >= 1/N" in caplog.text
+
+
 def test_batches_of_another_data_set_size_are_refused(rng):
     model = _make([L.Dense(K, input_shape=(D,))])
     x, y = _data(rng)
