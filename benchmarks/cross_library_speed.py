@@ -26,6 +26,9 @@ parameters, GroupSort and L2-norm pooling; its loss is the tau-cross-entropy).
 * ``lipdp-clipped-jax``: the same ``make_private`` call under ``KERAS_BACKEND=jax``
   (``DPSGD_JaxModel``'s default step: per-example gradients by ``jax.vmap``);
   skipped ("not available") while ``import lipdp.clipped.jax`` fails;
+* ``lipdp-clipless-jax``: the same ``DP_Sequential`` under ``KERAS_BACKEND=jax``
+  (``CliplessJaxTrainer``: one ``jax.grad`` of the batch loss, host sensitivities,
+  XLA-compiled);
 * ``jax-privacy``: jax-privacy's Keras API (``keras_api.make_private(model,
   DPKerasConfig(...))``) on the plain Keras model: per-example gradients by ``jax.vmap``
   over the batch, clipped, summed, Gaussian noise, XLA-compiled (Keras' JAX trainer);
@@ -106,6 +109,7 @@ CONTENDERS = [
     Contender("lipdp-clipless-tf", "tensorflow", "keras3", "import lipdp"),
     Contender("keras-jax", "jax", "keras3", "import keras"),
     Contender("lipdp-clipped-jax", "jax", "keras3", "import lipdp.clipped.jax"),
+    Contender("lipdp-clipless-jax", "jax", "keras3", "import lipdp.clipless.jax.step"),
     Contender("jax-privacy", "jax", "keras3", "import jax_privacy.keras_api"),
     Contender("jax-privacy-poisson", "jax", "keras3", "import jax_privacy.keras_api"),
     Contender("torch", "torch", "torch", "import torch"),
@@ -273,7 +277,7 @@ def _keras_model(name, batch, n, steps):
         return _keras_compile(keras.Sequential(_keras_layers()))
     if name in ("lipdp-clipped-tf", "lipdp-clipped-jax"):
         return _lipdp_clipped(batch, n)
-    if name == "lipdp-clipless-tf":
+    if name in ("lipdp-clipless-tf", "lipdp-clipless-jax"):
         return _lipdp_clipless(batch, n)
     return _jax_privacy(batch, n, steps, poisson=name == "jax-privacy-poisson")
 

@@ -184,10 +184,10 @@ def _lipdp_layers(arch, power_iterations=None, groupsort="lipdp"):
 
     kw = {} if power_iterations is None else {"power_iterations": power_iterations}
     gs = {
-        "lipdp": layers.DP_GroupSort,
-        "no-xla": functools.partial(layers.DP_GroupSort, jit_compile=False),
-        "deel-lip": _upstream_groupsort_class(),
-    }[groupsort]
+        "lipdp": lambda: layers.DP_GroupSort,
+        "no-xla": lambda: functools.partial(layers.DP_GroupSort, jit_compile=False),
+        "deel-lip": _upstream_groupsort_class,  # imported only when asked for
+    }[groupsort]()
     if arch == "cnn":
         return [
             layers.DP_BoundedInput(input_shape=(28, 28, 1), upper_bound=10.0),
