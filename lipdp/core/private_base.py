@@ -193,6 +193,27 @@ class PrivateModelBase:
         """The two variables of an empty ledger (backend hook: how they are stored)."""
         return PrivacyLedger.create_variables()
 
+    # ------------------------------------------------------ layers in the config
+    def _layers_config(self, adversarial=None) -> dict:
+        """The configuration entries of a model of ``dp_layers`` (both backends write the
+        same, so a file's configuration reads on either): the serialised layers and the
+        model options."""
+        return {
+            self._layers_key: [keras.layers.serialize(layer) for layer in self.dp_layers],
+            "adversarial": adversarial,
+            "debug": self.debug,
+            "independence_probe": self.independence_probe,
+            "row_isolation": self.row_isolation,
+        }
+
+    @classmethod
+    def _layers_from_config(cls, config, custom_objects) -> list:
+        """The layers of :meth:`_layers_config` (removed from ``config``)."""
+        return [
+            keras.layers.deserialize(c, custom_objects=custom_objects)
+            for c in config.pop(cls._layers_key)
+        ]
+
     # ------------------------------------------------------- lineage (rule S10)
     # The ledger follows the weights: layers of another private model of this process
     # (trained here or loaded from its file) bring that model's ledger, wherever they are

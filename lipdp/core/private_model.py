@@ -807,20 +807,12 @@ class PrivateModel(PrivateModelBase, keras.Model):
 
     # ---------------------------------------------------------- serialisation
     def _model_config(self) -> dict:
-        return {
-            self._layers_key: [keras.layers.serialize(layer) for layer in self.dp_layers],
-            "adversarial": None if self.adversarial is None else self.adversarial.to_config(),
-            "debug": self.debug,
-            "independence_probe": self.independence_probe,
-            "row_isolation": self.row_isolation,
-        }
+        adversarial = self.adversarial
+        return self._layers_config(None if adversarial is None else adversarial.to_config())
 
     @classmethod
     def _network_from_config(cls, config, custom_objects):
-        return [
-            keras.layers.deserialize(c, custom_objects=custom_objects)
-            for c in config.pop(cls._layers_key)
-        ]
+        return cls._layers_from_config(config, custom_objects)
 
 
 def _symbolic(input_shape):

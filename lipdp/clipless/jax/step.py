@@ -450,17 +450,8 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
     # ------------------------------------------------------------ serialisation
     def _model_config(self) -> dict:
         """The TensorFlow model's entries (same configuration on both backends)."""
-        return {
-            self._layers_key: [keras.layers.serialize(layer) for layer in self.dp_layers],
-            "adversarial": None,
-            "debug": self.debug,
-            "independence_probe": self.independence_probe,
-            "row_isolation": self.row_isolation,
-        }
+        return self._layers_config()
 
     @classmethod
     def _network_from_config(cls, config, custom_objects):
-        return [
-            keras.layers.deserialize(c, custom_objects=custom_objects)
-            for c in config.pop(cls._layers_key)
-        ]
+        return cls._layers_from_config(config, custom_objects)
