@@ -1,5 +1,5 @@
 """The clipless step of ``DP_Sequential`` on Keras 3's JAX backend, piece by piece
-(:class:`lipdp.clipless.jax.step.CliplessJaxTrainer`): its gradient, sensitivities, noise
+(:class:`lipdp.clipless.jax.trainer.CliplessJaxTrainer`): its gradient, sensitivities, noise
 and projections, on the model's own state (``make_train_function``, then the trainer's
 pure ``_private_gradients`` / ``_released_gradients``) and through ``train_on_batch``.
 
