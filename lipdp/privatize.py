@@ -31,7 +31,7 @@ target (up to the bisection's tolerance, from below).
 :class:`~lipdp.clipped.jax.model.DPSGD_JaxModel` (the same accounting; flat, automatic or
 global clipping, ``"global"`` noise) and :func:`private_batches` gives padded numpy
 Poisson batches (:class:`~lipdp.core.jax.batches.PoissonBatches`); the clipless family is
-``DP_Sequential`` on its JAX trainer (:class:`~lipdp.clipless.jax.step.CliplessJaxTrainer`:
+``DP_Sequential`` on its JAX trainer (:class:`~lipdp.clipless.jax.trainer.CliplessJaxTrainer`:
 the layers and losses ported to ``jax.jit``, global or per-layer noise; the others refused
 with the way out). The TensorFlow modules of the steps are imported only on that backend.
 """

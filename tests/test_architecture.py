@@ -66,6 +66,22 @@ ALLOWED = {
     # the step skeleton): the shared base only, never a family
     "lipdp.core.jax": ("lipdp.core", "lipdp.foundation", "lipdp.accounting"),
     "lipdp.core": ("lipdp.foundation", "lipdp.core", "lipdp.accounting"),
+    # the clipless family's JAX trainer (lipdp.clipless.jax.trainer): the family's layers,
+    # losses and bounds (written once for every backend) and the JAX step skeleton; never
+    # the TensorFlow step (lipdp.clipless.model, lipdp.core.private_model)
+    "lipdp.clipless.jax": (
+        "lipdp.clipless.jax",
+        "lipdp.clipless.layers",
+        "lipdp.clipless.losses",
+        "lipdp.clipless.bounds",
+        "lipdp.clipless.projections",
+        "lipdp.clipless.dynamic",
+        "lipdp.foundation",
+        "lipdp.core.jax",
+        "lipdp.core.noise",
+        "lipdp.core.private_base",
+        "lipdp.accounting",
+    ),
     # the two families build on the shared base, never on each other
     "lipdp.clipless": ("lipdp.clipless", "lipdp.foundation", "lipdp.core", "lipdp.accounting"),
     # the clipped family's JAX step: the shared base, the clipping rule, the layer checks,

@@ -158,7 +158,7 @@ class CliplessFacts:
     sensitivities, the noise coefficients, the dynamic-clipping releases of the plan, the
     projections. Host code only (Python floats and the layers' own methods): the
     TensorFlow trainer (:class:`lipdp.core.private_model.PrivateModel`) evaluates it in its
-    graph, the JAX trainer (:class:`lipdp.clipless.jax.step.CliplessJaxTrainer`) on the
+    graph, the JAX trainer (:class:`lipdp.clipless.jax.trainer.CliplessJaxTrainer`) on the
     host when it makes its step."""
 
     _layers_key = "dp_layers"
@@ -327,9 +327,9 @@ if compat.keras_backend() != compat.JAX_BACKEND:  # the TensorFlow trainer (Kera
 def _trainer_bases() -> tuple:
     """The trainer of :class:`DP_Model` for the Keras backend of this process: TensorFlow's
     :class:`~lipdp.core.private_model.PrivateModel` (Keras 2 and 3), or on Keras 3's JAX
-    backend :class:`lipdp.clipless.jax.step.CliplessJaxTrainer` (imported only there)."""
+    backend :class:`lipdp.clipless.jax.trainer.CliplessJaxTrainer` (imported only there)."""
     if compat.keras_backend() == compat.JAX_BACKEND:
-        from lipdp.clipless.jax.step import CliplessJaxTrainer
+        from lipdp.clipless.jax.trainer import CliplessJaxTrainer
 
         return (CliplessJaxTrainer,)
     return (_TensorFlowSteps, PrivateModel)
@@ -341,7 +341,7 @@ class DP_Model(CliplessFacts, *_trainer_bases()):
     ``dp_layers`` are applied in order; residual blocks pass pairs between layers
     (:func:`lipdp.clipless.layers.make_residuals`). What is not about bounds (privacy state, plan,
     noise, guards) is the trainer's: :class:`lipdp.core.private_model.PrivateModel` on
-    TensorFlow (Keras 2 and 3), :class:`lipdp.clipless.jax.step.CliplessJaxTrainer` under
+    TensorFlow (Keras 2 and 3), :class:`lipdp.clipless.jax.trainer.CliplessJaxTrainer` under
     ``KERAS_BACKEND=jax`` (chosen when this module is imported, by the Keras backend; the
     clipless facts, :class:`CliplessFacts`, are the same on both).
 

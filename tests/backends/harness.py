@@ -21,6 +21,7 @@ import numpy as np
 from lipdp import make_private  # noqa: F401 (used by the tests)
 from lipdp.core import noise
 from lipdp.foundation import compat
+from lipdp.foundation.variables import variable_key
 
 FEATURES, CLASSES = 6, 3
 FAMILIES = ("clipped", "clipless")
@@ -133,3 +134,33 @@ def remove_one_ratios(family, x, y, rows, **options) -> list[float]:
         moved = np.linalg.norm(release - released(without, x[keep], y[keep]))
         ratios.append(float(moved / delta))
     return ratios
+
+
+def mechanism_parts(model) -> list[tuple[float, slice]]:
+    """``[(Delta_v, part of weights(model))]``: the Gaussian mechanisms of one step of a
+    clipless model under ``"per-layer"`` noise -- one per trainable variable ``v`` (noise
+    ``sigma c_v Delta_v`` on ``v`` alone), each with its own ``Delta_v`` (the grouping of
+    ``tests/remove_one.py``'s ``mechanism_groups`` on TensorFlow)."""
+    parts, start = {}, 0
+    for variable in model.trainable_variables:
+        size = int(np.prod(variable.shape))
+        parts[variable_key(variable)] = slice(start, start + size)
+        start += size
+    return [(float(delta), parts[variable_key(e.variable)]) for e, delta in model.sensitivities()]
+
+
+def mechanism_ratios(family, x, y, rows, **options) -> np.ndarray:
+    """``ratios[k, g]``: ``||part_g(release(B) - release(B \\ {rows[k]}))|| / Delta_g`` for
+    each mechanism ``g`` of :func:`mechanism_parts` (``"per-layer"`` noise), fresh identical
+    models, identical noise (rule S1 mechanism by mechanism: the accountant composes one
+    Gaussian of sensitivity ``Delta_g`` per part)."""
+    options = {**options, "noise": "per-layer"}
+    full = without_projection(private(family, **options))
+    release, parts = released(full, x, y), mechanism_parts(full)
+    ratios = []
+    for row in rows:
+        keep = np.arange(len(x)) != row
+        without = without_projection(private(family, **options))
+        moved = release - released(without, x[keep], y[keep])
+        ratios.append([float(np.linalg.norm(moved[part]) / delta) for delta, part in parts])
+    return np.asarray(ratios)

@@ -4,6 +4,7 @@ the default suite runs them on TensorFlow, ``make test-jax`` on JAX.
 * remove-one (rule S1): one real step on a batch and on the batch minus a record, identical
   noise: the release moves by at most the declared sensitivity, for random records and for
   hostile ones (rows of norm 1e-30 and 1e30, a NaN, an infinity, zeros: rules S9, S13);
+  under ``"per-layer"`` noise (clipless), each mechanism's part within its own ``Delta_v``;
 * the layers that couple the rows of a batch are refused (rule S2);
 * the privacy ledger survives ``save`` / ``load_model`` (rule S10)."""
 
@@ -55,6 +56,18 @@ def test_records_of_every_magnitude_move_the_release_within_its_sensitivity(fami
     ratios = h.remove_one_ratios(family, x, y, rows=range(len(scales)))
     assert max(ratios) <= LIMIT, dict(zip(scales, ratios))
     assert max(ratios) > 0.5, ratios  # the large rows reach their bound
+
+
+def test_per_layer_noise_moves_each_mechanism_within_its_own_sensitivity():
+    """``"per-layer"`` noise (clipless family): one Gaussian mechanism per kernel, each of
+    its own ``Delta_v``; removing a record (a random one, a huge one clipped to the input
+    bound, a NaN one) moves each kernel's part of the release by at most its ``Delta_v``."""
+    scales = [1.0, 3.0, 1e30, 0.5, np.nan, 2.0, 1e-30, 1.0]
+    x, y = h.data(len(scales), seed=4, scales=scales)
+    ratios = h.mechanism_ratios("clipless", x, y, rows=(2, 4, 5))
+    assert ratios.shape == (3, 2)  # two kernels: two mechanisms
+    assert ratios.max() <= LIMIT, ratios
+    assert ratios.max() > 0.5, ratios  # the check is not vacuous (0.82 here)
 
 
 class DeclaredCoupling(keras.layers.Layer):

@@ -350,3 +350,18 @@ def test_front_end_features_on_jax():
     np.testing.assert_allclose(features, np.asarray(scattering(x)), rtol=1e-6, atol=1e-7)
     bounded = L.DP_BoundedInput(input_shape=(8, 8, 1), upper_bound=2.0)
     assert front_end_bound([bounded, scattering]) == pytest.approx(2.0 * scattering.lipschitz)
+
+
+def test_group_sort_gradient_is_a_permutation_at_ties():
+    # x = 0: every pair tied. A min/max GroupSort sends both cotangents of a pair to one
+    # channel (norm sqrt(2) ||g|| for g = (1, 1)); the permutation keeps ||g||.
+    # The layer's own call (ops.sort on the groups on JAX), eager and under jax.jit.
+    x = jnp.zeros((1, 8))
+    g = jnp.ones((1, 8))
+    for n in (2, 4):
+        layer = L.DP_GroupSort(n)
+        layer.build((None, 8))
+        for fn in (layer, jax.jit(layer.__call__)):
+            _, pullback = jax.vjp(fn, x)
+            norm = float(jnp.linalg.norm(pullback(g)[0]))
+            assert norm == pytest.approx(float(jnp.linalg.norm(g)))

@@ -18,7 +18,8 @@ import pytest
 
 from lipdp.clipless import layers as L
 from lipdp.clipless import losses
-from lipdp.clipless.jax.step import CliplessJaxStep
+from lipdp.clipless.model import DP_Sequential, DPParameters
+from lipdp.foundation.metadata import DatasetMetadata
 from tests.clipless.jax.loss_cases import LOSS_CASES, inputs
 from tests.marks import representatives
 
@@ -131,9 +132,11 @@ def test_class_index_labels_are_refused_on_jax():
 
 @pytest.mark.parametrize("tag", representatives(CASES, FEW[:2]))
 def test_every_loss_trains_in_the_jit_step(tag):
-    """The jit step (lipdp.clipless.jax.step) runs every loss; each step's gradient of
-    ``sum loss / b`` stays within the bound pass's bounds (row by row: the released
-    difference of removing a row is at most Delta_v)."""
+    """The real ``DP_Sequential`` (Poisson batches, so a batch minus a row is legal) trains
+    with every loss: on hostile rows (huge / NaN input, wrong / NaN label; the step's rule
+    S9 zeroes and weighs the rows as ``train_step`` does) each row moves the released
+    gradient by at most ``Delta_v`` of the bound pass, and ``train_on_batch`` (no noise,
+    SGD of rate 1, no projection) applies exactly that released gradient."""
     name, kwargs = CASES[tag]
     y, _ = inputs()["adversarial"]  # labels: zero, two-hot, negative, NaN, inf, 1e30...
     rng = np.random.default_rng(3)
@@ -141,29 +144,45 @@ def test_every_loss_trains_in_the_jit_step(tag):
     x[1] = 1e30  # clipped to the ball by DP_BoundedInput
     x[3, 2] = np.nan  # zeroed (rule S9)
     keras.utils.set_random_seed(0)
-    network = keras.Sequential(
+    model = DP_Sequential(
         [
             L.DP_BoundedInput(input_shape=(6,), upper_bound=2.0),
             L.DP_SpectralDense(8),
             L.DP_GroupSort(2),
             L.DP_QuickFrobeniusDense(5),
-        ]
+        ],
+        dp_parameters=DPParameters("global", 0.0, 1e-5, non_private=True),
+        dataset_metadata=DatasetMetadata(
+            input_shape=(6,),
+            nb_classes=5,
+            nb_samples_train=160,
+            batch_size=16,
+            sampling="poisson",
+        ),  # fmt: skip
     )
-    step = CliplessJaxStep(
-        network, _loss(name, kwargs), keras.optimizers.SGD(0.1),
-        noise_multiplier=0.0, batch_size=16,
-    )  # fmt: skip
-    deltas = [delta for _, delta in step.entries]
-    trainable = [v.value for v in network.trainable_variables]
-    non_trainable = [v.value for v in network.non_trainable_variables]
-    full, _ = step.gradients(trainable, non_trainable, x, y)
+    model.compile(loss=_loss(name, kwargs), optimizer=keras.optimizers.SGD(1.0))
+    model._projected = lambda trainable, non_trainable: (trainable, non_trainable)
+    model.make_train_function()
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+    )
+    released_gradients = jax.jit(model._released_gradients)
+
+    def released(x, y):  # train_step's rows (rule S9), then its release
+        x, y, weights, _ = model._neutralised_batch((jnp.asarray(x), jnp.asarray(y)))
+        return [np.asarray(g) for g in released_gradients(*state, x, y, weights)[0]]
+
+    deltas = [float(delta) for _, delta in model.sensitivities()]
+    full = released(x, y)
     for removed in (1, 3, 4, 8, 9):  # huge / NaN input, wrong / NaN label
         keep = np.arange(16) != removed
-        part, _ = step.gradients(trainable, non_trainable, x[keep], y[keep])
+        part = released(x[keep], y[keep])
         for f, p, delta in zip(full, part, deltas):
-            assert np.isfinite(np.asarray(f)).all(), tag
-            gap = np.linalg.norm(np.asarray(f) - np.asarray(p))
+            assert np.isfinite(f).all(), tag
+            gap = np.linalg.norm(f - p)
             assert gap <= delta * (1 + ROUNDOFF), (tag, removed, gap / delta)
-    released = step(x, y)  # the compiled step runs (no noise: sigma = 0)
-    for g, f in zip(released, full):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(f), rtol=1e-5, atol=1e-7)
+    before = [np.asarray(v.value) for v in model.trainable_variables]
+    model.train_on_batch(x, y)  # the compiled step runs (no noise: sigma = 0)
+    for b, v, f in zip(before, model.trainable_variables, full):
+        np.testing.assert_allclose(b - np.asarray(v.value), f, rtol=1e-5, atol=1e-6)

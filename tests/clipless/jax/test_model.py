@@ -1,5 +1,5 @@
 """``DP_Sequential`` on Keras 3's JAX backend: its JAX trainer
-(:class:`lipdp.clipless.jax.step.CliplessJaxTrainer`, on
+(:class:`lipdp.clipless.jax.trainer.CliplessJaxTrainer`, on
 :class:`lipdp.core.jax.trainer.JaxPrivateTrainer`).
 
 Compared with independent computations: the TensorFlow ``DP_Sequential`` of the same layers

@@ -141,7 +141,7 @@ def test_options_of_the_tensorflow_backend_only_are_refused():
     with pytest.raises(ValueError, match="noisify_strategy='global'"):
         DPSGD_JaxModel(h.mlp(), dp_parameters=DPParameters("per-layer", 1.0, 1e-5),
                        dataset_metadata=metadata)  # fmt: skip
-    # The clipless family trains on JAX (lipdp.clipless.jax.step): ordinary layers are
+    # The clipless family trains on JAX (lipdp.clipless.jax.trainer): ordinary layers are
     # refused as on TensorFlow (first: no input bound).
     with pytest.raises(ValueError, match="needs a public bound on the inputs' norm"):
         lipdp.make_private(h.mlp(), epsilon=1.0, delta=1e-5, epochs=1, batch_size=8,

@@ -1,6 +1,7 @@
-"""The TensorFlow numbers the JAX slice is compared with, computed in a subprocess run under
-``KERAS_BACKEND=tensorflow`` (``python -m tests.clipless.jax.tensorflow_side in.npz out.npz``):
-the very TensorFlow ``DP_Sequential`` of the slice, given the JAX model's kernels."""
+"""The TensorFlow numbers the JAX ``DP_Sequential`` step is compared with
+(``tests/clipless/jax/test_trainer_step.py``), computed in a subprocess run under
+``KERAS_BACKEND=tensorflow`` (``python -m tests.clipless.jax.tensorflow_step_side in.npz
+out.npz``): the very TensorFlow ``DP_Sequential``, given the JAX model's kernels."""
 
 import json
 import sys
