@@ -103,9 +103,10 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False) ->
 
 
 def _keras_backend() -> str:
-    from lipdp.foundation import compat
+    """``keras.backend.backend()`` (``"tensorflow"`` on Keras 2)."""
+    import keras
 
-    return compat.keras_backend()
+    return keras.backend.backend()
 
 
 _SOURCE = {"generators": {}, "seed": None}

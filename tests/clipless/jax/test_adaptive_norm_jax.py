@@ -8,6 +8,7 @@ recomputed here, and the remove-one check (one row removed from a Poisson batch,
 noise, after a few real noisy steps: the released difference over the sensitivity the step
 declared for the weights it took its gradient at)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,8 +30,10 @@ from lipdp.core.jax import keys
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.foundation.variables import variable_key
+from tests import cases as C
+from tests.backends import harness as h
 from tests.clipless.jax import tensorflow_adaptive_side as side
-from tests.marks import thorough
+from tests.marks import representatives, thorough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 SEED = 20261128
@@ -297,3 +300,37 @@ def test_remove_one_after_noisy_steps_within_the_sensitivity_of_the_step_s_weigh
             ratios.append(float(np.linalg.norm(diff)) / float(delta))
     assert max(ratios) <= 1.0 + ROUNDOFF_SLACK, ratios
     assert max(ratios) > 0.9, ratios
+
+
+ADAPTIVE_BALLS = [name for name in C.NORM_BALL_CASES if "adaptive" in name]
+
+
+@pytest.mark.parametrize(
+    "case", representatives(ADAPTIVE_BALLS, ["Ball:GroupNormalization(dense,adaptive)"])
+)
+def test_norm_ball_catalogue_remove_one_on_jax(case):
+    """The catalogue's norm-adaptive cases (tests/cases.py, radii above and below 1, every
+    constrained layer and ball) attacked as the red team does (tests/backends/harness.py):
+    fresh identical models, one real ``train_on_batch`` on a Poisson batch and on the batch
+    minus each record, identical noise, projections off; the sensitivity is read before
+    the step (the weights the step reads)."""
+
+    def fresh():
+        keras.utils.set_random_seed(0)
+        model, x, y = C.NORM_BALL_CASES[case]()
+        model.dataset_metadata = dataclasses.replace(model.dataset_metadata, sampling="poisson")
+        model.compile(optimizer=keras.optimizers.SGD(1.0), loss=model.loss)
+        return h.without_projection(model), x, y
+
+    model, x, y = fresh()
+    delta = h.global_sensitivity(model)
+    release = h.released(model, x, y)
+    assert np.all(np.isfinite(release))
+    ratios = []
+    for row in range(len(x)):
+        keep = np.arange(len(x)) != row
+        without, _, _ = fresh()
+        assert h.global_sensitivity(without) == delta
+        ratios.append(np.linalg.norm(release - h.released(without, x[keep], y[keep])) / delta)
+    assert max(ratios) <= 1.0 + ROUNDOFF_SLACK, ratios
+    assert max(ratios) > 0.01, ratios
