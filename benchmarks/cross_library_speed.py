@@ -109,7 +109,7 @@ CONTENDERS = [
     Contender("lipdp-clipless-tf", "tensorflow", "keras3", "import lipdp"),
     Contender("keras-jax", "jax", "keras3", "import keras"),
     Contender("lipdp-clipped-jax", "jax", "keras3", "import lipdp.clipped.jax"),
-    Contender("lipdp-clipless-jax", "jax", "keras3", "import lipdp.clipless.jax.step"),
+    Contender("lipdp-clipless-jax", "jax", "keras3", "import lipdp.clipless.jax.trainer"),
     Contender("jax-privacy", "jax", "keras3", "import jax_privacy.keras_api"),
     Contender("jax-privacy-poisson", "jax", "keras3", "import jax_privacy.keras_api"),
     Contender("torch", "torch", "torch", "import torch"),

@@ -44,7 +44,7 @@ backend's arrays and runs under ``tf.function`` and ``jax.jit`` alike (the Pytho
 unroll). Two per-backend points: :func:`matmul` uses TensorFlow's transpose flags on
 TensorFlow (the numbers lipdp has always produced: a flagged product does not sum in the
 order of a product of an explicit transpose) and :func:`certified_operator_norm` (float64
-eigenvalues) runs on TensorFlow only.
+eigenvalues: in the graph on TensorFlow, on the host through ``jax.pure_callback`` on JAX).
 """
 
 from __future__ import annotations
@@ -216,20 +216,66 @@ def certified_operator_norm(matrix, norm: str):
     """An upper bound on the spectral norm of ``matrix``, from its entries alone.
 
     ``norm="spectral"``: ``sigma_max`` from the eigenvalues of the smaller Gram matrix,
-    computed in float64 (the float32 entries are exact in float64, so the only error is
-    the float64 eigen-solver's, ~1e-15 relative); ``norm="frobenius"``: ``||W||_F``
-    (``>= sigma_max``), summed in float64. Both are multiplied by ``1 + NORM_ROUNDOFF``
-    to cover the final rounding to float32. Differentiable (the adversarial soundness
-    search differentiates through it).
+    computed in float64; ``norm="frobenius"``: ``||W||_F`` (``>= sigma_max``), summed in
+    float64. Both are multiplied by ``1 + NORM_ROUNDOFF`` and rounded to float32.
 
-    TensorFlow only: the JAX backend computes in float32 unless ``jax_enable_x64`` is set,
-    and this certificate's argument is the float64 solver (``adaptive_norm=True`` is refused
-    there with this message).
+    **Why float64 certifies the float32 kernel, for every kernel.** Every float32 entry is
+    exact in float64, and so is every product of two of them (24 + 24 significant bits
+    <= 53; the exponents of float32 squares, 2^-298..2^256, are inside float64's normal
+    range: no overflow, no underflow, whatever the entries -- 1e-38 and 3e38 included).
+    The Gram ``G = M^T M`` (``n x n``, ``n`` the smaller side, sums of ``m`` terms) is then
+    formed with ``|fl(G) - G| <= gamma_m |M|^T |M|`` entrywise (``gamma_m = m u / (1 - m u)``,
+    ``u = 2^-53``; any summation order), so ``||fl(G) - G||_2 <= gamma_m ||M||_F^2 <=
+    gamma_m n sigma_max^2``; the symmetric eigen-solver is backward stable,
+    ``|lambda_hat - lambda| <= p(n) u ||G||_2`` with ``p(n)`` a low-degree polynomial
+    (``n^2`` is generous). For ``m, n <= 10^4`` both are below ``10^-7`` relative on
+    ``lambda_max = sigma_max^2``, i.e. ``5 10^-8`` on ``sigma_max`` -- under the final
+    float32 rounding (``2^-24 = 6 10^-8``), and ``NORM_ROUNDOFF = 10^-6`` covers the sum
+    more than ten times. A ``sigma_max`` above float32's range rounds to ``inf`` (the bound
+    then reads the radius ``C``: ``min(C, inf)``); a kernel with a NaN or an infinity
+    gives NaN (as on TensorFlow: the step's noise is NaN, nothing finite is released).
+
+    **Subnormal numbers (JAX).** XLA on CPU flushes subnormal float32 numbers to 0 (inputs
+    and results of its arithmetic). The certificate therefore reads the kernel's stored
+    bits (a bitcast, no arithmetic) and bounds both the stored kernel ``M`` and the one the
+    step computes with, ``M + E`` (``E``: minus the subnormal entries, ``||E||_2 <=
+    sqrt(#subnormals) 2^-126``): ``sigma_max(M) + sqrt(#subnormals) 2^-126``; a positive
+    result below ``2^-126`` is returned as ``2^-126`` (a subnormal would be read as 0).
+
+    **Backends.** TensorFlow: in the graph (``tf.linalg.eigvalsh``; differentiable, the
+    adversarial soundness search differentiates through it). JAX: without
+    ``jax_enable_x64`` (which cannot be switched on inside a ``jax.jit`` trace) XLA has no
+    float64, so the same float64 computation runs on the host in numpy
+    (:func:`certified_operator_norm_float64`) through ``jax.pure_callback``: inside the
+    compiled step it reads the very kernel of the step's state (the weights the gradient
+    is taken at) and returns a float32 scalar of the trace -- not a constant baked in the
+    step, which is therefore not traced again when the weights move. Not differentiable
+    on JAX (nothing differentiates the bound there). A float32 certificate would need a
+    derived slack for the Gram's round-off (``gamma_m`` with ``u = 2^-24``: up to
+    ``10^-3`` relative for large kernels) and rescaling against float32 over/underflow
+    (``1e20`` entries overflow the Gram, ``1e-20`` ones underflow it to 0); the float64
+    certificate needs neither and gives TensorFlow's number.
     """
-    if compat.keras_backend() != "tensorflow":
+    if norm not in ("spectral", "frobenius"):
+        raise ValueError(f"norm must be 'spectral' or 'frobenius', got {norm!r}.")
+    backend = compat.keras_backend()
+    if backend == "jax":
+        import jax
+        import numpy as np
+
+        if np.dtype(matrix.dtype) != np.float32:
+            raise ValueError(f"certified_operator_norm takes float32 kernels, got {matrix.dtype}.")
+
+        def host(bits):  # the stored bits, subnormals included (docstring)
+            return certified_operator_norm_float64(_float32_bits_to_float64(bits), norm)
+
+        bits = jax.lax.bitcast_convert_type(matrix, np.uint32)
+        shape = jax.ShapeDtypeStruct((), np.float32)
+        return jax.pure_callback(host, shape, bits, vmap_method="sequential")
+    if backend != "tensorflow":
         raise ValueError(
             "adaptive_norm=True needs float64 eigenvalues (certified_operator_norm), which "
-            f"the {compat.keras_backend()} backend does not compute: use adaptive_norm=False "
+            f"the {backend} backend does not compute: use adaptive_norm=False "
             "or train on KERAS_BACKEND=tensorflow."
         )
     import tensorflow as tf
@@ -245,9 +291,55 @@ def certified_operator_norm(matrix, norm: str):
             else tf.matmul(wide, wide, transpose_b=True)
         )
         value = tf.sqrt(tf.maximum(tf.reduce_max(tf.linalg.eigvalsh(gram)), 0.0))
-    else:
-        raise ValueError(f"norm must be 'spectral' or 'frobenius', got {norm!r}.")
     return tf.cast(value * (1.0 + NORM_ROUNDOFF), matrix.dtype)
+
+
+def _float32_bits_to_float64(bits):
+    """The float64 values of float32 numbers given by their bits (``uint32``), decoded with
+    integer arithmetic and ``ldexp`` -- exact, subnormals included, even where the thread
+    reads subnormal float32 numbers as 0 (XLA's callbacks run with the flush-to-zero and
+    denormals-are-zero flags set, so ``astype(float64)`` would give 0)."""
+    import numpy as np
+
+    bits = np.asarray(bits, np.uint32).astype(np.int64)
+    sign = np.where(bits >> 31, -1.0, 1.0)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    finite = np.ldexp(
+        np.where(exponent > 0, mantissa + 2**23, mantissa).astype(np.float64),
+        np.maximum(exponent, 1) - 150,
+    )
+    special = np.where(mantissa == 0, np.inf, np.nan)  # exponent 255
+    return sign * np.where(exponent == 255, special, finite)
+
+
+def certified_operator_norm_float64(matrix, norm: str):
+    """:func:`certified_operator_norm` in numpy on the host (its float64 computation, the
+    JAX backend's certificate): ``matrix`` the float64 values of a float32 kernel
+    (:func:`_float32_bits_to_float64` of its bits, or a float32 array); returns a float32
+    numpy scalar."""
+    import numpy as np
+
+    dtype = np.dtype(np.float32)
+    wide = np.asarray(matrix).astype(np.float64)
+    if not np.all(np.isfinite(wide)):  # numpy's eigvalsh refuses them; TensorFlow: NaN
+        return np.asarray(np.nan, dtype)
+    if norm == "frobenius":
+        value = np.sqrt(np.sum(np.square(wide)))
+    else:
+        m, n = wide.shape
+        gram = wide.T @ wide if m >= n else wide @ wide.T
+        value = np.sqrt(max(float(np.max(np.linalg.eigvalsh(gram))), 0.0))
+    # XLA on CPU reads subnormal numbers as 0: the kernel the step computes with differs
+    # from the stored one by E, ||E||_2 <= ||E||_F <= sqrt(#subnormals) * tiny.
+    tiny = float(np.finfo(dtype).tiny)
+    subnormal = int(np.count_nonzero((wide != 0) & (np.abs(wide) < tiny)))
+    value = value + np.sqrt(subnormal) * tiny
+    with np.errstate(over="ignore"):  # above float32's range: inf (module docstring)
+        result = np.asarray(value * (1.0 + NORM_ROUNDOFF)).astype(dtype)
+    if 0.0 < value and result < tiny:  # a subnormal result would be read as 0
+        result = np.asarray(tiny, dtype)
+    return result
 
 
 def l2_ball_projection(vector, radius: float):

@@ -74,7 +74,9 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False) ->
     """Standard deviation of the noise on each variable (aligned with ``sensitivities``).
 
     ``on_host=False`` (the TensorFlow models): float32 tensors, from Python floats or
-    tensors (in-graph: ``sensitivities`` may depend on variables such as clip values).
+    tensors (in-graph: ``sensitivities`` may depend on variables such as clip values); on
+    Keras 3's JAX backend (the JAX step whose sensitivities depend on its state: norm-
+    adaptive kernels), float32 arrays of the trace by ``keras.ops``, the same operations.
     ``on_host=True`` (the JAX step, whose standard deviation is a constant of the compiled
     step): Python floats (float64), without TensorFlow. The rule is the same; for one
     entry ``sqrt(Delta^2) = Delta`` exactly in IEEE arithmetic (a correctly rounded square
@@ -85,6 +87,10 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False) ->
         return []
     if on_host:
         cast, sqrt, add_n = float, math.sqrt, sum
+    elif _keras_backend() == "jax":
+        from keras import ops
+
+        cast, sqrt, add_n = (lambda d: ops.cast(d, "float32")), ops.sqrt, sum
     else:
         import tensorflow as tf
 
@@ -94,6 +100,13 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False) ->
         total = sqrt(add_n([d * d for d in deltas]))
         return [float(sigma) * total] * len(deltas)
     return [float(sigma) * float(c) * d for d, c in zip(deltas, nm_coefs)]
+
+
+def _keras_backend() -> str:
+    """``keras.backend.backend()`` (``"tensorflow"`` on Keras 2)."""
+    import keras
+
+    return keras.backend.backend()
 
 
 _SOURCE = {"generators": {}, "seed": None}

@@ -31,6 +31,7 @@ import keras
 from lipdp.clipless import layers as dp_layers
 from lipdp.clipless import losses as dp_losses
 from lipdp.clipless.layers.constrained import ConstrainedKernelLayer
+from lipdp.core import noise
 from lipdp.core.jax.trainer import JaxPrivateTrainer
 from lipdp.foundation import compat
 from lipdp.foundation.layer_walk import nested_layers
@@ -75,9 +76,10 @@ _WAY_OUT = "train on KERAS_BACKEND=tensorflow"
 def refuse_not_ported(layers, dp_parameters) -> None:
     """Refuse, before any step, what the clipless JAX step does not cover yet (one line
     naming the way out): a layer (at any depth) whose class is not in
-    :data:`JAX_READY_LAYERS`, a ``DP_ClipGradient(mode="dynamic")``, a kernel with
-    ``adaptive_norm=True`` (its float64 norm certificate), a declared dynamic clipping or
-    hyper-parameter search."""
+    :data:`JAX_READY_LAYERS`, a ``DP_ClipGradient(mode="dynamic")``, a declared dynamic
+    clipping or hyper-parameter search. (Kernels with ``adaptive_norm=True`` run: their
+    float64 certificate is computed on the host in the step,
+    :func:`lipdp.clipless.projections.certified_operator_norm`.)"""
     for path, layer in nested_layers(list(layers)):
         if type(layer) not in JAX_READY_LAYERS:
             raise TypeError(
@@ -88,11 +90,6 @@ def refuse_not_ported(layers, dp_parameters) -> None:
             raise ValueError(
                 f"Layer {path!r} is a DP_ClipGradient(mode='dynamic'), not ported to JAX "
                 f"yet: use mode='fixed' or {_WAY_OUT}."
-            )
-        if getattr(layer, "adaptive_norm", False):
-            raise ValueError(
-                f"Layer {path!r} has adaptive_norm=True (a float64 norm certificate), not "
-                f"ported to JAX yet: use adaptive_norm=False or {_WAY_OUT}."
             )
     if dp_parameters.dynamic_clipping is not None:
         raise ValueError(f"dynamic_clipping is not ported to JAX yet: {_WAY_OUT}.")
@@ -138,15 +135,21 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
       and the standard deviations of the one noise rule, on the host in float64
       (``"global"``: ``sigma sqrt(sum Delta_v^2)``; ``"per-layer"``: ``sigma c_v Delta_v``),
       constants of the compiled step (every bound of the ported layers is a Python float or
-      a fixed clip value read when the step is made).
+      a fixed clip value read when the step is made) -- except with norm-adaptive kernels
+      (``adaptive_norm=True``), whose bounds ``min(C, certified ||M||)`` are those of the
+      weights the step's gradient is taken at: :meth:`_stddev_in_step` runs the same bound
+      pass in the step, on the state's weights (``StatelessScope``), and the noise rule in
+      float32 as the TensorFlow graph does; the certificate is the float64 one, computed
+      on the host by ``jax.pure_callback`` (:mod:`lipdp.clipless.projections`). The
+      multiplier ``sigma``, hence the ledger, does not depend on the weights.
     * :meth:`_projected`: every trainable constrained kernel projected onto its set by the
       pure ``projected_values`` of its layer after the optimizer (the power vector of an
       orthogonal kernel in the non-trainable state), as ``project()`` after every
       TensorFlow step; a frozen layer is not projected.
 
     Refused on JAX (one line, :func:`refuse_not_ported`, :func:`loss_rows_function`):
-    layers and losses not ported yet, dynamic clipping, adaptive norms, adversarial
-    training, a declared hyper-parameter search.
+    layers and losses not ported yet, dynamic clipping, adversarial training, a declared
+    hyper-parameter search.
     """
 
     _layers_key = "dp_layers"
@@ -229,6 +232,46 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
         """``sigma c_v Delta_v`` of every trainable variable (``"per-layer"`` noise), by the
         one noise rule on the host, in the order of ``trainable_variables``."""
         by_key = self.noise_stddevs()
+        return [by_key[variable_key(v)] for v in self.trainable_variables]
+
+    def _weight_dependent_bounds(self) -> bool:
+        """Whether a kernel (at any depth) reads its bound from its current weights
+        (``adaptive_norm=True``): the noise is then computed in the step."""
+        return any(
+            getattr(layer, "adaptive_norm", False)
+            for _, layer in nested_layers(list(self._all_layers()))
+        )
+
+    def _step_stddev(self):
+        """``None`` (noise computed in the step, :meth:`_stddev_in_step`) for a noisy model
+        with norm-adaptive kernels; else the host's constants."""
+        if self._weight_dependent_bounds() and not self._noiseless:
+            return None
+        return super()._step_stddev()
+
+    def _stddev_in_step(self, trainable, non_trainable):
+        """The one bound pass and the one noise rule on the state's weights (float32, the
+        TensorFlow graph's operations): one scalar (``"global"``) or one per trainable
+        variable (``"per-layer"``)."""
+        mapping = list(zip(self.trainable_variables, trainable)) + list(
+            zip(self.non_trainable_variables, non_trainable)
+        )
+        with keras.StatelessScope(state_mapping=mapping):
+            entries = self.sensitivities()
+            stddevs = noise.noise_stddevs(
+                self.dp_parameters.noisify_strategy,
+                self._sigma(),
+                [delta for _, delta in entries],
+                [entry.nm_coef for entry, _ in entries],
+                on_host=False,
+            )
+        if self.dp_parameters.noisify_strategy == "global":
+            return stddevs[0]
+        by_key = {
+            variable_key(v): s
+            for group, s in zip(self._noised_variables(entries), stddevs)
+            for v in group
+        }
         return [by_key[variable_key(v)] for v in self.trainable_variables]
 
     def _stateless_forward(self, trainable, non_trainable, x):

@@ -15,8 +15,10 @@ family's step does the same way is written here once:
 3. **the noise** (rule S8): Gaussian noise of the standard deviations of the one noise
    rule (:func:`lipdp.core.noise.noise_stddevs`, evaluated on the host in float64 and baked
    into the compiled step: one for the whole gradient, ``"global"``, or one per variable,
-   ``"per-layer"``), drawn from a key held in the state that moves at every step
-   (:mod:`lipdp.core.jax.keys`);
+   ``"per-layer"``; or, when the sensitivities depend on the weights -- norm-adaptive
+   kernels --, computed in the step from the state's weights, float32, by the family's
+   hook :meth:`JaxPrivateTrainer._stddev_in_step`), drawn from a key held in the state
+   that moves at every step (:mod:`lipdp.core.jax.keys`);
 4. the optimizer's ``stateless_apply``, then the family's projections as a pure function
    of the state (hook :meth:`JaxPrivateTrainer._projected`; none by default);
 5. **the privacy state** (rule S10), inside the step: the next key, ``noisy_steps + 1``, one
@@ -50,8 +52,9 @@ class StepPlan:
     """What a compiled step bakes in (decided on the host before training)."""
 
     #: The standard deviation of the noise on the averaged gradient: one float for every
-    #: coordinate, or a tuple of one float per trainable variable (their order).
-    stddev: float | tuple
+    #: coordinate, or a tuple of one float per trainable variable (their order); ``None``:
+    #: computed in the step from its state (:meth:`JaxPrivateTrainer._stddev_in_step`).
+    stddev: float | tuple | None
     normalizer: float  # the loss normaliser n (b)
     rows: int | None  # the rows of a fixed-size batch (None: Poisson, padded)
     #: The ledger row of the mechanism the step releases (float64 values); where its run
@@ -60,6 +63,8 @@ class StepPlan:
 
     @property
     def noisy(self) -> bool:
+        if self.stddev is None:  # from the state: a noiseless model bakes 0.0 instead
+            return True
         stddevs = self.stddev if isinstance(self.stddev, tuple) else (self.stddev,)
         return any(s > 0 for s in stddevs)
 
@@ -128,6 +133,13 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
     def _variable_stddevs(self) -> list[float]:
         """One standard deviation per trainable variable (``"per-layer"`` noise; family
         hook)."""
+        raise NotImplementedError
+
+    def _stddev_in_step(self, trainable, non_trainable):
+        """The standard deviation(s) of the step's noise computed in the compiled step from
+        the state it is given -- the weights the gradient is taken at --, when
+        :meth:`_step_stddev` returned ``None``: one float32 scalar (``"global"``) or a list
+        aligned with ``trainable_variables`` (family hook)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- privacy
@@ -235,9 +247,10 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         averaged, losses, y_pred = self._private_gradients(trainable, non_trainable, x, y, weights)
         next_key, draw = keys.next_key_and_draw(self._own(non_trainable, self.noise_key))
         if plan.noisy:
-            averaged = [
-                a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, plan.stddev))
-            ]
+            stddev = plan.stddev
+            if stddev is None:
+                stddev = self._stddev_in_step(trainable, non_trainable)
+            averaged = [a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, stddev))]
         return averaged, next_key, losses, y_pred
 
     def _own(self, non_trainable, variable):

@@ -287,10 +287,6 @@ def _one_layer_model(layer, **kwargs):
             r"_MyDense\) does not run under jax.jit yet: train on KERAS_BACKEND=tensorflow",
         ),
         (
-            lambda: _one_layer_model(L.DP_SpectralDense(CLASSES, adaptive_norm=True)),
-            "adaptive_norm=True .* use adaptive_norm=False or train on KERAS_BACKEND=tensorflow",
-        ),
-        (
             lambda: _one_layer_model(L.DP_ClipGradient(1.0, mode="dynamic")),
             "mode='dynamic'.* use mode='fixed' or train on KERAS_BACKEND=tensorflow",
         ),
@@ -299,7 +295,7 @@ def _one_layer_model(layer, **kwargs):
             "Adversarial training is not ported to JAX yet: train on KERAS_BACKEND=tensorflow",
         ),
     ],
-    ids=["layer", "adaptive", "dynamic", "adversarial"],
+    ids=["layer", "dynamic", "adversarial"],
 )
 def test_what_is_not_ported_is_refused_in_one_line(make, match):
     with pytest.raises((TypeError, ValueError), match=match) as caught:
