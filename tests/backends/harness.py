@@ -126,7 +126,8 @@ def remove_one_ratios(family, x, y, rows, **options) -> list[float]:
     """``||release(B) - release(B \\ {row})|| / Delta`` for each of ``rows``: fresh
     identical models, identical noise (the attacker's check, rule S1)."""
     full = without_projection(private(family, **options))
-    release, delta = released(full, x, y), global_sensitivity(full)
+    delta = global_sensitivity(full)  # of the weights the step starts from (adaptive bounds)
+    release = released(full, x, y)
     ratios = []
     for row in rows:
         keep = np.arange(len(x)) != row
