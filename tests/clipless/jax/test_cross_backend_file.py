@@ -26,7 +26,7 @@ from lipdp.core.jax import keys
 from lipdp.core.jax import ledger as words_ledger
 from lipdp.core.jax.trainer import JaxPrivateTrainer
 from lipdp.core.ledger import CAPACITY, WIDTH
-from tests.clipless.jax.file_side import SPEC, build, data, state
+from tests.clipless.jax.file_side import SPEC, build, build_clipped, data, state
 from tests.marks import thorough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -43,7 +43,9 @@ def exchanged(request, tmp_path_factory):
     for _ in range(SPEC["steps"]):
         model.train_on_batch(x, y)
     model.save(str(directory / f"jax_{strategy}.keras"))
-    (directory / "spec.json").write_text(json.dumps({"strategies": [strategy]}))
+    build_clipped().save(str(directory / "jax_clipped.keras"))
+    spec = {"strategies": [strategy], "clipped": True}
+    (directory / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
     env["PYTHONPATH"] = ROOT
     done = subprocess.run(
@@ -133,6 +135,20 @@ def test_the_file_holds_the_tensorflow_layout_and_never_the_key(exchanged):
         weights.visititems(collect)
         assert arrays and not any(a.dtype == np.uint32 for a in arrays)
     assert b"noise_key" not in archive.read("config.json")
+
+
+def test_a_clipped_model_s_file_is_refused_on_the_other_backend(exchanged):
+    """``DPSGD_Sequential`` (TensorFlow) and ``DPSGD_JaxModel`` (JAX) are different
+    programs with different configurations: a file of one is refused on the other in one
+    line naming the backend to load it with (not Keras' "could not locate class")."""
+    import lipdp.clipped.jax.model  # noqa: F401 (the clipped family on JAX)
+
+    _, directory, _, report = exchanged
+    refusal = str(report["clipped_refusal"])
+    assert refusal.startswith("This file holds a DPSGD_JaxModel") and "\n" not in refusal
+    assert "KERAS_BACKEND=jax" in refusal
+    with pytest.raises(ValueError, match="DPSGD_Sequential.*KERAS_BACKEND=tensorflow"):
+        keras.models.load_model(str(directory / "tf_clipped.keras"))
 
 
 def _old_save_own_variables(self, store):
