@@ -10,6 +10,11 @@ counts are ``int32`` (2^31 steps). :class:`lipdp.core.ledger.PrivacyLedger` read
 through :class:`Float64Words`, so plans, ``DP_Accountant`` and ``privacy_report`` price
 the JAX model's releases with the TensorFlow models' code.
 
+**In a file** the ledger is the TensorFlow models' ``float64`` table and ``int64``
+counts, converted from and to the words on the host (:func:`file_entries`,
+:func:`from_file`: exact, since the words are the float64's bits), so that one ``.keras``
+file loads on either backend; a table or counts that cannot be held exactly are refused.
+
 **Recording inside the step.** A compiled step releases one mechanism, fixed when it is
 traced (``sigma``, ``q``, ``b``, ``N``, the sampling): its row is a constant of the step.
 *Where* its run is counted is decided inside the step, from the table the step receives
