@@ -450,7 +450,14 @@ class PrivateModelBase:
 
     def load_weights(self, *args, **kwargs):
         """Load the weights, then project them onto their constraint sets (S12); the
-        privacy state is kept as by :meth:`set_weights`."""
+        privacy state is kept as by :meth:`set_weights`. ``skip_mismatch=True`` is refused:
+        Keras then turns a ledger it cannot load (a refused one included) into a warning,
+        and a new model would get the weights without their spending (rule S10)."""
+        if kwargs.get("skip_mismatch") or (len(args) > 1 and args[1]):
+            raise ValueError(
+                "load_weights(skip_mismatch=True) could load the weights without the privacy "
+                "ledger they were trained with (rule S10): load them without skip_mismatch."
+            )
         with self._keeping_the_privacy_state():
             status = super().load_weights(*args, **kwargs)
         if self.built:

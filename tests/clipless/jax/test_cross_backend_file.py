@@ -208,11 +208,18 @@ def test_a_ledger_that_cannot_be_read_is_refused(tmp_path, monkeypatch, case):
     monkeypatch.setattr(
         JaxPrivateTrainer, "save_own_variables", _save_with_table(*UNREADABLE[case])
     )
-    path = str(tmp_path / "bad.keras")
+    path, weights = str(tmp_path / "bad.keras"), str(tmp_path / "bad.weights.h5")
     model.save(path)
+    model.save_weights(weights)  # the same layout through save_weights
     monkeypatch.undo()
     with pytest.raises(ValueError, match="cannot be read"):
         keras.models.load_model(path)
+    fresh = build("global")
+    with pytest.raises(ValueError, match="cannot be read"):
+        fresh.load_weights(weights)
+    # skip_mismatch would turn the refusal into a warning: refused itself.
+    with pytest.raises(ValueError, match="skip_mismatch"):
+        fresh.load_weights(weights, skip_mismatch=True)
 
 
 def test_from_file_is_exact_on_every_float64():
