@@ -67,6 +67,7 @@ from lipdp.clipped.per_example import (
 from lipdp.clipped.sharpness import ASCENT_MODES, SharpnessAscent
 from lipdp.core import distribute
 from lipdp.core.adversarial import softmax_kl
+from lipdp.core.private_base import other_backend_class
 from lipdp.core.private_model import DPParameters, PrivateModel, StepGradients
 from lipdp.core.records import kept_rows
 from lipdp.foundation import validation
@@ -362,6 +363,15 @@ class DPSGD_Sequential(DPSGD_Model):
 
 keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Model)
 keras.utils.register_keras_serializable(package="lipdp")(DPSGD_Sequential)
+# The JAX clipped model's files: refused in one line (other_backend_class).
+keras.utils.register_keras_serializable(package="lipdp")(
+    other_backend_class(
+        "DPSGD_JaxModel",
+        "JAX",
+        "load it with KERAS_BACKEND=jax (a clipped model's file loads on the backend that "
+        "wrote it)",
+    )
+)
 
 __all__ = [
     "ASCENT_MODES",

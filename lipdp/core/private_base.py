@@ -471,7 +471,14 @@ class PrivateModelBase:
 
     def load_weights(self, *args, **kwargs):
         """Load the weights, then project them onto their constraint sets (S12); the
-        privacy state is kept as by :meth:`set_weights`."""
+        privacy state is kept as by :meth:`set_weights`. ``skip_mismatch=True`` is refused:
+        Keras then turns a ledger it cannot load (a refused one included) into a warning,
+        and a new model would get the weights without their spending (rule S10)."""
+        if kwargs.get("skip_mismatch") or (len(args) > 1 and args[1]):
+            raise ValueError(
+                "load_weights(skip_mismatch=True) could load the weights without the privacy "
+                "ledger they were trained with (rule S10): load them without skip_mismatch."
+            )
         with self._keeping_the_privacy_state():
             status = super().load_weights(*args, **kwargs)
         if self.built:
@@ -568,6 +575,31 @@ def _rank(shape) -> int | None:
     return shape.rank if hasattr(shape, "rank") else len(shape)
 
 
+def other_backend_class(name: str, backend: str, fix: str):
+    """A class registered as ``lipdp>name`` where the model class ``name`` of another
+    backend cannot be built (the clipped family: ``DPSGD_Sequential`` is a TensorFlow
+    program, ``DPSGD_JaxModel`` a JAX one, of different configurations): loading such a
+    file is refused in one line naming the fix (``fix``), instead of Keras' "could not
+    locate class". The clipless models need none: ``DP_Sequential`` is one class on both
+    backends, and its file one layout."""
+
+    def from_config(cls, config, custom_objects=None):
+        raise ValueError(
+            f"This file holds a {name}, a model of Keras' {backend} backend: it does not "
+            f"load on this one; {fix}."
+        )
+
+    return type(
+        name,
+        (),
+        {
+            "__doc__": f"Refuses {name} files (:func:`other_backend_class`).",
+            "from_config": classmethod(from_config),
+            "get_config": lambda self: {},
+        },
+    )
+
+
 def refuse_mixed_precision(layers) -> None:
     """Bounds, clipping and noise are computed for float32: refuse every other floating
     compute dtype (float16, bfloat16, float64, ...) of the global policy or of a layer at
@@ -660,6 +692,7 @@ __all__ = [
     "check_poisson_batches",
     "check_reduction",
     "one_target_per_output",
+    "other_backend_class",
     "refuse_mixed_precision",
     "refuse_non_finite",
     "shown",

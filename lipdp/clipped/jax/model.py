@@ -69,6 +69,7 @@ from lipdp.core.jax import isolation
 from lipdp.core.jax.trainer import JaxPrivateTrainer, per_row_loss
 from lipdp.core.private_base import (
     one_target_per_output,
+    other_backend_class,
 )
 from lipdp.foundation import compat
 from lipdp.foundation.layer_walk import children
@@ -389,6 +390,16 @@ class DPSGD_JaxModel(JaxPrivateTrainer):
 
 
 keras.utils.register_keras_serializable(package="lipdp")(DPSGD_JaxModel)
+# The TensorFlow clipped models' files: refused in one line (other_backend_class).
+for _name in ("DPSGD_Model", "DPSGD_Sequential"):
+    keras.utils.register_keras_serializable(package="lipdp")(
+        other_backend_class(
+            _name,
+            "TensorFlow",
+            "load it with KERAS_BACKEND=tensorflow (a clipped model's file loads on the "
+            "backend that wrote it)",
+        )
+    )
 
 
 __all__ = ["JAX_CLIPPING_MODES", "JAX_GRADIENT_METHODS", "DPSGD_JaxModel", "check_network"]

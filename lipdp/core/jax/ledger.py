@@ -10,6 +10,11 @@ counts are ``int32`` (2^31 steps). :class:`lipdp.core.ledger.PrivacyLedger` read
 through :class:`Float64Words`, so plans, ``DP_Accountant`` and ``privacy_report`` price
 the JAX model's releases with the TensorFlow models' code.
 
+**In a file** the ledger is the TensorFlow models' ``float64`` table and ``int64``
+counts, converted from and to the words on the host (:func:`file_entries`,
+:func:`from_file`: exact, since the words are the float64's bits), so that one ``.keras``
+file loads on either backend; a table or counts that cannot be held exactly are refused.
+
 **Recording inside the step.** A compiled step releases one mechanism, fixed when it is
 traced (``sigma``, ``q``, ``b``, ``N``, the sampling): its row is a constant of the step.
 *Where* its run is counted is decided inside the step, from the table the step receives
@@ -78,6 +83,55 @@ class Float64Words:
 
     def assign(self, table) -> None:
         self.variable.assign(self.words(table))
+
+
+#: The largest count or step number an ``int32`` variable holds.
+INT32_MAX = 2**31 - 1
+
+
+def file_entries(table_words, counts) -> tuple:
+    """The ledger as a file holds it on every backend: the TensorFlow models' ``float64``
+    table of shape ``(CAPACITY, WIDTH)`` and ``int64`` counts, read exactly from the
+    words (the words of a float64 entry are its bits, :class:`Float64Words`)."""
+    table = np.ascontiguousarray(np.asarray(table_words), dtype=np.int32).view(np.float64)
+    return table.copy(), np.asarray(counts).astype(np.int64)
+
+
+def from_file(table, counts) -> tuple:
+    """The ``int32`` words and counts of a ledger read from a file (:func:`file_entries`'s
+    layout, or the words of files written by lipdp's JAX models before it), exactly, or a
+    one-line refusal (rule S10: a ledger that cannot be read is never loaded as an empty
+    or smaller one): a table of another shape or type, a NaN or a negative entry (not a
+    ledger row, :func:`row_words`), counts that are negative, not integers, or beyond
+    ``int32``."""
+    table, counts = np.asarray(table), np.asarray(counts)
+    fix = "load it with the lipdp version and backend that wrote it"
+    if table.shape == (CAPACITY, WIDTH) and table.dtype == np.float64:
+        words = Float64Words.words(table + 0.0)  # -0.0 (an empty kind) written +0.0
+    elif table.shape == (CAPACITY, 2 * WIDTH) and table.dtype == np.int32:
+        words, table = table, np.ascontiguousarray(table).view(np.float64)
+    else:
+        raise ValueError(
+            f"The privacy ledger in this file is a {table.dtype} table of shape {table.shape}, "
+            f"not a lipdp ledger (float64 {(CAPACITY, WIDTH)}): it cannot be read; {fix}."
+        )
+    if np.isnan(table).any() or (table < 0).any():
+        raise ValueError(
+            f"The privacy ledger in this file holds a NaN or a negative value: it cannot be "
+            f"read; {fix}."
+        )
+    if (
+        counts.shape != (CAPACITY,)
+        or counts.dtype.kind not in "iu"
+        or (counts < 0).any()
+        or (counts > INT32_MAX).any()
+    ):
+        raise ValueError(
+            f"The privacy ledger counts in this file ({counts.dtype}, shape {counts.shape}) are "
+            f"not {CAPACITY} counts between 0 and {INT32_MAX} (the JAX models' int32): they "
+            "cannot be read; load the file on the TensorFlow backend (int64 counts)."
+        )
+    return np.ascontiguousarray(words, np.int32), counts.astype(np.int32)
 
 
 def create_variables(name="privacy_ledger"):
@@ -213,6 +267,8 @@ __all__ = [
     "Float64Words",
     "WordsLedger",
     "create_variables",
+    "file_entries",
+    "from_file",
     "ledger_view",
     "record_on_host",
     "recorded",

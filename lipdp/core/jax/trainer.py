@@ -28,8 +28,10 @@ family's step does the same way is written here once:
 The privacy surface (sigma, the plan, the ledger view and row, the guards of ``compile``,
 ``fit``, ``save`` and the weights, the configuration) is
 :class:`lipdp.core.private_base.PrivateModelBase`'s. A saved file never holds the noise
-key (written as zeros, :meth:`JaxPrivateTrainer.save_own_variables`), and loaded or set
-weights never bring one (:meth:`JaxPrivateTrainer._own_state`).
+key, and holds the step count and the ledger in the TensorFlow models' layout (``int64``,
+``float64`` table): one ``.keras`` file loads on either backend
+(:meth:`JaxPrivateTrainer.save_own_variables`); loaded or set weights never bring a key
+(:meth:`JaxPrivateTrainer._own_state`).
 
 This module imports JAX inside functions only; it is imported under the JAX backend only.
 """
@@ -86,9 +88,9 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
     _poisson_batches_hint = "lipdp.private_batches(model, x, y)"
 
     def _init_private_state(self) -> None:
-        """The step's own variables: the noise key (rule S8; zeroed in saved files), the
+        """The step's own variables: the noise key (rule S8; never in a saved file), the
         noisy step count and the ledger (rule S10), the count of neutralised rows."""
-        #: Rule S8: the key of the next step's noise (keys module; zeroed in saved files).
+        #: Rule S8: the key of the next step's noise (keys module; never in a saved file).
         self.noise_key = keras.Variable(
             np.zeros(keys.KEY_WORDS, np.uint32), dtype="uint32", trainable=False, name="noise_key"
         )
@@ -324,12 +326,61 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
 
     # ---------------------------------------------------------- privacy state
     def save_own_variables(self, store):
-        """Every variable but the noise key, written as zeros (rule S8: a file never holds
-        a key; a reloaded model draws a fresh one before it trains)."""
+        """The file layout of every backend (the TensorFlow models'): the model's own
+        variables in Keras' order without the noise key (rule S8: a file never holds a key;
+        a reloaded model draws a fresh one before it trains), the step count as ``int64``,
+        the ledger as its ``float64`` table and ``int64`` counts
+        (:func:`lipdp.core.jax.ledger.file_entries`, exact). A file saved here loads on
+        TensorFlow, and a TensorFlow model's file here (:meth:`load_own_variables`)."""
+        table, counts = ledger.file_entries(
+            self.privacy_ledger_table.numpy(), self.privacy_ledger_counts.numpy()
+        )
+        entries = {
+            id(self.noisy_steps): np.int64(self.noisy_steps.numpy()),
+            id(self.privacy_ledger_table): table,
+            id(self.privacy_ledger_counts): counts,
+        }
+        for i, variable in enumerate(self._file_variables()):
+            store[f"{i}"] = entries.get(id(variable), variable)
+
+    def load_own_variables(self, store):
+        """Read :meth:`save_own_variables`'s layout (also a TensorFlow model's file), or
+        the layout lipdp's JAX models wrote before it (the zeroed key first, an ``int32``
+        step count, the ledger's ``int32`` words): the noise key is never read (rule S8),
+        the ledger and the step count are converted exactly or the file is refused in one
+        line (rule S10: never loaded with an empty or a smaller ledger,
+        :func:`lipdp.core.jax.ledger.from_file`)."""
+        own = self._file_variables()
+        names = sorted(store.keys(), key=int)
+        old = len(names) == len(own) + 1  # the layout with the key, written before
+        if len(names) != len(own) + old:
+            raise ValueError(
+                f"This file holds {len(names)} variables of model {self.name!r}, not the "
+                f"{len(own)} of its privacy state ({[v.name for v in own]}): load it into "
+                "the model class and configuration that wrote it."
+            )
+        values = {id(v): store[name] for v, name in zip(own, names[old:])}
+        table, counts = ledger.from_file(
+            np.asarray(values.pop(id(self.privacy_ledger_table))),
+            np.asarray(values.pop(id(self.privacy_ledger_counts))),
+        )
+        steps = np.asarray(values.pop(id(self.noisy_steps)))
+        if steps.shape != () or steps.dtype.kind not in "iu" or not 0 <= steps <= ledger.INT32_MAX:
+            raise ValueError(
+                f"The noisy step count in this file ({steps!r}) is not a count between 0 and "
+                f"{ledger.INT32_MAX}: it cannot be read; load the file on the TensorFlow backend."
+            )
+        for variable in own:
+            if id(variable) in values:
+                variable.assign(values[id(variable)])
+        self.noisy_steps.assign(np.int32(steps))
+        self.privacy_ledger_table.assign(table)
+        self.privacy_ledger_counts.assign(counts)
+
+    def _file_variables(self) -> list:
+        """The model's own variables (Keras' order) a file holds: all but the noise key."""
         own = self._trainable_variables + self._non_trainable_variables
-        for i, variable in enumerate(own):  # the layout of Keras' own save_own_variables
-            key = variable is self.noise_key
-            store[f"{i}"] = np.zeros(keys.KEY_WORDS, np.uint32) if key else variable
+        return [v for v in own if v is not self.noise_key]
 
     def _own_state(self):
         """Loaded or set weights never bring a noise key: it stays this model's own (rule
