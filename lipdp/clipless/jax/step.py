@@ -245,27 +245,19 @@ _WAY_OUT = "train on KERAS_BACKEND=tensorflow"
 def refuse_not_ported(layers, dp_parameters) -> None:
     """Refuse, before any step, what the clipless JAX step does not cover yet (one line
     naming the way out): a layer (at any depth) whose class is not in
-    :data:`JAX_READY_LAYERS`, a ``DP_ClipGradient(mode="dynamic")``, a kernel with
-    ``adaptive_norm=True`` (its float64 norm certificate), a declared dynamic clipping or
-    hyper-parameter search."""
+    :data:`JAX_READY_LAYERS`, a kernel with ``adaptive_norm=True`` (its float64 norm
+    certificate), a declared hyper-parameter search."""
     for path, layer in nested_layers(list(layers)):
         if type(layer) not in JAX_READY_LAYERS:
             raise TypeError(
                 f"Layer {path!r} ({type(layer).__name__}) does not run under jax.jit yet: "
                 f"{_WAY_OUT}."
             )
-        if getattr(layer, "mode", "fixed") == "dynamic":
-            raise ValueError(
-                f"Layer {path!r} is a DP_ClipGradient(mode='dynamic'), not ported to JAX "
-                f"yet: use mode='fixed' or {_WAY_OUT}."
-            )
         if getattr(layer, "adaptive_norm", False):
             raise ValueError(
                 f"Layer {path!r} has adaptive_norm=True (a float64 norm certificate), not "
                 f"ported to JAX yet: use adaptive_norm=False or {_WAY_OUT}."
             )
-    if dp_parameters.dynamic_clipping is not None:
-        raise ValueError(f"dynamic_clipping is not ported to JAX yet: {_WAY_OUT}.")
     if dp_parameters.hyperparameter_search is not None:
         raise ValueError(
             f"A declared hyper-parameter search is recorded on TensorFlow only: {_WAY_OUT}, "
@@ -363,17 +355,21 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
     def call(self, inputs, training=None):
         return self.forward(inputs, training=training)
 
-    def forward(self, inputs, training=None):
+    def forward(self, inputs, training=None, observe=None):
         """The layers in order; a layer that clips cotangents gets the loss normaliser
-        (:meth:`lipdp.core.private_model.PrivateModel.forward`)."""
+        (:meth:`lipdp.core.private_model.PrivateModel.forward`). ``observe(index, output)``,
+        if given, is called after every layer (``index`` in :meth:`layers_forward_order`)
+        and returns the array to continue with (how :mod:`lipdp.clipless.dynamic` adds its
+        probes)."""
         metadata = self.dataset_metadata
         normalizer = {"loss_normalizer": None if metadata is None else metadata.loss_normalizer}
         h = inputs
-        for layer in self.dp_layers:
-            if isinstance(layer, keras.layers.InputLayer):
-                continue  # the identity (Keras 3's InputLayer cannot be called)
-            kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
-            h = layer(h, training=training, **kwargs)
+        for index, layer in enumerate(self.dp_layers):
+            if not isinstance(layer, keras.layers.InputLayer):  # Keras 3's cannot be called
+                kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
+                h = layer(h, training=training, **kwargs)
+            if observe is not None:
+                h = observe(index, h)
         return h
 
     def layers_forward_order(self):
@@ -401,12 +397,39 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
         by_key = self.noise_stddevs()
         return [by_key[variable_key(v)] for v in self.trainable_variables]
 
-    def _stateless_forward(self, trainable, non_trainable, x):
-        mapping = list(zip(self.trainable_variables, trainable)) + list(
+    def _stateless_forward(self, trainable, non_trainable, x, observe=None):
+        with keras.StatelessScope(state_mapping=self._state_mapping(trainable, non_trainable)):
+            return self.forward(x, training=True, observe=observe)
+
+    def _state_mapping(self, trainable, non_trainable):
+        return list(zip(self.trainable_variables, trainable)) + list(
             zip(self.non_trainable_variables, non_trainable)
         )
-        with keras.StatelessScope(state_mapping=mapping):
-            return self.forward(x, training=True)
+
+    def _stddev_in_step(self, trainable, non_trainable):
+        """With a ``DP_ClipGradient(mode="dynamic")``, the standard deviation of the noise
+        from the clip values in the step's state: the bound pass
+        (:meth:`~lipdp.clipless.model.CliplessFacts.sensitivities`) and the one noise rule run
+        in the step's ``StatelessScope`` (float32, as TensorFlow's graph computes them), so
+        the noise follows a clip value a callback set between steps -- the value the step's
+        backward pass clips with -- without a new trace. Otherwise the plan's host constant
+        (every bound is a Python float or a fixed clip value)."""
+        if not any(getattr(layer, "mode", "fixed") == "dynamic" for layer in self._all_layers()):
+            return super()._stddev_in_step(trainable, non_trainable)
+        with keras.StatelessScope(state_mapping=self._state_mapping(trainable, non_trainable)):
+            entries = self.sensitivities()
+            stddevs = noise.noise_stddevs(
+                self.dp_parameters.noisify_strategy,
+                self._sigma(),
+                [delta for _, delta in entries],
+                [entry.nm_coef for entry, _ in entries],
+                on_host=False,
+            )
+        if self.dp_parameters.noisify_strategy == "global":
+            return stddevs[0] if stddevs else 0.0
+        groups = self._noised_variables(entries)
+        by_key = {variable_key(v): s for group, s in zip(groups, stddevs) for v in group}
+        return tuple(by_key[variable_key(v)] for v in self.trainable_variables)
 
     def _private_gradients(self, trainable, non_trainable, x, y, weights):
         """The gradient of ``sum_i w_i loss_i / n`` (class docstring), the per-row losses

@@ -130,6 +130,13 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         hook)."""
         raise NotImplementedError
 
+    def _stddev_in_step(self, trainable, non_trainable):
+        """The standard deviation the compiled step draws with, on the step's state (family
+        hook): :attr:`StepPlan.stddev` (a constant of the step) by default; a family whose
+        sensitivities read variables that may change between steps (a dynamic clip value)
+        computes it from the state here, so that it follows them without a new trace."""
+        return self._step_plan.stddev
+
     # ---------------------------------------------------------------- privacy
     @staticmethod
     def _ledger_view(table, counts):
@@ -235,9 +242,8 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         averaged, losses, y_pred = self._private_gradients(trainable, non_trainable, x, y, weights)
         next_key, draw = keys.next_key_and_draw(self._own(non_trainable, self.noise_key))
         if plan.noisy:
-            averaged = [
-                a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, plan.stddev))
-            ]
+            stddev = self._stddev_in_step(trainable, non_trainable)
+            averaged = [a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, stddev))]
         return averaged, next_key, losses, y_pred
 
     def _own(self, non_trainable, variable):
