@@ -49,7 +49,9 @@ def model(spec, dynamic, kernels=None):
             L.DP_SpectralDense(spec["classes"], name="d2"),
             L.DP_ClipGradient(spec["clip"], mode="dynamic", name="clip"),
         ],
-        dp_parameters=DPParameters("global", spec["sigma"], spec["delta"], dynamic_clipping=dynamic),
+        dp_parameters=DPParameters(
+            "global", spec["sigma"], spec["delta"], dynamic_clipping=dynamic
+        ),
         dataset_metadata=metadata,
     )
     network.compile(

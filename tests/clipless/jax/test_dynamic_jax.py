@@ -93,9 +93,7 @@ def test_cotangent_norms_equal_tensorflow_s_and_per_row_autodiff(tensorflow_numb
 
 
 @pytest.mark.parametrize("kind", ["laplace", "quantiles"])
-def test_clip_values_after_an_update_equal_tensorflow_s_within_the_limits(
-    tensorflow_numbers, kind
-):
+def test_clip_values_after_an_update_equal_tensorflow_s_within_the_limits(tensorflow_numbers, kind):
     """One update of the callback (same seed, same kernels, same data) gives TensorFlow's
     clip values, each in the callback's limits ``[floor, U]``, and moved from the start."""
     x, y, kernels, numbers = tensorflow_numbers
@@ -199,7 +197,9 @@ def test_remove_one_after_a_clip_update_within_the_declared_sensitivity():
             L.DP_SpectralDense(SPEC["classes"], name="d2"),
             L.DP_ClipGradient(10.0, mode="dynamic", name="clip"),
         ],
-        dp_parameters=DPParameters("global", SPEC["sigma"], SPEC["delta"], dynamic_clipping=cb.spec),
+        dp_parameters=DPParameters(
+            "global", SPEC["sigma"], SPEC["delta"], dynamic_clipping=cb.spec
+        ),
         dataset_metadata=metadata,
     )
     network.compile(loss=losses.DP_TauCategoricalCrossentropy(SPEC["tau"]), optimizer="sgd")
@@ -220,8 +220,6 @@ def test_remove_one_after_a_clip_update_within_the_declared_sensitivity():
         return np.concatenate([np.ravel(np.asarray(r, "float64")) for r in out])
 
     full = released(np.ones(rows))
-    ratios = [
-        np.linalg.norm(full - released(np.arange(rows) != i)) / delta for i in range(rows)
-    ]
+    ratios = [np.linalg.norm(full - released(np.arange(rows) != i)) / delta for i in range(rows)]
     assert max(ratios) <= 1.0 + ROUNDOFF_SLACK
     assert max(ratios) > 0.9
