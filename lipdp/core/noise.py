@@ -70,13 +70,13 @@ def noise_multipliers(strategy, sigma, nm_coefs) -> list[float]:
     return [float(sigma) * float(c) for c in nm_coefs]
 
 
-def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False) -> list:
+def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False, xp=None) -> list:
     """Standard deviation of the noise on each variable (aligned with ``sensitivities``).
 
-    ``on_host=False`` (the TensorFlow models, and the JAX step of a model whose clip values
-    change between steps): float32 tensors (TensorFlow's, or ``jax.numpy``'s on Keras 3's
-    JAX backend), from Python floats or tensors (in-graph: ``sensitivities`` may depend on
-    variables such as clip values).
+    ``on_host=False`` (the TensorFlow models): float32 tensors, from Python floats or
+    tensors (in-graph: ``sensitivities`` may depend on variables such as clip values);
+    with ``xp`` (an array module: ``jax.numpy`` in the JAX step of a model whose clip values
+    change between steps), float32 arrays of that module instead of TensorFlow's.
     ``on_host=True`` (the JAX step, whose standard deviation is a constant of the compiled
     step): Python floats (float64), without TensorFlow. The rule is the same; for one
     entry ``sqrt(Delta^2) = Delta`` exactly in IEEE arithmetic (a correctly rounded square
@@ -87,10 +87,8 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False) ->
         return []
     if on_host:
         cast, sqrt, add_n = float, math.sqrt, sum
-    elif _keras_backend() == "jax":
-        import jax.numpy as jnp
-
-        cast, sqrt, add_n = (lambda d: jnp.asarray(d, jnp.float32)), jnp.sqrt, sum
+    elif xp is not None:
+        cast, sqrt, add_n = (lambda d: xp.asarray(d, "float32")), xp.sqrt, sum
     else:
         import tensorflow as tf
 
@@ -100,12 +98,6 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False) ->
         total = sqrt(add_n([d * d for d in deltas]))
         return [float(sigma) * total] * len(deltas)
     return [float(sigma) * float(c) * d for d, c in zip(deltas, nm_coefs)]
-
-
-def _keras_backend() -> str:
-    from lipdp.foundation import compat
-
-    return compat.keras_backend()
 
 
 _SOURCE = {"generators": {}, "seed": None}

@@ -423,7 +423,7 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
                 self._sigma(),
                 [delta for _, delta in entries],
                 [entry.nm_coef for entry, _ in entries],
-                on_host=False,
+                xp=jnp,
             )
         if self.dp_parameters.noisify_strategy == "global":
             return stddevs[0] if stddevs else 0.0

@@ -26,9 +26,10 @@ def callback(kind, x, y, seed=5):
     return AdaptiveQuantileClipping((x, y), noise_multiplier=2.0, quantile=0.6, seed=seed)
 
 
-def model(spec, dynamic, kernels=None):
+def model(spec, dynamic, kernels=None, strategy="global"):
     """``input -> d1 -> mid (dynamic clip) -> sort -> d2 -> clip (dynamic clip)``, compiled
-    (SGD); ``kernels``: ``{name: kernel, u_name: power vector}`` to start from."""
+    (SGD); ``kernels``: ``{name: kernel, u_name: power vector}`` to start from; ``strategy``:
+    the noise strategy."""
     import keras
 
     from lipdp.clipless import layers as L
@@ -50,7 +51,7 @@ def model(spec, dynamic, kernels=None):
             L.DP_ClipGradient(spec["clip"], mode="dynamic", name="clip"),
         ],
         dp_parameters=DPParameters(
-            "global", spec["sigma"], spec["delta"], dynamic_clipping=dynamic
+            strategy, spec["sigma"], spec["delta"], dynamic_clipping=dynamic
         ),
         dataset_metadata=metadata,
     )
@@ -78,14 +79,19 @@ def updated_clip_values(spec, kind, x, y, kernels=None):
 
 
 def fitted_ledger(spec, kind, x, y, kernels=None):
-    """``(ledger terms as text, epsilon)`` after ``epochs`` epochs of ``fit`` with ``kind``."""
+    """``(ledger terms as text, epsilon, releases, kept)`` after ``epochs`` epochs of ``fit``
+    with ``kind``; ``kept``: the clip values after ``fit`` are the callback's last ones (the
+    end of ``fit`` did not write older values back)."""
     from lipdp.accounting import get_accountant
 
     cb = callback(kind, x, y)
     network = model(spec, cb.spec, kernels)
     network.fit(x, y, batch_size=spec["b"], epochs=spec["epochs"], callbacks=[cb], verbose=0)
     terms = network.privacy_ledger.terms()
-    return repr(terms), float(get_accountant("rdp").epsilon(terms, spec["delta"])), cb.releases
+    epsilon = float(get_accountant("rdp").epsilon(terms, spec["delta"]))
+    last = [np.float32(value) for _, _, _, value in cb.history[-len(cb._clip_layers) :]]
+    kept = [np.float32(layer.clip_value.numpy()) for _, layer in cb._clip_layers] == last
+    return repr(terms), epsilon, cb.releases, kept
 
 
 def main(source, target):
@@ -100,7 +106,7 @@ def main(source, target):
     out["norm_mid"], out["norm_clip"] = per_example_cotangent_norms(network, x, y)
     for kind in ("laplace", "quantiles"):
         out[f"clips_{kind}"] = np.asarray(updated_clip_values(spec, kind, x, y, kernels)[0])
-        terms, epsilon, releases = fitted_ledger(spec, kind, x, y)  # fresh kernels
+        terms, epsilon, releases, _ = fitted_ledger(spec, kind, x, y)  # fresh kernels
         out[f"terms_{kind}"], out[f"epsilon_{kind}"] = np.asarray(terms), np.float64(epsilon)
         out[f"releases_{kind}"] = np.int64(releases)
     np.savez(target, **out)

@@ -22,6 +22,7 @@ from lipdp.clipless.dynamic import per_example_cotangent_norms
 from lipdp.core import noise
 from lipdp.core.jax import keys
 from lipdp.core.noise import ROUNDOFF_SLACK
+from lipdp.foundation.variables import variable_key
 from tests.clipless.jax.tensorflow_dynamic_side import (
     SPEC,
     callback,
@@ -29,6 +30,7 @@ from tests.clipless.jax.tensorflow_dynamic_side import (
     model,
     updated_clip_values,
 )
+from tests.marks import thorough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 SEED = 20261128
@@ -104,12 +106,14 @@ def test_clip_values_after_an_update_equal_tensorflow_s_within_the_limits(tensor
     assert clips != [SPEC["mid_clip"], SPEC["clip"]]
 
 
-@pytest.mark.parametrize("kind", ["laplace", "quantiles"])
+@pytest.mark.parametrize("kind", ["laplace", pytest.param("quantiles", marks=thorough)])
 def test_ledger_and_epsilon_after_fit_equal_tensorflow_s(tensorflow_numbers, kind):
     """``fit`` for the same epochs with the callback: the same ledger rows (the noisy steps
-    and the callback's releases) and the same epsilon (1e-9) as TensorFlow's."""
+    and the callback's releases) and the same epsilon (1e-9) as TensorFlow's; the clip
+    values after ``fit`` are the callback's last ones."""
     x, y, kernels, numbers = tensorflow_numbers
-    terms, epsilon, releases = fitted_ledger(SPEC, kind, x, y)  # fresh kernels: no lineage
+    terms, epsilon, releases, kept = fitted_ledger(SPEC, kind, x, y)  # fresh: no lineage
+    assert kept
     assert terms == str(numbers[f"terms_{kind}"])
     assert releases == int(numbers[f"releases_{kind}"]) == 2 * SPEC["epochs"]
     assert epsilon == pytest.approx(float(numbers[f"epsilon_{kind}"]), rel=1e-9)
@@ -128,45 +132,48 @@ def _state(network):
     )
 
 
-def _global_stddev(network):
-    deltas = [float(d) for _, d in network.sensitivities()]
-    return SPEC["sigma"] * float(np.sqrt(sum(d * d for d in deltas)))
-
-
-def test_noise_after_a_clip_update_follows_the_new_clip_value():
+@pytest.mark.parametrize("strategy", ["global", pytest.param("per-layer", marks=thorough)])
+def test_noise_after_a_clip_update_follows_the_new_clip_value(strategy):
     """The plan is made with the first clip values; the callback then updates them between
-    steps (as between epochs of one ``fit``, with no new plan): the next step's noise is
-    ``sigma sqrt(sum Delta^2)`` of the NEW clip values, times the seeded key's normal draw
-    (recomputed here) -- and differs from the plan's."""
+    steps (as between epochs of one ``fit``, with no new plan): the next step's noise is the
+    one noise rule on the sensitivities of the NEW clip values (``sigma sqrt(sum Delta^2)``
+    or ``sigma Delta_v``) times the seeded key's normal draw (recomputed here) -- and
+    differs from the plan's."""
     import keras
 
     keras.utils.set_random_seed(1)
     x, y = _data(rows=SPEC["b"], seed=2)
     cb = callback("laplace", *_data(seed=4))
-    network = model(SPEC, cb.spec)
+    network = model(SPEC, cb.spec, strategy=strategy)
     noise.use_reproducible_noise(SEED)
     try:
         release = _stepped(network)
-        planned = float(network._step_plan.stddev)
+        planned = np.broadcast_to(network._step_plan.stddev, (2,))
         cb.set_model(network)
         cb.on_train_begin()
         cb._update(0)
         cb.on_train_end()
-        expected = _global_stddev(network)
-        assert abs(expected / planned - 1) > 0.05  # the update moved the noise
+        deltas = {variable_key(e.variable): float(d) for e, d in network.sensitivities()}
+        keys_ = [variable_key(v) for v in network.trainable_variables]
+        if strategy == "global":
+            total = float(np.sqrt(sum(d * d for d in deltas.values())))
+            expected = np.full(len(keys_), SPEC["sigma"] * total)
+        else:
+            expected = np.array([SPEC["sigma"] * deltas[k] for k in keys_])
+        assert np.all(np.abs(expected / planned - 1) > 0.05)  # the update moved the noise
         trainable, non_trainable = _state(network)
-        released, _, _, _ = release(
-            trainable, non_trainable, jnp.asarray(x), jnp.asarray(y), jnp.ones((len(x),))
-        )
+        ones = jnp.ones((len(x),))
+        released, _, _, _ = release(trainable, non_trainable, jnp.asarray(x), jnp.asarray(y), ones)
         clean, _, _ = jax.jit(network._private_gradients)(
-            trainable, non_trainable, jnp.asarray(x), jnp.asarray(y), jnp.ones((len(x),))
+            trainable, non_trainable, jnp.asarray(x), jnp.asarray(y), ones
         )
         _, draw = keys.next_key_and_draw(jnp.asarray(keys.seeded_key(SEED)))
         sizes = [int(np.prod(v.shape)) for v in network.trainable_variables]
-        z = np.asarray(jax.random.normal(draw, (sum(sizes),)))
-        drawn = np.concatenate([np.ravel(np.asarray(r - c)) for r, c in zip(released, clean)])
-        measured = float(np.dot(drawn, z) / np.dot(z, z))  # drawn = stddev z
-        assert measured == pytest.approx(expected, rel=1e-4)
+        z = np.split(np.asarray(jax.random.normal(draw, (sum(sizes),))), np.cumsum(sizes)[:-1])
+        for r, c, z_v, s in zip(released, clean, z, expected):
+            drawn = np.ravel(np.asarray(r - c))
+            measured = float(np.dot(drawn, z_v) / np.dot(z_v, z_v))  # drawn = stddev z
+            assert measured == pytest.approx(s, rel=1e-4)
     finally:
         noise.use_reproducible_noise(None)
 
