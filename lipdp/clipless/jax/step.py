@@ -300,15 +300,19 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
       and the standard deviations of the one noise rule, on the host in float64
       (``"global"``: ``sigma sqrt(sum Delta_v^2)``; ``"per-layer"``: ``sigma c_v Delta_v``),
       constants of the compiled step (every bound of the ported layers is a Python float or
-      a fixed clip value read when the step is made).
+      a fixed clip value read when the step is made). With a
+      ``DP_ClipGradient(mode="dynamic")``, :meth:`_stddev_in_step` runs the bound pass and
+      the noise rule on the step's state instead (float32, as TensorFlow's graph): the
+      noise follows the clip values a callback of :mod:`lipdp.clipless.dynamic` sets
+      between steps (between epochs of one ``fit``), without a new trace.
     * :meth:`_projected`: every trainable constrained kernel projected onto its set by the
       pure ``projected_values`` of its layer after the optimizer (the power vector of an
       orthogonal kernel in the non-trainable state), as ``project()`` after every
       TensorFlow step; a frozen layer is not projected.
 
     Refused on JAX (one line, :func:`refuse_not_ported`, :func:`loss_rows_function`):
-    layers and losses not ported yet, dynamic clipping, adaptive norms, adversarial
-    training, a declared hyper-parameter search.
+    layers and losses not ported yet, adaptive norms, adversarial training, a declared
+    hyper-parameter search.
     """
 
     _layers_key = "dp_layers"
