@@ -94,7 +94,7 @@ def test_cotangent_norms_equal_tensorflow_s_and_per_row_autodiff(tensorflow_numb
     assert np.sum(last > SPEC["clip"]) > 3  # the outer clip bites for the inner norms
 
 
-@pytest.mark.parametrize("kind", ["laplace", "quantiles"])
+@pytest.mark.parametrize("kind", ["laplace", pytest.param("quantiles", marks=thorough)])
 def test_clip_values_after_an_update_equal_tensorflow_s_within_the_limits(tensorflow_numbers, kind):
     """One update of the callback (same seed, same kernels, same data) gives TensorFlow's
     clip values, each in the callback's limits ``[floor, U]``, and moved from the start."""
@@ -117,6 +117,27 @@ def test_ledger_and_epsilon_after_fit_equal_tensorflow_s(tensorflow_numbers, kin
     assert terms == str(numbers[f"terms_{kind}"])
     assert releases == int(numbers[f"releases_{kind}"]) == 2 * SPEC["epochs"]
     assert epsilon == pytest.approx(float(numbers[f"epsilon_{kind}"]), rel=1e-9)
+
+
+def test_updates_between_epochs_of_one_fit_do_not_retrace_the_step(monkeypatch):
+    """``fit`` for 3 epochs with updates after each: one trace of the step (the clip values
+    and the noise come from the state), the clip values moved."""
+    from lipdp.clipless.jax.step import CliplessJaxTrainer
+
+    x, y = _data(seed=7)
+    cb = callback("laplace", x, y)
+    network = model(SPEC, cb.spec)
+    traces = []
+    step = CliplessJaxTrainer.train_step
+
+    def counted(self, state, data):
+        traces.append(1)  # Python runs only while jax.jit traces
+        return step(self, state, data)
+
+    monkeypatch.setattr(CliplessJaxTrainer, "train_step", counted)
+    network.fit(x, y, batch_size=SPEC["b"], epochs=3, callbacks=[cb], verbose=0)
+    assert len(traces) == 1
+    assert len(cb.history) == 6 and any(old != new for _, _, old, new in cb.history)
 
 
 def _stepped(network):
