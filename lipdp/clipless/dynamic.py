@@ -92,7 +92,7 @@ from lipdp.core import distribute
 from lipdp.core.callbacks import epochs_trained
 from lipdp.core.ledger import release_row
 from lipdp.core.parameters import DynamicClippingSpec
-from lipdp.foundation import validation
+from lipdp.foundation import compat, validation
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +198,12 @@ class CotangentNorms:
     (differentiating the plain sum would let them clip ``g_i`` at ``C / s``). Rows are
     per-example because the loss is a sum of per-example terms and every layer acts per
     example (rule S2).
+
+    Per backend (the tap): TensorFlow watches the outputs on a ``GradientTape`` in a
+    ``tf.function``; Keras 3's JAX backend adds zero probes at the outputs and takes
+    ``jax.grad`` w.r.t. them in a ``jax.jit`` function
+    (:class:`lipdp.clipless.jax.dynamic.JaxCotangentNorms`, numpy arrays out). The release
+    mechanisms and the clip-value updates are host code, the same on every backend.
     """
 
     def __init__(self, model, indices):
@@ -236,6 +242,12 @@ class CotangentNorms:
         ]
 
     def __call__(self, x, y):
+        if compat.keras_backend() == "jax":  # the tap (the rest is the same measurement)
+            if self._function is None:
+                from lipdp.clipless.jax.dynamic import JaxCotangentNorms
+
+                self._function = JaxCotangentNorms(self.model, self.indices)
+            return self._function(x, y)
         x = tf.nest.map_structure(tf.convert_to_tensor, x)
         y = tf.convert_to_tensor(y)
         if self._function is None:
@@ -255,7 +267,7 @@ def per_example_cotangent_norms(model, x, y, indices=None):
     """
     if indices is None:
         indices = [i for i, _ in find_dynamic_clip_layers(model)]
-    return [n.numpy() for n in CotangentNorms(model, indices)(x, y)]
+    return [np.asarray(n) for n in CotangentNorms(model, indices)(x, y)]
 
 
 # ------------------------------------------------------------------------- mechanisms
@@ -391,7 +403,7 @@ class _DynamicClipping(keras.callbacks.Callback):
                 "another dynamic clipping callback was interrupted, call its on_train_end() "
                 "first.)"
             )
-        if distribute.worker_count(model.distribute_strategy) > 1:
+        if distribute.worker_count(getattr(model, "distribute_strategy", None)) > 1:
             # Every worker runs the callbacks: each would release its own noisy clip value
             # (uncounted releases, and copies of the weights that disagree).
             raise ValueError(
@@ -587,7 +599,7 @@ class LaplaceAdaptiveLossGradientClipping(_DynamicClipping):
         counts = [np.zeros(self.num_bins, dtype=np.int64) for _ in limits]
         for x, y in self._batches():
             for k, norms in enumerate(self._norms(x, y)):
-                norms = np.clip(norms.numpy().astype(np.float64), 0.0, limits[k][1])
+                norms = np.clip(np.asarray(norms).astype(np.float64), 0.0, limits[k][1])
                 sums[k] += float(norms.sum())
                 counts[k] += histogram_counts(norms, edges[k])
         nb_samples = int(self.model.dataset_metadata.nb_samples_train)
@@ -695,12 +707,16 @@ class AdaptiveQuantileClipping(_DynamicClipping):
         rate = self._sampling_rate()
         count, size = 0, 0
         for x, y in self._batches():
-            keep = poisson_mask(tf.shape(tf.nest.flatten(x)[0])[0].numpy(), rate, self.rng)
+            keep = poisson_mask(int(compat.flatten(x)[0].shape[0]), rate, self.rng)
             if not keep.any():
                 continue
-            x_kept = tf.nest.map_structure(lambda t, m=keep: tf.boolean_mask(t, m), x)
-            y_kept = tf.boolean_mask(y, keep)
-            norms = self._norms(x_kept, y_kept)[position].numpy()
+            if compat.keras_backend() == "jax":  # numpy rows for the JAX tap
+                x_kept = keras.tree.map_structure(lambda t, m=keep: np.asarray(t)[m], x)
+                y_kept = np.asarray(y)[keep]
+            else:
+                x_kept = tf.nest.map_structure(lambda t, m=keep: tf.boolean_mask(t, m), x)
+                y_kept = tf.boolean_mask(y, keep)
+            norms = np.asarray(self._norms(x_kept, y_kept)[position])
             count += int(np.sum(norms <= clip_value))
             size += int(keep.sum())
         return count, size

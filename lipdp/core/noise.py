@@ -76,7 +76,8 @@ def noise_stddevs(strategy, sigma, sensitivities, nm_coefs, *, on_host=False) ->
     ``on_host=False`` (the TensorFlow models): float32 tensors, from Python floats or
     tensors (in-graph: ``sensitivities`` may depend on variables such as clip values); on
     Keras 3's JAX backend (the JAX step whose sensitivities depend on its state: norm-
-    adaptive kernels), float32 arrays of the trace by ``keras.ops``, the same operations.
+    adaptive kernels, dynamic clip values), float32 arrays of the trace by ``keras.ops``,
+    the same operations.
     ``on_host=True`` (the JAX step, whose standard deviation is a constant of the compiled
     step): Python floats (float64), without TensorFlow. The rule is the same; for one
     entry ``sqrt(Delta^2) = Delta`` exactly in IEEE arithmetic (a correctly rounded square

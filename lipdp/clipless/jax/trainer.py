@@ -76,23 +76,16 @@ _WAY_OUT = "train on KERAS_BACKEND=tensorflow"
 def refuse_not_ported(layers, dp_parameters) -> None:
     """Refuse, before any step, what the clipless JAX step does not cover yet (one line
     naming the way out): a layer (at any depth) whose class is not in
-    :data:`JAX_READY_LAYERS`, a ``DP_ClipGradient(mode="dynamic")``, a declared dynamic
-    clipping or hyper-parameter search. (Kernels with ``adaptive_norm=True`` run: their
-    float64 certificate is computed on the host in the step,
-    :func:`lipdp.clipless.projections.certified_operator_norm`.)"""
+    :data:`JAX_READY_LAYERS`, a declared hyper-parameter search. (Kernels with
+    ``adaptive_norm=True`` run: their float64 certificate is computed on the host in the
+    step, :func:`lipdp.clipless.projections.certified_operator_norm`; dynamic clip values
+    are read from the step's state, :mod:`lipdp.clipless.jax.dynamic`.)"""
     for path, layer in nested_layers(list(layers)):
         if type(layer) not in JAX_READY_LAYERS:
             raise TypeError(
                 f"Layer {path!r} ({type(layer).__name__}) does not run under jax.jit yet: "
                 f"{_WAY_OUT}."
             )
-        if getattr(layer, "mode", "fixed") == "dynamic":
-            raise ValueError(
-                f"Layer {path!r} is a DP_ClipGradient(mode='dynamic'), not ported to JAX "
-                f"yet: use mode='fixed' or {_WAY_OUT}."
-            )
-    if dp_parameters.dynamic_clipping is not None:
-        raise ValueError(f"dynamic_clipping is not ported to JAX yet: {_WAY_OUT}.")
     if dp_parameters.hyperparameter_search is not None:
         raise ValueError(
             f"A declared hyper-parameter search is recorded on TensorFlow only: {_WAY_OUT}, "
@@ -135,20 +128,22 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
       and the standard deviations of the one noise rule, on the host in float64
       (``"global"``: ``sigma sqrt(sum Delta_v^2)``; ``"per-layer"``: ``sigma c_v Delta_v``),
       constants of the compiled step (every bound of the ported layers is a Python float or
-      a fixed clip value read when the step is made) -- except with norm-adaptive kernels
-      (``adaptive_norm=True``), whose bounds ``min(C, certified ||M||)`` are those of the
-      weights the step's gradient is taken at: :meth:`_stddev_in_step` runs the same bound
-      pass in the step, on the state's weights (``StatelessScope``), and the noise rule in
-      float32 as the TensorFlow graph does; the certificate is the float64 one, computed
-      on the host by ``jax.pure_callback`` (:mod:`lipdp.clipless.projections`). The
-      multiplier ``sigma``, hence the ledger, does not depend on the weights.
+      a fixed clip value read when the step is made) -- except when a bound reads the
+      step's state: norm-adaptive kernels (``adaptive_norm=True``, bounds ``min(C,
+      certified ||M||)`` of the weights the gradient is taken at; the certificate is the
+      float64 one, computed on the host by ``jax.pure_callback``,
+      :mod:`lipdp.clipless.projections`) and dynamic clip values (set by a callback of
+      :mod:`lipdp.clipless.dynamic` between steps, without a new trace):
+      :meth:`_stddev_in_step` then runs the same bound pass in the step, on the state
+      (``StatelessScope``), and the noise rule in float32 as the TensorFlow graph does.
+      The multiplier ``sigma``, hence the ledger, does not depend on the state.
     * :meth:`_projected`: every trainable constrained kernel projected onto its set by the
       pure ``projected_values`` of its layer after the optimizer (the power vector of an
       orthogonal kernel in the non-trainable state), as ``project()`` after every
       TensorFlow step; a frozen layer is not projected.
 
     Refused on JAX (one line, :func:`refuse_not_ported`, :func:`loss_rows_function`):
-    layers and losses not ported yet, dynamic clipping, adversarial training, a declared
+    layers and losses not ported yet, adversarial training, a declared
     hyper-parameter search.
     """
 
@@ -196,17 +191,21 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
     def call(self, inputs, training=None):
         return self.forward(inputs, training=training)
 
-    def forward(self, inputs, training=None):
+    def forward(self, inputs, training=None, observe=None):
         """The layers in order; a layer that clips cotangents gets the loss normaliser
-        (:meth:`lipdp.core.private_model.PrivateModel.forward`)."""
+        (:meth:`lipdp.core.private_model.PrivateModel.forward`). ``observe(index, output)``,
+        if given, is called after every layer (``index`` in :meth:`layers_forward_order`)
+        and returns the array to continue with (how :mod:`lipdp.clipless.dynamic` adds its
+        probes)."""
         metadata = self.dataset_metadata
         normalizer = {"loss_normalizer": None if metadata is None else metadata.loss_normalizer}
         h = inputs
-        for layer in self.dp_layers:
-            if isinstance(layer, keras.layers.InputLayer):
-                continue  # the identity (Keras 3's InputLayer cannot be called)
-            kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
-            h = layer(h, training=training, **kwargs)
+        for index, layer in enumerate(self.dp_layers):
+            if not isinstance(layer, keras.layers.InputLayer):  # Keras 3's cannot be called
+                kwargs = normalizer if getattr(layer, "uses_loss_normalizer", False) else {}
+                h = layer(h, training=training, **kwargs)
+            if observe is not None:
+                h = observe(index, h)
         return h
 
     def layers_forward_order(self):
@@ -234,29 +233,29 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
         by_key = self.noise_stddevs()
         return [by_key[variable_key(v)] for v in self.trainable_variables]
 
-    def _weight_dependent_bounds(self) -> bool:
-        """Whether a kernel (at any depth) reads its bound from its current weights
-        (``adaptive_norm=True``): the noise is then computed in the step."""
+    def _state_dependent_bounds(self) -> bool:
+        """Whether a bound reads the step's state: a kernel (at any depth) with
+        ``adaptive_norm=True`` (its current weights) or a ``DP_ClipGradient(mode="dynamic")``
+        (its clip value, which a callback changes between steps)."""
         return any(
-            getattr(layer, "adaptive_norm", False)
+            getattr(layer, "adaptive_norm", False) or getattr(layer, "mode", "fixed") == "dynamic"
             for _, layer in nested_layers(list(self._all_layers()))
         )
 
     def _step_stddev(self):
-        """``None`` (noise computed in the step, :meth:`_stddev_in_step`) for a noisy model
-        with norm-adaptive kernels; else the host's constants."""
-        if self._weight_dependent_bounds() and not self._noiseless:
+        """``None`` (the noise computed in the step, :meth:`_stddev_in_step`) for a noisy
+        model whose bounds read the state; else the host's constants."""
+        if self._state_dependent_bounds() and not self._noiseless:
             return None
         return super()._step_stddev()
 
     def _stddev_in_step(self, trainable, non_trainable):
-        """The one bound pass and the one noise rule on the state's weights (float32, the
+        """The one bound pass and the one noise rule on the step's state (float32, the
         TensorFlow graph's operations): one scalar (``"global"``) or one per trainable
-        variable (``"per-layer"``)."""
-        mapping = list(zip(self.trainable_variables, trainable)) + list(
-            zip(self.non_trainable_variables, non_trainable)
-        )
-        with keras.StatelessScope(state_mapping=mapping):
+        variable (``"per-layer"``); the plan's constant when no bound reads the state."""
+        if self._step_plan.stddev is not None:
+            return self._step_plan.stddev
+        with keras.StatelessScope(state_mapping=self._state_mapping(trainable, non_trainable)):
             entries = self.sensitivities()
             stddevs = noise.noise_stddevs(
                 self.dp_parameters.noisify_strategy,
@@ -266,20 +265,19 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
                 on_host=False,
             )
         if self.dp_parameters.noisify_strategy == "global":
-            return stddevs[0]
-        by_key = {
-            variable_key(v): s
-            for group, s in zip(self._noised_variables(entries), stddevs)
-            for v in group
-        }
+            return stddevs[0] if stddevs else 0.0
+        groups = self._noised_variables(entries)
+        by_key = {variable_key(v): s for group, s in zip(groups, stddevs) for v in group}
         return [by_key[variable_key(v)] for v in self.trainable_variables]
 
-    def _stateless_forward(self, trainable, non_trainable, x):
-        mapping = list(zip(self.trainable_variables, trainable)) + list(
+    def _stateless_forward(self, trainable, non_trainable, x, observe=None):
+        with keras.StatelessScope(state_mapping=self._state_mapping(trainable, non_trainable)):
+            return self.forward(x, training=True, observe=observe)
+
+    def _state_mapping(self, trainable, non_trainable):
+        return list(zip(self.trainable_variables, trainable)) + list(
             zip(self.non_trainable_variables, non_trainable)
         )
-        with keras.StatelessScope(state_mapping=mapping):
-            return self.forward(x, training=True)
 
     def _private_gradients(self, trainable, non_trainable, x, y, weights):
         """The gradient of ``sum_i w_i loss_i / n`` (class docstring), the per-row losses

@@ -138,11 +138,13 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         raise NotImplementedError
 
     def _stddev_in_step(self, trainable, non_trainable):
-        """The standard deviation(s) of the step's noise computed in the compiled step from
-        the state it is given -- the weights the gradient is taken at --, when
-        :meth:`_step_stddev` returned ``None``: one float32 scalar (``"global"``) or a list
-        aligned with ``trainable_variables`` (family hook)."""
-        raise NotImplementedError
+        """The standard deviation(s) the compiled step draws with, on the step's state --
+        the weights the gradient is taken at, the clip values the backward pass clips with
+        (family hook): :attr:`StepPlan.stddev`, a constant of the step, by default; a
+        family whose sensitivities read its state (norm-adaptive kernels, dynamic clip
+        values) computes them here -- one float32 scalar (``"global"``) or one per
+        trainable variable -- and its :meth:`_step_stddev` returns ``None``."""
+        return self._step_plan.stddev
 
     # ---------------------------------------------------------------- privacy
     @staticmethod
@@ -249,9 +251,7 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         averaged, losses, y_pred = self._private_gradients(trainable, non_trainable, x, y, weights)
         next_key, draw = keys.next_key_and_draw(self._own(non_trainable, self.noise_key))
         if plan.noisy:
-            stddev = plan.stddev
-            if stddev is None:
-                stddev = self._stddev_in_step(trainable, non_trainable)
+            stddev = self._stddev_in_step(trainable, non_trainable)
             averaged = [a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, stddev))]
         return averaged, next_key, losses, y_pred
 

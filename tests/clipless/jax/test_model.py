@@ -287,15 +287,11 @@ def _one_layer_model(layer, **kwargs):
             r"_MyDense\) does not run under jax.jit yet: train on KERAS_BACKEND=tensorflow",
         ),
         (
-            lambda: _one_layer_model(L.DP_ClipGradient(1.0, mode="dynamic")),
-            "mode='dynamic'.* use mode='fixed' or train on KERAS_BACKEND=tensorflow",
-        ),
-        (
             lambda: _one_layer_model(L.DP_SpectralDense(CLASSES), adversarial={"eps": 0.1}),
             "Adversarial training is not ported to JAX yet: train on KERAS_BACKEND=tensorflow",
         ),
     ],
-    ids=["layer", "dynamic", "adversarial"],
+    ids=["layer", "adversarial"],
 )
 def test_what_is_not_ported_is_refused_in_one_line(make, match):
     with pytest.raises((TypeError, ValueError), match=match) as caught:
