@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from lipdp.clipless.jax.step import loss_rows_function
+from lipdp.clipless.jax.trainer import loss_rows_function
 from lipdp.core.jax.trainer import finite_rows, zeroed
 
 

@@ -122,7 +122,7 @@ def test_ledger_and_epsilon_after_fit_equal_tensorflow_s(tensorflow_numbers, kin
 def test_updates_between_epochs_of_one_fit_do_not_retrace_the_step(monkeypatch):
     """``fit`` for 3 epochs with updates after each: one trace of the step (the clip values
     and the noise come from the state), the clip values moved."""
-    from lipdp.clipless.jax.step import CliplessJaxTrainer
+    from lipdp.clipless.jax.trainer import CliplessJaxTrainer
 
     x, y = _data(seed=7)
     cb = callback("laplace", x, y)
