@@ -461,6 +461,18 @@ def copied_ledgers(layers, own: PrivacyLedger | None = None) -> dict:
     that is not a copy (equal trained values by chance: not a coincidence of random
     weights) would only over-state epsilon. Values a source layer held before its ledger
     released anything (:data:`_UNTRAINED_VALUES`) are not copies of anything private."""
+    released = {}  # storage id -> whether that ledger has released something (read once)
+    sources = []
+    for layer, ledger in list(_TRAINED_BY.items()):
+        if own is not None and ledger.storage is own.storage:
+            continue
+        key = id(ledger.storage)
+        if key not in released:
+            released[key] = bool(ledger.entries())
+        if released[key]:
+            sources.append((layer, ledger))
+    if not sources:  # no other private model has released anything: nothing to hash
+        return {}
     wanted = {}
     for path, layer in nested_layers(layers):
         for variable in _own_weights(layer):
@@ -471,9 +483,7 @@ def copied_ledgers(layers, own: PrivacyLedger | None = None) -> dict:
         return {}
     shapes = {shape for shape, _ in wanted}
     found = {}
-    for layer, ledger in list(_TRAINED_BY.items()):
-        if own is not None and ledger.storage is own.storage or not ledger.entries():
-            continue
+    for layer, ledger in sources:
         untrained = _UNTRAINED_VALUES.get(layer, set())
         for variable in _own_weights(layer, trainable=True):
             if tuple(variable.shape) not in shapes:
