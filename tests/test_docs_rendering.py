@@ -7,7 +7,13 @@ import importlib.util
 import pkgutil
 from pathlib import Path
 
+import pytest
+
 import lipdp
+
+pytest.importorskip(
+    "griffe", reason="the documentation tools (mkdocstrings' griffe) are on the main stack"
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

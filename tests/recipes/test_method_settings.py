@@ -39,6 +39,7 @@ EVERY_METHOD = {
     "--data-dir",
     "--epsilon",
     "--delta",
+    "--allow-large-delta",
     "--batch-size",
     "--noise-multiplier",
     "--epochs",
