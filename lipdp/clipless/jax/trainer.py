@@ -253,8 +253,8 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
         """The one bound pass and the one noise rule on the step's state (float32, the
         TensorFlow graph's operations): one scalar (``"global"``) or one per trainable
         variable (``"per-layer"``); the plan's constant when no bound reads the state."""
-        if self._step_plan.stddev is not None:
-            return self._step_plan.stddev
+        if self._step_plan.stddev is not None:  # no bound reads the state
+            return super()._stddev_in_step(trainable, non_trainable)
         with keras.StatelessScope(state_mapping=self._state_mapping(trainable, non_trainable)):
             entries = self.sensitivities()
             stddevs = noise.noise_stddevs(

@@ -10,9 +10,6 @@ declared for the weights it took its gradient at)."""
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +30,9 @@ from lipdp.foundation.variables import variable_key
 from tests import cases as C
 from tests.backends import harness as h
 from tests.clipless.jax import tensorflow_adaptive_side as side
+from tests.clipless.jax.tensorflow_run import run_tensorflow_side, step_state
 from tests.marks import representatives, thorough
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 SEED = 20261128
 TINY = float(np.finfo(np.float32).tiny)
 
@@ -171,23 +168,8 @@ def _tensorflow(tmp_path, strategy, kernels, sigma=1.3):
     source, target = tmp_path / f"in_{strategy}.npz", tmp_path / f"out_{strategy}.npz"
     spec = json.dumps({"strategy": strategy, "sigma": sigma})
     np.savez(source, spec=spec, **kernels)
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env["PYTHONPATH"] = ROOT
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.clipless.jax.tensorflow_adaptive_side", str(source),
-         str(target)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_tensorflow_side("tensorflow_adaptive_side", str(source), str(target))
     return dict(np.load(target))
-
-
-def _state(model):
-    model.make_train_function()
-    return (
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-    )
 
 
 def _data(rows=side.BATCH, seed=0):
@@ -224,7 +206,7 @@ def test_certificates_sensitivities_and_noise_equal_tensorflow(tmp_path, strateg
     x, y = _data()
     noise.use_reproducible_noise(SEED)
     try:
-        trainable, non_trainable = _state(model)
+        trainable, non_trainable = step_state(model)
         assert model._step_plan.stddev is None  # computed in the step
         in_step = _in_step(model)
         released, _, _, _ = jax.jit(model._released_gradients)(
@@ -261,7 +243,7 @@ def test_certificates_sensitivities_and_noise_equal_tensorflow(tmp_path, strateg
 
 def _in_step(model):
     """The step's standard deviations (one per variable) on the model's current state."""
-    trainable, non_trainable = _state(model)
+    trainable, non_trainable = step_state(model)
     stddevs = jax.jit(model._stddev_in_step)(trainable, non_trainable)
     return stddevs if isinstance(stddevs, list) else [stddevs] * len(trainable)
 
@@ -284,7 +266,7 @@ def test_remove_one_after_noisy_steps_within_the_sensitivity_of_the_step_s_weigh
     rng = np.random.default_rng(4)
     x = (50.0 * np.sign(rng.normal(size=(len(x), 1))) * top).astype("float32")
     y = np.eye(side.CLASSES, dtype="float32")[np.argmin(np.asarray(model(x)), axis=1)]
-    trainable, non_trainable = _state(model)
+    trainable, non_trainable = step_state(model)
     entries = model.sensitivities()  # of the weights the step reads
     assert float(model.get_layer("d1").operator_norm_bound()) < 2.0
     released = jax.jit(model._released_gradients)  # the same state: the same key, noise

@@ -12,9 +12,6 @@ in one line, never loaded as an empty one."""
 
 import io
 import json
-import os
-import subprocess
-import sys
 import zipfile
 
 import h5py
@@ -27,9 +24,8 @@ from lipdp.core.jax import ledger as words_ledger
 from lipdp.core.jax.trainer import JaxPrivateTrainer
 from lipdp.core.ledger import CAPACITY, WIDTH
 from tests.clipless.jax.file_side import SPEC, build, build_clipped, data, state
+from tests.clipless.jax.tensorflow_run import run_tensorflow_side
 from tests.marks import thorough
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
 @pytest.fixture(scope="module", params=["per-layer", pytest.param("global", marks=thorough)])
@@ -46,13 +42,7 @@ def exchanged(request, tmp_path_factory):
     build_clipped().save(str(directory / "jax_clipped.keras"))
     spec = {"strategies": [strategy], "clipped": True}
     (directory / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env["PYTHONPATH"] = ROOT
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.clipless.jax.file_side", str(directory)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_tensorflow_side("file_side", str(directory))
     return strategy, directory, model, dict(np.load(directory / "tf.npz"))
 
 

@@ -9,9 +9,6 @@ normal draw of the step's key recomputed here, and the remove-one check after a 
 update."""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +27,9 @@ from tests.clipless.jax.tensorflow_dynamic_side import (
     model,
     updated_clip_values,
 )
+from tests.clipless.jax.tensorflow_run import run_tensorflow_side
 from tests.marks import thorough
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 SEED = 20261128
 
 
@@ -62,14 +59,7 @@ def tensorflow_numbers(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dynamic")
     source, target = folder / "in.npz", folder / "out.npz"
     np.savez(source, x=x, y=y, spec=json.dumps(SPEC), **kernels)
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env["PYTHONPATH"] = ROOT
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.clipless.jax.tensorflow_dynamic_side", str(source),
-         str(target)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_tensorflow_side("tensorflow_dynamic_side", str(source), str(target))
     return x, y, kernels, dict(np.load(target))
 
 

@@ -15,9 +15,6 @@ Compared with independent computations:
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +28,9 @@ from lipdp.clipless.bounds import bound_pass
 from lipdp.clipless.layers.bias import l2_ball_projection
 from lipdp.clipless.layers.convolution import patch_overlap
 from tests.clipless.jax import layer_cases
+from tests.clipless.jax.tensorflow_run import run_tensorflow_side
 from tests.marks import thorough
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 ROWS = 3
 
 
@@ -41,13 +38,7 @@ def _tensorflow(tmp_path, spec, **arrays):
     """TensorFlow's numbers (:mod:`tests.clipless.jax.layers_tensorflow_side`, subprocess)."""
     source, target = tmp_path / "in.npz", tmp_path / "out.npz"
     np.savez(source, spec=json.dumps(spec), **arrays)
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env["PYTHONPATH"] = ROOT
-    done = subprocess.run(
-        [sys.executable, "-m", f"{__package__}.layers_tensorflow_side", str(source), str(target)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_tensorflow_side("layers_tensorflow_side", str(source), str(target), timeout=600)
     return dict(np.load(target))
 
 

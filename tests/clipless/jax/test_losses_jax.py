@@ -6,10 +6,6 @@ Independent computations: TensorFlow's losses in a subprocess
 ``jax.vmap(jax.grad)`` of that row's loss alone, whose norm must not exceed ``get_L()`` on
 random and adversarial rows (logits of +-1e30, ties, wrong / NaN / infinite labels)."""
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import keras
@@ -21,9 +17,9 @@ from lipdp.clipless import losses
 from lipdp.clipless.model import DP_Sequential, DPParameters
 from lipdp.foundation.metadata import DatasetMetadata
 from tests.clipless.jax.loss_cases import LOSS_CASES, inputs
+from tests.clipless.jax.tensorflow_run import run_tensorflow_side
 from tests.marks import representatives
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 #: float32 round-off of a gradient norm (the bound is a supremum, reached by some rows).
 ROUNDOFF = 1e-6
 
@@ -31,13 +27,7 @@ ROUNDOFF = 1e-6
 @pytest.fixture(scope="module")
 def tensorflow_numbers(tmp_path_factory):
     target = tmp_path_factory.mktemp("tf") / "losses.npz"
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env["PYTHONPATH"] = ROOT
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.clipless.jax.tensorflow_losses", str(target)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_tensorflow_side("tensorflow_losses", str(target))
     return dict(np.load(target))
 
 

@@ -10,9 +10,6 @@ remove-one check (one row removed from a Poisson batch, identical noise: the rel
 difference over the declared sensitivity)."""
 
 import json
-import os
-import subprocess
-import sys
 import weakref
 
 import jax
@@ -32,9 +29,9 @@ from lipdp.core.jax import keys
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.foundation.variables import variable_key
+from tests.clipless.jax.tensorflow_run import run_tensorflow_side, step_state
 from tests.marks import thorough
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 FEATURES, CLASSES = 6, 4
 SPEC = {"n": 64, "b": 16, "bound": 2.0, "hidden": 8, "tau": 2.0, "sigma": 1.3, "delta": 1e-5,
         "radius": 2.0, "coef": 1.5, "steps": 3}  # fmt: skip
@@ -83,15 +80,6 @@ def _data(rows=SPEC["b"], seed=0):
     return x, y
 
 
-def _state(model):
-    """The step's plan and key made (as before a step), and the state's values."""
-    model.make_train_function()
-    return (
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-    )
-
-
 def _released(model, trainable, non_trainable, x, y, weights=None):
     """The real step's released gradient (noise included) on a state: the function
     ``train_step`` calls (:meth:`JaxPrivateTrainer._released_gradients`)."""
@@ -115,14 +103,7 @@ def _tensorflow(tmp_path, model, x, y, strategy, clip):
         kernels[f"u_{name}"] = np.asarray(model.get_layer(name).power_vector.value)
     spec = json.dumps({**SPEC, "strategy": strategy, "clip": clip})
     np.savez(source, x=x, y=y, spec=spec, **kernels)
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env["PYTHONPATH"] = ROOT
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.clipless.jax.tensorflow_model_side", str(source),
-         str(target)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_tensorflow_side("tensorflow_model_side", str(source), str(target))
     return dict(np.load(target))
 
 
@@ -142,7 +123,7 @@ def test_one_step_s_noise_and_epsilon_equal_tensorflow(tmp_path, strategy):
     tf_numbers = _tensorflow(tmp_path, model, x, y, strategy, clip)
     noise.use_reproducible_noise(SEED)
     try:
-        trainable, non_trainable = _state(model)
+        trainable, non_trainable = step_state(model)
         clean, _, _ = jax.jit(model._private_gradients)(
             trainable, non_trainable, jnp.asarray(x), jnp.asarray(y), jnp.ones((len(x),))
         )
@@ -200,7 +181,7 @@ def test_remove_one_within_the_declared_sensitivity(strategy, one_layer):
     model = _model(strategy, clip=0.5, sampling="poisson", one_layer=one_layer, n=160)
     x, y = _data(seed=3)
     x *= 50.0  # every row clipped to the input bound: the bound X0 C / n is reached
-    trainable, non_trainable = _state(model)
+    trainable, non_trainable = step_state(model)
     entries = model.sensitivities()
     deltas = {e.key: float(d) for e, d in entries}
     full = _released(model, trainable, non_trainable, x, y)

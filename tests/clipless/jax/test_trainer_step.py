@@ -12,9 +12,6 @@ one-hot row weights, and the exact singular values of the projected kernels (num
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +26,9 @@ from lipdp.core import noise
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.foundation.metadata import DatasetMetadata
 from lipdp.foundation.variables import variable_key
+from tests.clipless.jax.tensorflow_run import run_tensorflow_side, step_state
 from tests.marks import thorough
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 SPEC = {"n": 640, "b": 16, "bound": 2.0, "hidden": 8, "tau": 2.0, "sigma": 1.5}
 FEATURES, CLASSES = 6, 4
 KERNELS = ("d1", "d2")
@@ -70,15 +67,6 @@ def _data(rows=SPEC["b"], seed=0):
     return x, y
 
 
-def _state(model):
-    """The step's plan and key made (as before a real step), and the state's values."""
-    model.make_train_function()
-    return (
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-    )
-
-
 def _clean(model, state, x, y, weights=None):
     """The trainer's ``(gradient of sum_i w_i loss_i / b, per-row losses, predictions)``."""
     weights = jnp.ones((len(x),), "float32") if weights is None else weights
@@ -106,14 +94,7 @@ def _tensorflow_numbers(tmp_path, model, x, y, strategy, clip):
     np.savez(
         source, x=x, y=y, spec=json.dumps({**SPEC, "strategy": strategy, "clip": clip}), **kernels
     )
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env["PYTHONPATH"] = ROOT
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.clipless.jax.tensorflow_step_side", str(source),
-         str(target)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_tensorflow_side("tensorflow_step_side", str(source), str(target))
     return dict(np.load(target))
 
 
@@ -128,7 +109,7 @@ def test_the_numbers_of_tensorflow(tmp_path, strategy, clip):
     ``custom_gradient``)."""
     model, (x, y) = _model(clip=clip, strategy=strategy), _data()
     tf_side = _tensorflow_numbers(tmp_path, model, x, y, strategy, clip)
-    state = _state(model)
+    state = step_state(model)
     deltas, stddevs = _deltas(model), model.noise_stddevs()
     planned = model._step_plan.stddev  # what the compiled step adds
     planned = planned if isinstance(planned, tuple) else (planned,) * len(KERNELS)
@@ -170,7 +151,7 @@ def _row_gradient_norms(model, state, x, y):
 def test_every_row_within_its_bound_and_remove_one(clip):
     model = _model(seed=3, clip=clip, sigma=0.0)
     x, y = _data(seed=3)
-    state = _state(model)
+    state = step_state(model)
     norms = _row_gradient_norms(model, state, x, y)
     # B_v = X0 * L for both kernels, X0 * min(L, C) behind a clip layer
     bound = SPEC["bound"] * (math.sqrt(2.0) if clip is None else min(math.sqrt(2.0), clip))
@@ -195,7 +176,7 @@ def test_noise_of_the_step_and_projection():
     x, y = _data(seed=5)
     noise.use_reproducible_noise(7)
     try:
-        state = _state(model)
+        state = step_state(model)
         clean, _, _ = _clean(model, state, x, y)
         released = _released(model, state, x, y)
         drawn = np.concatenate([np.ravel(r - np.asarray(c)) for r, c in zip(released, clean)])
