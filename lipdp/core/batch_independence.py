@@ -339,12 +339,18 @@ def probe_sizes(batch_size) -> tuple[int, int, int, int]:
 
 
 def _model_batch_size(model):
-    """The rows of the model's training batches (its metadata's), or ``None``."""
+    """The most rows one pass of the model's training step computes: the rows of its
+    training batches (its metadata's), or its ``physical_batch_size`` when smaller (the
+    step then runs the network on micro-batches of at most that many rows, so no coupling
+    can involve more: probed at that size, in the memory of one micro-batch); ``None``
+    when unknown."""
     metadata = getattr(model, "dataset_metadata", None)
     try:
-        return int(metadata.rows_per_batch)
+        rows = int(metadata.rows_per_batch)
     except (AttributeError, TypeError, ValueError):
         return None
+    physical = getattr(model, "physical_batch_size", None)
+    return rows if physical is None else min(rows, int(physical))
 
 
 def _token_range(model, wide=False) -> int:

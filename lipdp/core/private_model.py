@@ -546,10 +546,16 @@ class PrivateModel(PrivateModelBase, keras.Model):
         if size is None:
             return self._private_gradients(x, y, kept)
 
+        def rows_of(t, start):
+            # A slice at a tensor offset loses the static shape of every axis; the ghost
+            # rules choose their method by it (e.g. a convolution's positions): restored.
+            part = t[start : start + size]
+            part.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+            return part
+
         def chunk(index):
             start = index * size
-            rows = (x, y, kept)
-            part = tf.nest.map_structure(lambda t: t[start : start + size], rows)
+            part = tf.nest.map_structure(lambda t: rows_of(t, start), (x, y, kept))
             return self._private_gradients(*part)
 
         first = chunk(0)

@@ -109,7 +109,12 @@ def rows(t, width):
     if compat.keras_backend() == compat.SUPPORTED_BACKEND:
         import tensorflow as tf
 
-        return tf.reshape(t, [tf.shape(t)[0], -1, width])
+        # The positions as a number when the static shape knows them (a batch of unknown
+        # size, e.g. Poisson, included): the rules choose their method by it (a
+        # convolution's ghost norms materialise A^T G rather than form T x T Grams).
+        inner = t.shape[1:-1]
+        positions = inner.num_elements() if inner.is_fully_defined() else -1
+        return tf.reshape(t, [tf.shape(t)[0], positions, width])
     return compat.array_ops().reshape(t, (t.shape[0], -1, width))
 
 
