@@ -276,10 +276,14 @@ def main(argv=None):
     stages = {b: [] for b in args.batch_sizes}
     for r in range(args.rounds):
         for b in args.batch_sizes:
-            order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
+            order = (
+                args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
+            )
             for variant in order:
                 steps[b][variant].append(step_times(variant, b, args.warmup, args.steps))
-                print(f"round {r} b={b} {variant}: {steps[b][variant][-1] * 1e3:.1f} ms", flush=True)
+                print(
+                    f"round {r} b={b} {variant}: {steps[b][variant][-1] * 1e3:.1f} ms", flush=True
+                )
             if not args.skip_stages:
                 stages[b].append(stage_times(b, args.warmup, args.steps))
     table = {}
