@@ -56,3 +56,31 @@ def test_unknown_spatial_size_falls_back():
 
     trace.get_concrete_function()
     assert seen == [None]
+
+
+@pytest.mark.parametrize("padding", ["same", "valid"])
+@pytest.mark.parametrize(
+    ("kernel", "strides", "dilation"),
+    [((3, 3), (1, 1), (1, 1)), ((2, 3), (2, 1), (1, 1)), ((3, 2), (1, 1), (2, 1))],
+)
+def test_single_channel_kernel_rows_are_the_rows_gradients(kernel, strides, dilation, padding):
+    """One-channel inputs take the stacked patches: each row's kernel gradient, against
+    one GradientTape per row through the layer itself."""
+    import keras
+
+    from lipdp.clipped.per_example.convolution import Conv2DRule, single_channel_patches
+
+    layer = keras.layers.Conv2D(
+        5, kernel, strides=strides, dilation_rate=dilation, padding=padding, use_bias=False
+    )
+    rng = np.random.default_rng(1)
+    a = tf.constant(rng.normal(size=(4, 9, 8, 1)).astype("float32"))
+    z = layer(a)
+    g = tf.constant(rng.normal(size=z.shape).astype("float32"))
+    assert single_channel_patches(layer, a) is not None
+    got = Conv2DRule().kernel_rows(layer, a, g)
+    for i in range(4):
+        with tf.GradientTape() as tape:
+            out = layer(a[i : i + 1])
+        expected = tape.gradient(out, layer.kernel, output_gradients=g[i : i + 1])
+        np.testing.assert_allclose(got[i].numpy(), np.asarray(expected), rtol=1e-5, atol=1e-5)

@@ -28,7 +28,12 @@ from __future__ import annotations
 
 import keras
 
-from lipdp.clipped.per_example.dense import product_rows, product_shift, product_sq_norms
+from lipdp.clipped.per_example.dense import (
+    materialise,
+    product_rows,
+    product_shift,
+    product_sq_norms,
+)
 from lipdp.clipped.per_example.registry import (
     GhostRule,
     register_ghost_rule,
@@ -58,6 +63,25 @@ def patches(layer, a):
     return rows(result, kh * kw * a.shape[-1])
 
 
+def single_channel_patches(layer, a):
+    """The patches of a one-channel input (a first layer on grey images) as ``(b, k_h k_w,
+    T)``, or ``None`` (several channels, unknown sizes, TensorFlow's padding of another
+    backend): the slices of :func:`sliced_patches` stacked on a new axis 1, block copies,
+    where concatenating them on the feature axis interleaves single values (issue 39: 4x
+    faster). Row ``i``'s kernel gradient is then the plain product ``P_i G_i``."""
+    if compat.keras_backend() != compat.SUPPORTED_BACKEND or a.shape[-1] != 1:
+        return None
+    import tensorflow as tf
+
+    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
+    slices = _offset_slices(a, (kh, kw), (sh, sw), (dh, dw), layer.padding)
+    if slices is None:
+        return None
+    positions = slices[0].shape[1] * slices[0].shape[2]
+    stacked = tf.stack(slices, axis=1)  # (b, k_h k_w, out_h, out_w, 1)
+    return tf.reshape(stacked, [-1, kh * kw, positions])
+
+
 def sliced_patches(a, kernel_size, strides, dilation_rate, padding):
     """``tf.image.extract_patches`` of ``a`` ``(b, H, W, c)`` (static ``H``, ``W``, ``c``;
     else ``None``) as ``k_h k_w`` strided slices of the padded input concatenated on the
@@ -69,6 +93,17 @@ def sliced_patches(a, kernel_size, strides, dilation_rate, padding):
     p_left)`` for kernel offset ``(i, j)``: TensorFlow's ``SAME`` padding (``p_top =
     floor(p_total / 2)``, ``p_total = max((out - 1) s + (k - 1) d + 1 - in, 0)``, ``out =
     ceil(in / s)``) or none (``VALID``, ``out = floor((in - (k - 1) d - 1) / s) + 1``)."""
+    import tensorflow as tf
+
+    slices = _offset_slices(a, kernel_size, strides, dilation_rate, padding)
+    if slices is None:
+        return None
+    return slices[0] if len(slices) == 1 else tf.concat(slices, axis=-1)
+
+
+def _offset_slices(a, kernel_size, strides, dilation_rate, padding):
+    """The ``k_h k_w`` strided slices ``(b, out_h, out_w, c)`` of the padded input, one per
+    kernel offset ``(i, j)`` in row-major order (:func:`sliced_patches`), or ``None``."""
     import tensorflow as tf
 
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation_rate
@@ -95,12 +130,11 @@ def sliced_patches(a, kernel_size, strides, dilation_rate, padding):
     oh, ow = outs
     if oh <= 0 or ow <= 0:
         return None
-    slices = [
+    return [
         a[:, i * dh : i * dh + (oh - 1) * sh + 1 : sh, j * dw : j * dw + (ow - 1) * sw + 1 : sw, :]
         for i in range(kh)
         for j in range(kw)
     ]
-    return slices[0] if len(slices) == 1 else tf.concat(slices, axis=-1)
 
 
 def _jax_patches(layer, inputs):
@@ -150,6 +184,12 @@ class Conv2DRule(GhostRule):
         return product_sq_norms(*self.product_factors(layer, a, g))
 
     def kernel_rows(self, layer, a, g):
+        single = single_channel_patches(layer, a)
+        if single is not None and materialise(single.shape[2], single.shape[1], layer.filters):
+            import tensorflow as tf
+
+            product = tf.linalg.matmul(single, rows(g, layer.filters))  # (b, k_h k_w, filters)
+            return tf.reshape(product, [-1, *layer.kernel.shape])
         return product_rows(*self.product_factors(layer, a, g), layer.kernel.shape)
 
     def shift(self, layer, a_new, a, g, kernel_rows):
@@ -164,4 +204,4 @@ class Conv2DRule(GhostRule):
 
 register_ghost_rule(keras.layers.Conv2D, Conv2DRule())
 
-__all__ = ["Conv2DRule", "patches", "sliced_patches"]
+__all__ = ["Conv2DRule", "patches", "single_channel_patches", "sliced_patches"]
