@@ -26,7 +26,8 @@ of the other steps, then the median over rounds):
 * ``clipped -ledger``: the step counter only (no ledger row, no projection hook);
 * ``clipped -engine``: the per-example engine replaced by the plain gradient of the mean
   loss (what the shared step costs around a plain gradient);
-* ``clipped xla``: ``compile(jit_compile=True)``;
+* ``clipped xla`` (only when named in ``--variants``: it compiles for a long time):
+  ``compile(jit_compile=True)``;
 * ``clipless`` and ``clipless -noise``/``-S9``/``-logs``: the same for the Clipless step.
 
 A removed component is removed for measurement only: none of these variants is private.
