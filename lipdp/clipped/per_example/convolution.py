@@ -28,7 +28,12 @@ from __future__ import annotations
 
 import keras
 
-from lipdp.clipped.per_example.dense import product_rows, product_shift, product_sq_norms
+from lipdp.clipped.per_example.dense import (
+    materialise,
+    product_rows,
+    product_shift,
+    product_sq_norms,
+)
 from lipdp.clipped.per_example.registry import (
     GhostRule,
     register_ghost_rule,
@@ -46,14 +51,90 @@ def patches(layer, a):
     import tensorflow as tf
 
     (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
-    result = tf.image.extract_patches(
-        a,
-        sizes=[1, kh, kw, 1],
-        strides=[1, sh, sw, 1],
-        rates=[1, dh, dw, 1],
-        padding=layer.padding.upper(),
-    )
+    result = sliced_patches(a, (kh, kw), (sh, sw), (dh, dw), layer.padding)
+    if result is None:  # spatial sizes known only at run time
+        result = tf.image.extract_patches(
+            a,
+            sizes=[1, kh, kw, 1],
+            strides=[1, sh, sw, 1],
+            rates=[1, dh, dw, 1],
+            padding=layer.padding.upper(),
+        )
     return rows(result, kh * kw * a.shape[-1])
+
+
+def single_channel_patches(layer, a):
+    """The patches of a one-channel input (a first layer on grey images) as ``(b, k_h k_w,
+    T)``, or ``None`` (several channels, unknown sizes, TensorFlow's padding of another
+    backend): the slices of :func:`sliced_patches` stacked on a new axis 1, block copies,
+    where concatenating them on the feature axis interleaves single values (issue 39: 4x
+    faster). Row ``i``'s kernel gradient is then the plain product ``P_i G_i``."""
+    if compat.keras_backend() != compat.SUPPORTED_BACKEND or a.shape[-1] != 1:
+        return None
+    import tensorflow as tf
+
+    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
+    slices = _offset_slices(a, (kh, kw), (sh, sw), (dh, dw), layer.padding)
+    if slices is None:
+        return None
+    positions = slices[0].shape[1] * slices[0].shape[2]
+    stacked = tf.stack(slices, axis=1)  # (b, k_h k_w, out_h, out_w, 1)
+    return tf.reshape(stacked, [-1, kh * kw, positions])
+
+
+def sliced_patches(a, kernel_size, strides, dilation_rate, padding):
+    """``tf.image.extract_patches`` of ``a`` ``(b, H, W, c)`` (static ``H``, ``W``, ``c``;
+    else ``None``) as ``k_h k_w`` strided slices of the padded input concatenated on the
+    feature axis, in the kernel's ``(k_h, k_w, c)`` order: the same values (data movement
+    only, no arithmetic), several times faster on CPU than TensorFlow's patch kernel
+    (issue 39: it was the largest cost of the clipped step on a CNN).
+
+    Output position ``(y, x)`` reads input ``(y s_h + i d_h - p_top, x s_w + j d_w -
+    p_left)`` for kernel offset ``(i, j)``: TensorFlow's ``SAME`` padding (``p_top =
+    floor(p_total / 2)``, ``p_total = max((out - 1) s + (k - 1) d + 1 - in, 0)``, ``out =
+    ceil(in / s)``) or none (``VALID``, ``out = floor((in - (k - 1) d - 1) / s) + 1``)."""
+    import tensorflow as tf
+
+    slices = _offset_slices(a, kernel_size, strides, dilation_rate, padding)
+    if slices is None:
+        return None
+    return slices[0] if len(slices) == 1 else tf.concat(slices, axis=-1)
+
+
+def _offset_slices(a, kernel_size, strides, dilation_rate, padding):
+    """The ``k_h k_w`` strided slices ``(b, out_h, out_w, c)`` of the padded input, one per
+    kernel offset ``(i, j)`` in row-major order (:func:`sliced_patches`), or ``None``."""
+    import tensorflow as tf
+
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation_rate
+    h, w, c = a.shape[1], a.shape[2], a.shape[3]
+    if h is None or w is None or c is None:
+        return None
+    spans = ((h, kh, sh, dh), (w, kw, sw, dw))
+    if padding.lower() == "same":
+        outs = [-(-size // s) for size, _, s, _ in spans]
+        totals = [
+            max((o - 1) * s + (k - 1) * d + 1 - size, 0) for o, (size, k, s, d) in zip(outs, spans)
+        ]
+        a = tf.pad(
+            a,
+            [
+                [0, 0],
+                [totals[0] // 2, totals[0] - totals[0] // 2],
+                [totals[1] // 2, totals[1] - totals[1] // 2],
+                [0, 0],
+            ],
+        )
+    else:
+        outs = [(size - (k - 1) * d - 1) // s + 1 for size, k, s, d in spans]
+    oh, ow = outs
+    if oh <= 0 or ow <= 0:
+        return None
+    return [
+        a[:, i * dh : i * dh + (oh - 1) * sh + 1 : sh, j * dw : j * dw + (ow - 1) * sw + 1 : sw, :]
+        for i in range(kh)
+        for j in range(kw)
+    ]
 
 
 def _jax_patches(layer, inputs):
@@ -103,6 +184,12 @@ class Conv2DRule(GhostRule):
         return product_sq_norms(*self.product_factors(layer, a, g))
 
     def kernel_rows(self, layer, a, g):
+        single = single_channel_patches(layer, a)
+        if single is not None and materialise(single.shape[2], single.shape[1], layer.filters):
+            import tensorflow as tf
+
+            product = tf.linalg.matmul(single, rows(g, layer.filters))  # (b, k_h k_w, filters)
+            return tf.reshape(product, [-1, *layer.kernel.shape])
         return product_rows(*self.product_factors(layer, a, g), layer.kernel.shape)
 
     def shift(self, layer, a_new, a, g, kernel_rows):
@@ -117,4 +204,4 @@ class Conv2DRule(GhostRule):
 
 register_ghost_rule(keras.layers.Conv2D, Conv2DRule())
 
-__all__ = ["Conv2DRule", "patches"]
+__all__ = ["Conv2DRule", "patches", "single_channel_patches", "sliced_patches"]

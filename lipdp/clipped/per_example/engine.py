@@ -513,6 +513,13 @@ def _masked_like_keras(layer, inputs, outputs):
     return outputs
 
 
+def _unkept_zeroed(keep, t):
+    """``t`` with the rows where ``keep`` is False zeroed (:func:`lipdp.core.records.zero_rows`:
+    a NaN times a factor 0 would stay NaN), the tensor itself when every row is kept (the
+    same values, without a pass over it: issue 39)."""
+    return tf.cond(tf.reduce_all(keep), lambda: tf.identity(t), lambda: zero_rows(keep, t))
+
+
 @dataclass
 class _RowsPart:
     """Variables whose per-row gradients are materialised: row ``i``'s gradient of
@@ -530,7 +537,7 @@ class _RowsPart:
         k = factors if self.scales is None else factors * tf.cast(self.scales, tf.float64)
         k = _float32_coefficients(k, keep)
         return {
-            variable_key(v): tf.tensordot(k, zero_rows(keep, t), [[0], [0]])
+            variable_key(v): tf.tensordot(k, _unkept_zeroed(keep, t), [[0], [0]])
             for v, t in zip(self.variables, self.tensors)
         }
 
@@ -550,10 +557,12 @@ class _GhostKernelPart:
     def clipped_sums(self, factors, keep) -> dict:
         record = self.record
         k = _float32_coefficients(factors * tf.cast(record.scales, tf.float64), keep)
-        cotangents = _scaled(k, zero_rows(keep, record.unit))
+        cotangents = _scaled(k, _unkept_zeroed(keep, record.unit))
         kernel = record.ghost.kernel(record.layer)
         return {
-            variable_key(kernel): _local_vjp(record, zero_rows(keep, record.inputs), cotangents)
+            variable_key(kernel): _local_vjp(
+                record, _unkept_zeroed(keep, record.inputs), cotangents
+            )
         }
 
 
