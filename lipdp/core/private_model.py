@@ -780,8 +780,23 @@ class PrivateModel(PrivateModelBase, keras.Model):
     def train_on_batch(self, *args, **kwargs):
         """One DP step; weights set by hand are projected first, as in ``fit`` (S12)."""
         self._refuse_changed_trainable_state()
+        if self._xla_fixed_size_step():  # the in-graph check of the rows is dropped by XLA
+            x = args[0] if args else kwargs.get("x")
+            rows = len(tf.nest.flatten(x)[0])
+            expected = self.dataset_metadata.rows_per_batch // distribute.replicas_in_sync()
+            if rows != expected:
+                raise ValueError(
+                    f"DP training needs every batch to have exactly {expected} rows (the "
+                    f"declared batch size; the sensitivity is computed for it), got {rows}."
+                )
         self._prepare_weights_for_training()
         return super().train_on_batch(*args, **kwargs)
+
+    def _xla_fixed_size_step(self) -> bool:
+        """A step compiled by XLA (``compile(jit_compile=True)``) on fixed-size batches:
+        XLA drops ``tf.debugging`` assertions, so the rows of a batch (rule S5) are checked
+        on the host instead (:meth:`train_on_batch`, :meth:`_checked_data_source`)."""
+        return getattr(self, "jit_compile", False) is True and not self.poisson_sampling
 
     def _refuse_invalid_labels(self, x, y) -> None:
         """Rule S9 for arrays: refuse class-index labels out of range (:func:`lipdp.core.records.
@@ -860,6 +875,12 @@ class PrivateModel(PrivateModelBase, keras.Model):
                 f"The dataset yields batches of {static}, the model expects "
                 f"{metadata.rows_per_batch} (batch_size={metadata.batch_size} x "
                 "multiplicity, dataset_metadata)."
+            )
+        if static is None and self._xla_fixed_size_step():
+            raise ValueError(
+                "With jit_compile=True the batch size is not checked in the step (XLA drops "
+                "the assertion): batch the dataset with drop_remainder=True, so that every "
+                f"batch has the declared {metadata.rows_per_batch} rows."
             )
         return True
 

@@ -1053,6 +1053,20 @@ def test_probe_sizes_cover_the_model_batch_and_a_larger_one():
     assert sizes(4096) == (4, 8, 1024, 1025)  # capped: sizes between 1025 and b not probed
 
 
+def test_the_probe_runs_at_the_physical_batch_size_the_step_computes():
+    """``physical_batch_size=P``: no pass of the step holds more than ``P`` rows, so the
+    probe's batches are those of ``b = P`` (and in the memory of one micro-batch)."""
+    from types import SimpleNamespace
+
+    metadata = SimpleNamespace(rows_per_batch=4096)
+    model = SimpleNamespace(dataset_metadata=metadata, physical_batch_size=256)
+    assert batch_independence._model_batch_size(model) == 256
+    model.physical_batch_size = None
+    assert batch_independence._model_batch_size(model) == 4096
+    model.physical_batch_size = 8192  # larger than the batch: the batch
+    assert batch_independence._model_batch_size(model) == 4096
+
+
 class _PositionScale(K.Layer):
     """Deterministic, and depends on the row's position in the batch (a batch axis taken
     for a time axis): removing a row moves the rows after it."""

@@ -64,6 +64,23 @@ def test_xla_step_gives_the_default_result(case):
 
 
 @pytest.mark.parametrize("family", h.FAMILIES)
+def test_xla_fixed_size_steps_check_the_rows_on_the_host(family):
+    """XLA drops the step's in-graph check of the batch size (rule S5: fixed-size batches
+    of exactly b rows): a batch of 20 rows for b = 32 trained before; it is refused on the
+    host, as is a pipeline whose batches may be partial."""
+    model = h.build(family, 1.0, 32, "shuffle", jit_compile=True)
+    x, y = h.data()
+    with pytest.raises(ValueError, match="exactly 32 rows"):
+        model.train_on_batch(x[:20], y[:20])
+    assert int(model.noisy_steps.numpy()) == 0
+    partial = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    with pytest.raises(ValueError, match="drop_remainder=True"):
+        model.fit(partial, epochs=1, verbose=0)
+    model.train_on_batch(x[:32], y[:32])
+    assert int(model.noisy_steps.numpy()) == 1
+
+
+@pytest.mark.parametrize("family", h.FAMILIES)
 def test_mixed_precision_is_refused_by_both_families(family):
     """Accelerator readiness, the other half: float16 round-off exceeds the slack of the
     bounds, so a mixed_float16 policy is refused when compiling, with the fix."""
