@@ -92,7 +92,10 @@ def l2_norm_pool_xla(x, pool_size, eps):
 class DP_ScaledL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
     """L2-norm pooling over non-overlapping windows (module docstring).
 
-    ``padding="same"`` pads with zeros, which adds nothing to any window norm.
+    ``padding="same"`` pads with zeros, which adds nothing to any window norm. On
+    TensorFlow, whole windows (the pool size dividing height and width, nothing padded)
+    run as two XLA kernels, :func:`l2_norm_pool_xla`; partial windows and other backends
+    run the generic path (square, average pooling times the area, root).
     """
 
     def __init__(self, pool_size=(2, 2), strides=None, padding="valid", eps=_EPS, **kwargs):
