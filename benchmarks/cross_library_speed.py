@@ -23,6 +23,10 @@ parameters, GroupSort and L2-norm pooling; its loss is the tau-cross-entropy).
   gradient_method="ghost")`` (``DPSGD_Sequential``: ghost norms, then the clipped sum);
 * ``lipdp-clipless-tf``: Clipless DP-SGD, ``DP_Sequential`` on the Lipschitz CNN, global
   noise (``lipdp-global`` of ``keras_stacks_speed.py``);
+* ``keras-lipschitz-tf`` / ``keras-lipschitz-jax``: the Lipschitz CNN of the Clipless
+  contenders and its tau-cross-entropy in a plain ``keras.Sequential``, trained by plain
+  Keras (no bounds, noise or projection): the cost of the Lipschitz layers alone, which
+  separates it from the cost of privacy (issue 39);
 * ``lipdp-clipped-jax``: the same ``make_private`` call under ``KERAS_BACKEND=jax``
   (``DPSGD_JaxModel``'s default step: per-example gradients by ``jax.vmap``);
   skipped ("not available") while ``import lipdp.clipped.jax`` fails;
@@ -107,9 +111,11 @@ CONTENDERS = [
     Contender("keras-tf", "tensorflow", "keras3", "import keras"),
     Contender("lipdp-clipped-tf", "tensorflow", "keras3", "import lipdp"),
     Contender("lipdp-clipless-tf", "tensorflow", "keras3", "import lipdp"),
+    Contender("keras-lipschitz-tf", "tensorflow", "keras3", "import lipdp"),
     Contender("keras-jax", "jax", "keras3", "import keras"),
     Contender("lipdp-clipped-jax", "jax", "keras3", "import lipdp.clipped.jax"),
     Contender("lipdp-clipless-jax", "jax", "keras3", "import lipdp.clipless.jax.trainer"),
+    Contender("keras-lipschitz-jax", "jax", "keras3", "import lipdp.clipless.layers"),
     Contender("jax-privacy", "jax", "keras3", "import jax_privacy.keras_api"),
     Contender("jax-privacy-poisson", "jax", "keras3", "import jax_privacy.keras_api"),
     Contender("torch", "torch", "torch", "import torch"),
@@ -246,6 +252,19 @@ def _lipdp_clipless(batch, n):
     return _keras_compile(model, losses.DP_TauCategoricalCrossentropy(tau=8.0))
 
 
+def _keras_lipschitz():
+    """The Lipschitz CNN of ``_lipdp_clipless`` in a plain ``keras.Sequential``, its
+    tau-cross-entropy, plain Keras training (no bounds, noise or projection)."""
+    sys.path.insert(0, str(HERE))
+    import keras
+    import step_speed
+
+    from lipdp.clipless import losses
+
+    model = keras.Sequential(step_speed._lipdp_layers("cnn"))
+    return _keras_compile(model, losses.DP_TauCategoricalCrossentropy(tau=8.0))
+
+
 def _jax_privacy(batch, n, steps, poisson):
     """jax-privacy 2.0's Keras API on the plain model, sigma = 1, clip 1. Its
     ``rescale_to_unit_norm`` (divide the clipped gradients by the clip norm) is turned
@@ -279,6 +298,8 @@ def _keras_model(name, batch, n, steps):
         return _lipdp_clipped(batch, n)
     if name in ("lipdp-clipless-tf", "lipdp-clipless-jax"):
         return _lipdp_clipless(batch, n)
+    if name in ("keras-lipschitz-tf", "keras-lipschitz-jax"):
+        return _keras_lipschitz()
     return _jax_privacy(batch, n, steps, poisson=name == "jax-privacy-poisson")
 
 

@@ -18,8 +18,12 @@ function (pairs of adjacent channels sorted):
   custom gradient ``where(t, swap(g), g)``; ``y`` is an exact permutation of ``x`` and
   the gradient the same permutation of ``g``, so outputs and gradients are bit-identical
   to deel-lip's except at ties, where deel-lip's gradient is not a permutation;
-* ``lipdp sort_pairs, XLA``: the same under ``tf.function(jit_compile=True)`` (one fused
-  kernel forward, one backward; what ``DP_GroupSort(2)`` runs on large activations).
+* ``lipdp sort_pairs, XLA (one function)``: the same under
+  ``tf.function(jit_compile=True)`` (what ``DP_GroupSort(2)`` ran on large activations
+  before issue 39);
+* ``lipdp sort_pairs_xla``: :func:`lipdp.clipless.layers.activations.sort_pairs_xla`
+  (since issue 39): the forward and the backward as two XLA functions with the custom
+  gradient between them in the graph; from 64 channels on the ``(-1, 2)`` pair view.
 
 Each candidate is timed (CPU seconds of the process, TF on ``--threads`` threads) on the
 activation shapes of the benchmark CNN (28x28x32 and 14x14x64, batch 256) and of the
@@ -34,9 +38,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# XLA's CPU kernels on one thread too, as in cross_library_speed.py (set before TF starts).
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
+# This checkout's lipdp, not an installed one.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -54,7 +66,7 @@ def main():
 
     from lipdp.clipless.layers.activations import sort_pairs, sort_pairs_xla
 
-    shapes = [(256, 28, 28, 32), (256, 14, 14, 64), (4096, 64)]
+    shapes = [(256, 28, 28, 32), (256, 14, 14, 64), (1024, 28, 28, 32), (4096, 64)]
     print(f"TF {tf.__version__}, {os.cpu_count()} cores, TF threads: {args.threads}\n")
     print(
         "| shape | implementation | CPU ms fwd+bwd | ratio to deel-lip | max diff y | max diff g |"
@@ -70,7 +82,8 @@ def main():
             "relu": tf.nn.relu,
             "deel-lip": upstream,
             "lipdp sort_pairs": sort_pairs,
-            "lipdp sort_pairs, XLA": sort_pairs_xla,
+            "lipdp sort_pairs, XLA (one function)": tf.function(sort_pairs, jit_compile=True),
+            "lipdp sort_pairs_xla": sort_pairs_xla,
         }
         steps, outputs = {}, {}
         for name, fn in candidates.items():

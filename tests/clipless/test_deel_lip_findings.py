@@ -173,6 +173,36 @@ def test_group_sort_matches_deel_lip_and_is_a_permutation(n, jit_compile):
     )
 
 
+@pytest.mark.parametrize("channels", [2, 12, 64, 128])
+def test_xla_pair_sort_forms_are_the_exact_permutation(channels):
+    """Both XLA forms of the pair sort (the swapped copy below
+    PAIRED_VIEW_MIN_CHANNELS channels, the (-1, 2) view from there on) against numpy:
+    every pair (a, b) becomes (b, a) when a > b and stays otherwise (a tie stays), and
+    the input gradient is the cotangent permuted the same way -- bit for bit, on inputs
+    full of ties; and the same as the graph version, sort_pairs."""
+    from lipdp.clipless.layers.activations import sort_pairs, sort_pairs_xla
+
+    rng = np.random.default_rng(channels)
+    shape = (3, 2, 5, channels)
+    x = rng.integers(-2, 3, size=shape).astype("float32") / 2.0  # many ties, exact values
+    x[0] = rng.normal(size=shape[1:])
+    g = rng.normal(size=shape).astype("float32")
+    a, b = x[..., 0::2], x[..., 1::2]
+    swap = a > b
+    want_y, want_g = np.empty_like(x), np.empty_like(g)
+    want_y[..., 0::2], want_y[..., 1::2] = np.where(swap, b, a), np.where(swap, a, b)
+    ga, gb = g[..., 0::2], g[..., 1::2]
+    want_g[..., 0::2], want_g[..., 1::2] = np.where(swap, gb, ga), np.where(swap, ga, gb)
+    for fn in (sort_pairs_xla, sort_pairs, tf.function(sort_pairs_xla)):
+        xt = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(xt)
+            y = fn(xt)
+            objective = tf.reduce_sum(y * g)
+        np.testing.assert_array_equal(y, want_y)
+        np.testing.assert_array_equal(tape.gradient(objective, xt), want_g)
+
+
 def test_group_sort_config_round_trip():
     layer = L.DP_GroupSort(2, jit_compile=False)
     clone = L.DP_GroupSort.from_config(layer.get_config())

@@ -33,11 +33,69 @@ def _check_disjoint_windows(name, pool_size, strides):
         )
 
 
+def _windows(x, pool_size):
+    """``x`` (batch, h, w, c) viewed as (batch, h/ph, ph, w/pw, pw, c)."""
+    import tensorflow as tf
+
+    _, h, w, c = x.shape
+    ph, pw = pool_size
+    return tf.reshape(x, [-1, h // ph, ph, w // pw, pw, c])
+
+
+def _l2_pool_forward(x, pool_size, eps):
+    """``(y, r)``: ``r = sqrt(s + eps)`` with ``s`` each window's sum of squares, and
+    ``y = r - sqrt(eps)``."""
+    import tensorflow as tf
+
+    squares = tf.reduce_sum(tf.square(_windows(x, pool_size)), axis=[2, 4])
+    root = tf.sqrt(squares + eps)
+    return root - math.sqrt(eps), root
+
+
+def _l2_pool_backward(x, g, root, pool_size):
+    """``dx = x g / r`` on every position of a window (the gradient of ``sqrt(s + eps)``,
+    whose norm over a window is ``|g| ||x_w|| / sqrt(||x_w||^2 + eps) < |g|``)."""
+    import tensorflow as tf
+
+    scale = (g / root)[:, :, None, :, None, :]
+    return tf.reshape(_windows(x, pool_size) * scale, tf.shape(x))
+
+
+_XLA_POOL = {}
+
+
+def l2_norm_pool_xla(x, pool_size, eps):
+    """L2-norm pooling of whole windows on TensorFlow as two XLA kernels: forward (the
+    window sums of squares by one reduction, then the smoothed root) and backward
+    ``x g / r`` (one elementwise pass), with the custom gradient between them in the
+    graph. The same function and gradient as the generic path (square, average pooling
+    times the area, root; autodiff) up to float round-off in the order of the window sum
+    (one or two ulps), in half the memory passes (``benchmarks/README.md``, issue 39)."""
+    import tensorflow as tf
+
+    if not _XLA_POOL:
+        _XLA_POOL["forward"] = tf.function(_l2_pool_forward, jit_compile=True)
+        _XLA_POOL["backward"] = tf.function(_l2_pool_backward, jit_compile=True)
+    forward, backward = _XLA_POOL["forward"], _XLA_POOL["backward"]
+    pool_size, eps = tuple(pool_size), float(eps)
+
+    @tf.autograph.experimental.do_not_convert
+    @tf.custom_gradient
+    def pool(x):
+        y, root = forward(x, pool_size, eps)
+        return y, lambda g: backward(x, g, root, pool_size)
+
+    return pool(x)
+
+
 @register
 class DP_ScaledL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
     """L2-norm pooling over non-overlapping windows (module docstring).
 
-    ``padding="same"`` pads with zeros, which adds nothing to any window norm.
+    ``padding="same"`` pads with zeros, which adds nothing to any window norm. On
+    TensorFlow, whole windows (the pool size dividing height and width, nothing padded)
+    run as two XLA kernels, :func:`l2_norm_pool_xla`; partial windows and other backends
+    run the generic path (square, average pooling times the area, root).
     """
 
     def __init__(self, pool_size=(2, 2), strides=None, padding="valid", eps=_EPS, **kwargs):
@@ -52,6 +110,8 @@ class DP_ScaledL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
         self.eps = validation.positive("eps", eps)
 
     def call(self, inputs):
+        if self._fused(inputs.shape):
+            return l2_norm_pool_xla(inputs, self.pool_size, self.eps)
         ops = compat.array_ops()
         squares = ops.square(inputs)
         if self.padding == "same":
@@ -60,6 +120,18 @@ class DP_ScaledL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
         # average over VALID windows times the area is the window sum (to round-off).
         sums = area * ops.average_pool(squares, self.pool_size, self.pool_size, "valid")
         return _smooth_norm(sums, self.eps)
+
+    def _fused(self, shape) -> bool:
+        """TensorFlow, whole windows only (``"valid"`` and the pool size dividing height
+        and width): the two XLA kernels of :func:`l2_norm_pool_xla`."""
+        return (
+            compat.keras_backend() == "tensorflow"
+            and len(shape) == 4
+            and all(isinstance(size, int) for size in shape[1:])
+            and shape[1] % self.pool_size[0] == 0
+            and shape[2] % self.pool_size[1] == 0
+            and (self.padding == "valid" or self._same_padding(shape) == [[0, 0]] * 4)
+        )
 
     def _same_padding(self, shape):
         pads = [[0, 0]]
