@@ -105,7 +105,10 @@ def make_private(
             :func:`lipdp.foundation.validation.delta_for_dataset`); logged as a warning.
         **model_options: passed to the model class (``gradient_method``, ``ascent``,
             ``row_isolation`` -- each example's loss computed on its own, forward and
-            backward, :mod:`lipdp.core.isolation`; the JAX step always does --, ...).
+            backward, :mod:`lipdp.core.isolation`; the JAX step always does --,
+            ``physical_batch_size`` -- the step computed ``P`` rows at a time and the
+            logical batch noised once, for logical batches larger than memory, same
+            epsilon --, ...).
 
     Returns:
         A ``DP_Sequential`` or ``DPSGD_Sequential`` (a ``DPSGD_JaxModel`` wrapping the

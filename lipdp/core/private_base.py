@@ -79,6 +79,50 @@ class PrivateModelBase:
         self.dp_parameters = dp_parameters
         self.dataset_metadata = dataset_metadata
 
+    # ------------------------------------------------------- physical batches
+    @property
+    def physical_batch_size(self) -> int | None:
+        r"""At most how many rows one pass of the step computes at once (``None``: the
+        whole batch). A logical batch (of random size under Poisson sampling, expected
+        ``b``) is split into consecutive micro-batches of at most ``P`` rows; each
+        micro-batch's part of the averaged gradient,
+        ``sum_{i in chunk} C_i g_i / n`` (clipped DP-SGD) or the gradient of
+        ``sum_{i in chunk} loss_i / n`` (clipless), is summed over the micro-batches,
+        and the sum -- the very sum ``sum_i C_i g_i / n`` of the logical batch, in
+        another order of additions -- is noised once, applied once by the optimizer and
+        billed once in the ledger, at the sampling rate ``b/N`` of the plan. The
+        sensitivity, the noise and epsilon are those of the logical batch: ``P`` only
+        bounds the memory of the step (the activations and per-example quantities of
+        ``P`` rows) and changes no privacy fact. Under ``tf.distribute`` each replica
+        splits its own rows. Settable after construction (the next ``fit`` traces a new
+        step)."""
+        return self._physical_batch_size
+
+    @physical_batch_size.setter
+    def physical_batch_size(self, value):
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(
+                    f"physical_batch_size must be a positive integer or None, got {value!r}."
+                )
+            value = int(value)
+        object.__setattr__(self, "_physical_batch_size", value)
+        object.__setattr__(self, "train_function", None)  # a step traced for another P
+
+    def _refuse_gradient_accumulation(self, optimizer) -> None:
+        """Refuse Keras' ``gradient_accumulation_steps``: the optimizer would average
+        ``k`` gradients noised one by one -- ``sqrt(k)`` times the noise of one logical
+        batch of ``k b`` rows, and ``k`` steps billed at rate ``b/N`` -- silently wasting
+        the budget. ``physical_batch_size`` noises the logical batch once."""
+        steps = getattr(optimizer, "gradient_accumulation_steps", None)
+        if steps is not None and steps > 1:
+            raise ValueError(
+                f"The optimizer's gradient_accumulation_steps={steps} would noise each "
+                "micro-batch on its own (sqrt(k) times the noise, k steps billed): declare "
+                "the logical batch size in dataset_metadata and pass "
+                "physical_batch_size=P to the model (or make_private) instead."
+            )
+
     @property
     def batch_size(self) -> int:
         """``b``: the sensitivities of the averaged gradient are ``bound / b``."""
@@ -363,6 +407,7 @@ class PrivateModelBase:
         if not self._compiled_with_loss():
             raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
         self._refuse_changed_trainable_state()
+        self._refuse_gradient_accumulation(self.optimizer)
         metadata = self._metadata_for("training")
         b = metadata.batch_size
         for unsupported in ("sample_weight", "class_weight"):
@@ -519,6 +564,7 @@ class PrivateModelBase:
             **self._model_config(),
             "dp_parameters": self.dp_parameters.to_config(),
             "dataset_metadata": None if metadata is None else metadata.to_config(),
+            "physical_batch_size": self.physical_batch_size,
             "name": self.name,
         }
 

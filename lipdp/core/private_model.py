@@ -109,6 +109,9 @@ class PrivateModel(PrivateModelBase, keras.Model):
             for the clipless family (only ``DP_Lambda``, foreign DP layers and the loss
             are isolated: 1.01x the batched step), off for clipped DP-SGD (1.21x on the
             CNN of ``lipdp train --method dp-sgd``; ``benchmarks/row_isolation_cost.py``).
+        physical_batch_size: compute the step ``P`` rows at a time and noise the logical
+            batch once (:attr:`~lipdp.core.private_base.PrivateModelBase.physical_batch_size`):
+            logical batches larger than memory. ``None`` (default): the whole batch at once.
     """
 
     _layers_key = "dp_layers"
@@ -128,9 +131,11 @@ class PrivateModel(PrivateModelBase, keras.Model):
         debug=False,
         independence_probe=True,
         row_isolation=False,
+        physical_batch_size=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.physical_batch_size = physical_batch_size
         compat.refuse_foreign_layers(dp_layers)
         self._check_layers(dp_layers)
         self.adversarial = adversarial
@@ -304,6 +309,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
     # ---------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
         self._check_compile_arguments(loss, kwargs)
+        self._refuse_gradient_accumulation(keras.optimizers.get(optimizer))
         # Layers frozen at construction may have been unfrozen since (rule S2).
         batch_independence.refuse_coupling_layers(self.dp_layers)
         self._independence_probed.clear()  # another loss: probed again
@@ -463,7 +469,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
         self._refuse_unsupported_step()
         x, y, _ = self._checked_batch(data)
         x, y, finite, ids = self._neutralised_batch(x, y)
-        step = self._private_gradients(x, y, kept_rows(finite, ids))
+        step = self._accumulated_gradients(x, y, kept_rows(finite, ids))
         labelled = self.class_labels_in_range(y, step.predictions)
         # A replica holding the very rows of another (a batch given whole to every replica
         # by a custom loop) adds nothing: each record counts once (rule S12).
@@ -526,6 +532,56 @@ class PrivateModel(PrivateModelBase, keras.Model):
         released sum, each term within the sensitivities of :meth:`sensitivities`
         (family hook)."""
         raise NotImplementedError
+
+    def _accumulated_gradients(self, x, y, kept) -> StepGradients:
+        """:meth:`_private_gradients` of the batch, computed at most
+        :attr:`physical_batch_size` rows at a time: the micro-batches' gradients summed
+        (each is its rows' part ``sum_{i in chunk} C_i g_i / n`` of the logical batch's
+        sum, ``n`` the global normaliser, so the sum is that of the whole batch), their
+        predictions and loss inputs concatenated in order. A ``tf.while_loop`` with one
+        iteration at a time: only one micro-batch's activations live at once. The first
+        micro-batch is computed before the loop, which gives the structure of the
+        predictions (an empty batch is a first micro-batch of no rows)."""
+        size = self.physical_batch_size
+        if size is None:
+            return self._private_gradients(x, y, kept)
+
+        def chunk(index):
+            start = index * size
+            rows = (x, y, kept)
+            part = tf.nest.map_structure(lambda t: t[start : start + size], rows)
+            return self._private_gradients(*part)
+
+        first = chunk(0)
+        outputs = (first.predictions, first.loss_inputs)
+        arrays = tf.nest.map_structure(
+            lambda t: tf.TensorArray(
+                t.dtype,
+                size=0,
+                dynamic_size=True,
+                infer_shape=False,
+                element_shape=tf.TensorShape([None]).concatenate(t.shape[1:]),
+            ),
+            outputs,
+        )
+        arrays = tf.nest.map_structure(lambda a, t: a.write(0, t), arrays, outputs)
+        chunks = (tf.shape(kept)[0] + size - 1) // size
+
+        def body(index, sums, arrays):
+            step = chunk(index)
+            sums = [s + g for s, g in zip(sums, step.gradients)]
+            written = (step.predictions, step.loss_inputs)
+            arrays = tf.nest.map_structure(lambda a, t: a.write(index, t), arrays, written)
+            return index + 1, sums, arrays
+
+        _, sums, arrays = tf.while_loop(
+            lambda index, *_: index < chunks,
+            body,
+            (tf.constant(1), list(first.gradients), arrays),
+            parallel_iterations=1,  # one micro-batch at a time: the memory of P rows
+        )
+        predictions, loss_inputs = tf.nest.map_structure(lambda a: a.concat(), arrays)
+        return StepGradients(sums, predictions, loss_inputs)
 
     def _after_release(self, released) -> None:
         """Called with the released gradients after the update, on every replica (hook;

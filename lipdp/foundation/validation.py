@@ -80,11 +80,12 @@ def delta_for_dataset(
             1.0 / n,
         )
         return value
+    suggestion = 10.0 ** math.floor(math.log10(1.0 / n) - 1e-9)  # a power of ten below 1/N
     raise ValueError(
         f"{name} {value:g} >= 1/N = {1.0 / n:.3g} (N = {n} training examples): delta is the "
         "probability the guarantee fails, and with delta >= 1/N a mechanism releasing one "
-        f"record at random meets it; give {name} below {1.0 / n:.3g} (e.g. 1e-5), or "
-        f"{force} to keep it."
+        f"record at random meets it; give {name} below {1.0 / n:.3g} (e.g. {suggestion:g}), "
+        f"or {force} to keep it."
     )
 
 

@@ -53,7 +53,7 @@ def test_delta_above_one_over_n_is_refused_unless_forced(monkeypatch, capsys):
         capsys,
         "--delta 0.5 >= 1/N = 0.000651 (N = 1536 training examples): delta is the "
         "probability the guarantee fails, and with delta >= 1/N a mechanism releasing one "
-        "record at random meets it; give --delta below 0.000651 (e.g. 1e-5), or "
+        "record at random meets it; give --delta below 0.000651 (e.g. 0.0001), or "
         "--allow-large-delta to keep it.",
     )
     with pytest.raises(_Stop):  # forced: accepted, the run goes on to be built

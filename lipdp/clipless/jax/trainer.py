@@ -151,9 +151,11 @@ class CliplessJaxTrainer(JaxPrivateTrainer):
 
     def __init__(
         self, dp_layers, *, dp_parameters, dataset_metadata=None, adversarial=None,
-        debug=False, independence_probe=True, row_isolation=True, **kwargs,
+        debug=False, independence_probe=True, row_isolation=True, physical_batch_size=None,
+        **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
+        self.physical_batch_size = physical_batch_size
         compat.refuse_foreign_layers(dp_layers)
         self._check_layers(dp_layers)
         if adversarial is not None:

@@ -146,13 +146,16 @@ class DPSGD_JaxModel(JaxPrivateTrainer):
             sequences); a model with any other trainable layer, or a weight read outside
             its layer's call, falls back to ``"vmap"`` for the whole step (logged at INFO;
             :attr:`gradient_method_used` says which ran).
+        physical_batch_size: the step computed ``P`` rows at a time, the logical batch
+            noised once (:attr:`~lipdp.core.private_base.PrivateModelBase.physical_batch_size`).
     """
 
     def __init__(
         self, network, *, dp_parameters, clipping=Clipping(), dataset_metadata=None,
-        gradient_method="ghost", **kwargs,
+        gradient_method="ghost", physical_batch_size=None, **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
+        self.physical_batch_size = physical_batch_size
         if gradient_method not in JAX_GRADIENT_METHODS:
             raise ValueError(
                 f"gradient_method must be one of {JAX_GRADIENT_METHODS}, got {gradient_method!r}."

@@ -160,6 +160,7 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
     # ---------------------------------------------------------------- compile
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
         self._check_compile_arguments(loss, kwargs)
+        self._refuse_gradient_accumulation(keras.optimizers.get(optimizer))
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     # --------------------------------------------------------------- training
@@ -174,7 +175,8 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         self._check_lineage(new_step=self.train_function is None or force)
         self._set_noise_key()
         plan = self._plan_step()
-        configuration = (plan, tuple(id(v) for v in self.trainable_variables))
+        trainable = tuple(id(v) for v in self.trainable_variables)
+        configuration = (plan, trainable, self.physical_batch_size)
         if configuration != self._traced_with:
             force = True
         object.__setattr__(self, "_step_plan", plan)
@@ -248,12 +250,48 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         family's averaged gradient (:meth:`_private_gradients`) plus the step's noise,
         drawn from the state's key (pure: the tests call it on a state)."""
         plan = self._step_plan
-        averaged, losses, y_pred = self._private_gradients(trainable, non_trainable, x, y, weights)
+        averaged, losses, y_pred = self._accumulated_gradients(
+            trainable, non_trainable, x, y, weights
+        )
         next_key, draw = keys.next_key_and_draw(self._own(non_trainable, self.noise_key))
         if plan.noisy:
             stddev = self._stddev_in_step(trainable, non_trainable)
             averaged = [a + n for a, n in zip(averaged, keys.gaussian_like(draw, averaged, stddev))]
         return averaged, next_key, losses, y_pred
+
+    def _accumulated_gradients(self, trainable, non_trainable, x, y, weights):
+        """:meth:`_private_gradients` computed at most :attr:`physical_batch_size` rows at a
+        time: the batch padded with rows of weight 0 (zeros: no contribution) to ``k P``
+        rows, ``jax.lax.scan`` over the ``k`` micro-batches summing their gradients (each
+        its rows' part of the logical batch's ``sum_i w_i C_i g_i / n``), the per-row
+        losses and predictions stacked back in order and the padding dropped. A scan
+        computes one micro-batch at a time: the memory of ``P`` rows."""
+        import jax
+        import jax.numpy as jnp
+
+        size, rows = self.physical_batch_size, _rows(x)
+        if size is None or rows <= size:
+            return self._private_gradients(trainable, non_trainable, x, y, weights)
+        chunks = -(-rows // size)
+        padding = chunks * size - rows
+
+        def split(t):
+            t = jnp.concatenate([t, jnp.zeros((padding, *t.shape[1:]), t.dtype)])
+            return jnp.reshape(t, (chunks, size, *t.shape[1:]))
+
+        def body(sums, part):
+            averaged, losses, y_pred = self._private_gradients(trainable, non_trainable, *part)
+            return [s + g for s, g in zip(sums, averaged)], (losses, y_pred)
+
+        zeros = [jnp.zeros(v.shape, v.dtype) for v in trainable]
+        parts = jax.tree_util.tree_map(split, (x, y, weights))
+        sums, outputs = jax.lax.scan(body, zeros, parts)
+
+        def joined(t):
+            return jnp.reshape(t, (chunks * size, *t.shape[2:]))[:rows]
+
+        losses, y_pred = jax.tree_util.tree_map(joined, outputs)
+        return sums, losses, y_pred
 
     def _own(self, non_trainable, variable):
         """The value of one of this model's own non-trainable variables in the state."""
