@@ -226,6 +226,14 @@ def _add_budget_arguments(parser) -> None:
         help=f"expected batch size b; default: {_defaults_text('batch_size')}",
     )
     parser.add_argument(
+        "--physical-batch-size",
+        type=_positive_int,
+        default=None,
+        metavar="P",
+        help="compute each step P rows at a time and noise the logical batch (--batch-size) "
+        "once: logical batches larger than memory, the same epsilon (default: whole batches)",
+    )
+    parser.add_argument(
         "--noise-multiplier",
         type=_positive_float,
         default=None,

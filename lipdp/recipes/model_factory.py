@@ -227,6 +227,7 @@ def _clipped_model(recipe, metadata, layers=None):
         ascent=ascent(recipe),
         gradient_method=recipe.gradient_method,
         adversarial=adversarial(recipe),
+        physical_batch_size=recipe.physical_batch_size,
     )
 
 
@@ -234,7 +235,12 @@ def _clipless_model(recipe, metadata, layers=None):
     from lipdp.clipless.model import DP_Sequential
 
     stack = _clipless_layers(recipe, metadata) if layers is None else layers
-    model = DP_Sequential(stack, dp_parameters=dp_parameters(recipe), dataset_metadata=metadata)
+    model = DP_Sequential(
+        stack,
+        dp_parameters=dp_parameters(recipe),
+        dataset_metadata=metadata,
+        physical_batch_size=recipe.physical_batch_size,
+    )
     model.adversarial = adversarial(recipe)
     return model
 

@@ -61,6 +61,9 @@ class ModelRecipe(Config):
         method: ``"lipdp"``, ``"lip-dp-sgd"`` or ``"dp-sgd"``
             (:data:`~lipdp.recipes.defaults.METHODS`).
         batch_size: expected batch size ``b``; ``None``: the data set's default.
+        physical_batch_size: compute each step at most this many rows at a time, the
+            logical batch of ``batch_size`` noised once (memory of the step, not its
+            privacy); ``None``: whole batches.
         noise_multiplier: ``sigma > 0``; ``None``: the data set's default.
         delta: the ``delta`` of the guarantee, in ``(0, 1)``.
         strategy: ``"global"`` (one Gaussian mechanism) or ``"per-layer"``.
@@ -100,6 +103,7 @@ class ModelRecipe(Config):
     dataset: str = "digits"
     method: str = "lipdp"
     batch_size: int | None = None
+    physical_batch_size: int | None = None
     noise_multiplier: float | None = None
     delta: float = 1e-5
     strategy: str = "global"
@@ -149,6 +153,8 @@ class ModelRecipe(Config):
 
     def _check_numbers(self):
         self._set("batch_size", _optional(_positive_count, "batch_size", self.batch_size))
+        physical = _optional(_positive_count, "physical_batch_size", self.physical_batch_size)
+        self._set("physical_batch_size", physical)
         sigma = _optional(validation.positive, "noise_multiplier", self.noise_multiplier)
         self._set("noise_multiplier", sigma)
         self._set("delta", validation.delta(self.delta))

@@ -111,3 +111,27 @@ def test_physical_batch_size_is_configured_and_checked(family):
     for bad in (0, -3, 2.5, True, "8"):
         with pytest.raises(ValueError, match="physical_batch_size must be a positive integer"):
             model.physical_batch_size = bad
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fit_on_poisson_batches_in_micro_batches_trains_as_the_whole_batches(family):
+    """``fit`` on the same Poisson batches (drawn from one seed), identical noise: the
+    model computing 3 rows at a time ends where the one computing whole batches does,
+    after the same number of noisy steps (the projections of the clipless family run, as
+    in training)."""
+    from lipdp import private_batches
+    from lipdp.core import noise
+
+    x, y = h.data(64, seed=9)
+    trained = []
+    for size in (None, 3):
+        model = h.private(family, physical_batch_size=size)
+        noise.use_reproducible_noise(11)
+        try:
+            model.fit(private_batches(model, x, y, seed=12), epochs=2, verbose=0)
+        finally:
+            noise.use_reproducible_noise(None)
+        trained.append(model)
+    whole, parts = trained
+    assert int(parts.noisy_steps.numpy()) == int(whole.noisy_steps.numpy()) == 16
+    assert relative_gap(h.weights(whole), h.weights(parts)) <= 1e-5

@@ -93,6 +93,30 @@ def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
     assert int(replicated.noisy_steps.numpy()) == int(single.noisy_steps.numpy()) == 2
 
 
+@pytest.mark.parametrize("family", h.FAMILIES)
+@pytest.mark.parametrize("pipeline", ["poisson-random-sizes", "arrays-adversarial"])
+def test_micro_batches_on_replicas_equal_whole_batches_on_one_device(family, pipeline):
+    """``physical_batch_size=5`` under two replicas (each splits its own rows into
+    micro-batches, the noise once globally): the weights of whole batches on one device,
+    also for adversarial training (the micro-batches' adversarial rows as loss inputs)."""
+    x, y = h.data()
+    batch, sampling = (32, "shuffle") if pipeline.startswith("arrays") else (32, "poisson")
+    options = {}
+    if pipeline == "arrays-adversarial":
+        options["adversarial"] = PGD(0.2, steps=3, random_start=False, mix=0.5)
+    tf.keras.utils.set_random_seed(3)
+    single = h.build(family, 0.0, batch, sampling, **options)
+    initial = single.get_weights()
+    strategy = mirrored()
+    with strategy.scope():
+        replicated = h.build(family, 0.0, batch, sampling, physical_batch_size=5, **options)
+    replicated.set_weights(initial)
+    _fit(single, x, y, pipeline, tf.distribute.get_strategy())
+    _fit(replicated, x, y, pipeline, strategy)
+    np.testing.assert_allclose(h.flat_weights(replicated), h.flat_weights(single), atol=2e-6)
+    assert int(replicated.noisy_steps.numpy()) == int(single.noisy_steps.numpy())
+
+
 class _FixedNoise:
     """Stands for the noise generator: every draw is the same known vector ``Z`` (its
     standard deviation times a fixed pattern), so two runs add the same noise."""
