@@ -204,13 +204,16 @@ def _keras_compile(model, loss=None, accumulation=1):
     return model
 
 
-def _physical_option(physical):
+def _physical_option(physical, probe=True):
     """lipdp's ``physical_batch_size`` keyword, only when one is asked for (so that the
-    script still runs the whole-batch step of a lipdp that predates the option)."""
-    return {} if physical is None else {"physical_batch_size": physical}
+    script still runs the whole-batch step of a lipdp that predates the option);
+    ``probe=False``: ``independence_probe=False`` (TensorFlow models: the step without the
+    batch-independence probe run when it is traced)."""
+    options = {} if physical is None else {"physical_batch_size": physical}
+    return options if probe else {**options, "independence_probe": False}
 
 
-def _lipdp_clipped(batch, n, physical=None):
+def _lipdp_clipped(batch, n, physical=None, probe=True):
     """``lipdp.make_private(method="clipped")`` at sigma = 1 (the calibrated sigma is
     replaced, as make_private itself sets it); fixed batches (``sampling="shuffle"``);
     ``physical``: logical batches of ``batch`` rows computed ``physical`` rows at a time."""
@@ -234,13 +237,13 @@ def _lipdp_clipped(batch, n, physical=None):
         clipping="flat",
         sampling="shuffle",
         **ghost,
-        **_physical_option(physical),
+        **_physical_option(physical, probe),
     )
     model.dp_parameters = dataclasses.replace(model.dp_parameters, noise_multiplier=SIGMA)
     return _keras_compile(model)
 
 
-def _lipdp_clipless(batch, n, physical=None):
+def _lipdp_clipless(batch, n, physical=None, probe=True):
     """The Lipschitz CNN of ``step_speed.py``, Clipless DP-SGD, global noise, sigma = 1;
     ``physical`` as in :func:`_lipdp_clipped`."""
     sys.path.insert(0, str(HERE))
@@ -261,7 +264,7 @@ def _lipdp_clipless(batch, n, physical=None):
         step_speed._lipdp_layers("cnn"),
         dp_parameters=DPParameters("global", SIGMA, DELTA),
         dataset_metadata=metadata,
-        **_physical_option(physical),
+        **_physical_option(physical, probe),
     )
     return _keras_compile(model, losses.DP_TauCategoricalCrossentropy(tau=8.0))
 
@@ -302,15 +305,15 @@ def _accumulation(batch, physical):
     return batch // physical
 
 
-def _keras_model(name, batch, n, steps, physical=None):
+def _keras_model(name, batch, n, steps, physical=None, probe=True):
     import keras
 
     if name in ("keras-tf", "keras-jax"):
         return _keras_compile(keras.Sequential(_keras_layers()))
     if name in ("lipdp-clipped-tf", "lipdp-clipped-jax"):
-        return _lipdp_clipped(batch, n, physical)
+        return _lipdp_clipped(batch, n, physical, probe)
     if name in ("lipdp-clipless-tf", "lipdp-clipless-jax"):
-        return _lipdp_clipless(batch, n, physical)
+        return _lipdp_clipless(batch, n, physical, probe)
     poisson = name == "jax-privacy-poisson"
     return _jax_privacy(batch, n, steps, poisson, physical)
 
@@ -336,7 +339,7 @@ def _keras_setup(backend):
     return {"keras": keras.__version__}
 
 
-def _keras_worker(contender, batch, steps, physical=None, rows=None):
+def _keras_worker(contender, batch, steps, physical=None, rows=None, probe=True):
     import keras
     import numpy as np
 
@@ -347,7 +350,8 @@ def _keras_worker(contender, batch, steps, physical=None, rows=None):
     every = _accumulation(batch, physical) if contender.name.startswith("jax-priv") else 1
     fit_batch = batch // every
     epochs = -(-steps * every // (len(x) // fit_batch))  # whole epochs over `rows`
-    model = _keras_model(contender.name, batch, len(x), epochs * len(x) // fit_batch, physical)
+    fits = epochs * len(x) // fit_batch
+    model = _keras_model(contender.name, batch, len(x), fits, physical, probe)
     marks = _Marks()
 
     class Timer(keras.callbacks.Callback):
@@ -417,7 +421,7 @@ def _torch_private(name, model, optimizer, criterion, loader):
     return (*made[:2], criterion, made[2])
 
 
-def _torch_worker(contender, batch, steps, physical=None, rows=None):
+def _torch_worker(contender, batch, steps, physical=None, rows=None, probe=True):
     """PyTorch's loop; ``physical`` (Opacus): ``BatchMemoryManager`` splits each logical
     batch of ``batch`` rows into physical ones of at most ``physical`` rows; the optimizer
     skips its step (clips and sums only) until the last one, and a step is marked then."""
@@ -461,7 +465,7 @@ def _torch_worker(contender, batch, steps, physical=None, rows=None):
     return marks.steps(), info
 
 
-def worker(name, batch, warmup, steps, physical=None, rows=None):
+def worker(name, batch, warmup, steps, physical=None, rows=None, probe=True):
     """One contender, one process: RESULT line with its medians and peak memory.
     ``physical``: logical batches of ``batch`` rows computed ``physical`` rows at a time
     (the private contenders; ignored by the plain ones). ``rows``: the size of the
@@ -470,7 +474,7 @@ def worker(name, batch, warmup, steps, physical=None, rows=None):
     contender = BY_NAME[name]
     load = [os.getloadavg()[0]]
     run = _torch_worker if contender.backend == "torch" else _keras_worker
-    per_step, info = run(contender, batch, warmup + steps, physical, rows)
+    per_step, info = run(contender, batch, warmup + steps, physical, rows, probe)
     if info["params"] != PARAMS:
         raise AssertionError(f"{name}: {info['params']} parameters, expected {PARAMS}")
     timed = per_step[warmup:]
@@ -538,6 +542,8 @@ def run_worker(python, contender, args):
         cmd += ["--physical-batch-size", str(args.physical_batch_size)]
     if getattr(args, "rows", None):
         cmd += ["--rows", str(args.rows)]
+    if getattr(args, "no_probe", False):
+        cmd += ["--no-probe"]
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -672,6 +678,7 @@ def _parse():
         "physical_batch_size, Opacus' BatchMemoryManager, jax-privacy's accumulation)",
     )
     parser.add_argument("--rows", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--contenders", nargs="+", default=[c.name for c in CONTENDERS])
     parser.add_argument("--cap", type=float, default=600.0, help="seconds per worker")
     parser.add_argument("--keras3-python", default=str(ROOT / ".venv" / "bin" / "python"))
@@ -760,6 +767,7 @@ def main():
             args.steps,
             args.physical_batch_size,
             args.rows,
+            not args.no_probe,
         )
         print("RESULT " + json.dumps(result), flush=True)
         return

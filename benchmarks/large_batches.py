@@ -79,7 +79,13 @@ PRIVATE = [
 ]
 FLOORS = ["keras-tf", "keras-jax", "torch"]
 DEFAULT_CONTENDERS = ["keras-tf", *PRIVATE[:4], "keras-jax", "jax-privacy", "torch", "opacus-ghost"]
-EXTRA_CONTENDERS = ["keras-tf", "lipdp-clipped-tf", "lipdp-clipless-tf"]
+EXTRA_CONTENDERS = [
+    "keras-tf",
+    "lipdp-clipped-tf",
+    "lipdp-clipped-tf/no-probe",
+    "lipdp-clipless-tf",
+    "lipdp-clipless-tf/no-probe",
+]
 WHOLE_CONTENDERS = ["lipdp-clipped-tf", "lipdp-clipless-tf"]
 TARGET = (8192, 512, "lipdp-clipped-tf", "keras-tf", 1.3)  # the issue's must-show ratio
 
@@ -94,9 +100,15 @@ def _cells(args):
     return cells
 
 
+def _base(name):
+    """``"lipdp-clipped-tf/no-probe"`` -> ``"lipdp-clipped-tf"`` (the worker's contender)."""
+    return name.split("/")[0]
+
+
 def _job_args(b, p, name, args):
     """The worker's settings: a floor runs batches of ``P``; a private contender logical
-    batches of ``b`` computed ``P`` rows at a time; both on ``b`` rows of data."""
+    batches of ``b`` computed ``P`` rows at a time; both on ``b`` rows of data. A name
+    ending in ``/no-probe``: lipdp with ``independence_probe=False``."""
     floor = name in FLOORS
     return argparse.Namespace(
         batch_size=p if floor else b,
@@ -105,6 +117,7 @@ def _job_args(b, p, name, args):
         steps=args.steps,
         warmup=args.warmup,
         cap=args.cap,
+        no_probe=name.endswith("/no-probe"),
     )
 
 
@@ -112,10 +125,10 @@ def _measure(saved, args, pythons):
     started = time.perf_counter()
     for rnd in range(args.rounds):
         for b, p, names in _cells(args):
-            runnable = [n for n in names if n not in saved["skipped"]]
+            runnable = [n for n in names if _base(n) not in saved["skipped"]]
             k = rnd % max(len(runnable), 1)
             for name in runnable[k:] + runnable[:k]:
-                contender = cls.BY_NAME[name]
+                contender = cls.BY_NAME[_base(name)]
                 r = cls.run_worker(
                     pythons[contender.python], contender, _job_args(b, p, name, args)
                 )
@@ -186,7 +199,7 @@ def cell_rows(saved, b, p, names):
         mine = [m[name] for m in rounds.values() if name in m]
         if not mine:
             continue
-        backend = cls.BY_NAME[name].backend
+        backend = cls.BY_NAME[_base(name)].backend
         floor = cls.FLOOR[backend]
         cells = [
             str(b),
@@ -224,9 +237,12 @@ def table(saved):
         key = (r["logical"], r["physical"])
         if key not in cells:
             cells.append(key)
-    order = cls.CONTENDERS
+    order = [c.name for c in cls.CONTENDERS]
     for b, p in cells:
-        names = [c.name for c in order]
+        names = {
+            r["contender"] for r in saved["results"] if (r["logical"], r["physical"]) == (b, p)
+        }
+        names = sorted(names, key=lambda n: (order.index(_base(n)), n))
         lines += cell_rows(saved, b, p, names)
     lines += _target(saved)
     lines += cls._notes(
@@ -242,6 +258,13 @@ def _named(r):
 
 def _target(saved):
     b, p, num, den, bound = TARGET
+    lines = []
+    for name in (num, num + "/no-probe"):
+        lines += _target_line(saved, b, p, name, den, bound)
+    return lines
+
+
+def _target_line(saved, b, p, num, den, bound):
     rounds = _by_round(saved["results"], b, p)
     increment = _ratio(rounds, num, den, _increment)
     if increment is None:
@@ -310,7 +333,7 @@ def main():
         print(table(saved))
         return
     pythons = {"keras3": args.keras3_python, "torch": args.torch_python}
-    names = sorted({n for _, _, ns in _cells(args) for n in ns})
+    names = sorted({_base(n) for _, _, ns in _cells(args) for n in ns})
     start_args = argparse.Namespace(
         contenders=names,
         batch_size=None,
