@@ -292,9 +292,14 @@ def header(saved):
         versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
         lines.append(f"{kind} interpreter ({info['python']}): {versions or 'missing'}.")
     lines.append(f"lipdp: commit {saved['lipdp_commit']}.")
+    cells = []
+    for r in saved["results"]:
+        if (r["logical"], r["physical"]) not in cells:
+            cells.append((r["logical"], r["physical"]))
+    rounds = len({r["round"] for r in saved["results"]})
     lines.append(
-        f"Settings: b in {s['logical']}, P in {s['physical']}, extra cells {s['extra']}, "
-        f"whole batches at {s['whole']}; {s['rounds']} round(s), {s['warmup']} warm-up + "
+        f"Settings: cells (b, P) measured {cells}; {rounds} of {s['rounds']} round(s) "
+        f"measured, {s['warmup']} warm-up + "
         f"{s['steps']} timed logical steps per worker, 1 thread per worker, data of b rows, "
         f"cap {s['cap']:g} s."
     )
