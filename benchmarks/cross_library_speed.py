@@ -1,7 +1,8 @@
 """Step time and peak memory of lipdp against jax-privacy and Opacus, in one run.
 
     .venv/bin/python benchmarks/cross_library_speed.py [--rounds 3] [--steps 10]
-        [--warmup 3] [--batch-size 256] [--contenders ...] [--cap 600] [--json out.json]
+        [--warmup 3] [--batch-size 256] [--physical-batch-size P] [--contenders ...]
+        [--cap 600] [--json out.json]
         [--keras3-python .venv/bin/python] [--torch-python .venv-torch/bin/python]
     .venv/bin/python benchmarks/cross_library_speed.py --from-json out.json
 
@@ -46,6 +47,13 @@ parameters, GroupSort and L2-norm pooling; its loss is the tau-cross-entropy).
   gradients, then a second backward pass on the reweighted loss) / ``"hooks"`` (the
   default: per-example gradients materialised by hooks, then clipped);
   ``poisson_sampling=False`` (fixed batches of ``b``).
+
+**Physical batches** (``--physical-batch-size P``, issue 39): the private contenders
+compute each batch of ``b`` rows ``P`` rows at a time and update once: lipdp's
+``physical_batch_size=P``, Opacus' ``BatchMemoryManager(max_physical_batch_size=P)``,
+jax-privacy's ``gradient_accumulation_steps=b/P`` (``fit`` on batches of ``P``; a step is
+then ``b/P`` of them); the plain contenders are unchanged. ``benchmarks/large_batches.py``
+runs the grid of ``(b, P)`` with these workers.
 
 Every contender uses its library's ordinary training loop: Keras ``fit`` (one epoch of
 ``warmup + steps`` batches of synthetic uniform data, shuffled) or, for PyTorch, a loop
@@ -148,12 +156,11 @@ def _environment(backend):
     return env
 
 
-def _data(batch, steps):
-    """``steps`` batches of synthetic data: uniform images, one-hot labels."""
+def _data(n):
+    """``n`` rows of synthetic data: uniform images, one-hot labels."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    n = batch * steps
     x = rng.uniform(0.0, 1.0, size=(n, *SHAPE)).astype("float32")
     y = np.eye(CLASSES, dtype="float32")[rng.integers(0, CLASSES, size=n)]
     return x, y
@@ -190,19 +197,32 @@ def _keras_layers():
     return common.plain_cnn_layers(SHAPE, CLASSES)
 
 
-def _keras_compile(model, loss=None):
+def _keras_compile(model, loss=None, accumulation=1):
+    """SGD; ``accumulation > 1``: Keras' gradient accumulation (an update every
+    ``accumulation`` batches, on their mean gradient), as jax-privacy's requires."""
     import keras
 
+    steps = None if accumulation == 1 else accumulation
     model.compile(
         loss=loss or keras.losses.CategoricalCrossentropy(from_logits=True),
-        optimizer=keras.optimizers.SGD(LEARNING_RATE),
+        optimizer=keras.optimizers.SGD(LEARNING_RATE, gradient_accumulation_steps=steps),
     )
     return model
 
 
-def _lipdp_clipped(batch, n):
+def _physical_option(physical, probe=True):
+    """lipdp's ``physical_batch_size`` keyword, only when one is asked for (so that the
+    script still runs the whole-batch step of a lipdp that predates the option);
+    ``probe=False``: ``independence_probe=False`` (TensorFlow models: the step without the
+    batch-independence probe run when it is traced)."""
+    options = {} if physical is None else {"physical_batch_size": physical}
+    return options if probe else {**options, "independence_probe": False}
+
+
+def _lipdp_clipped(batch, n, physical=None, probe=True):
     """``lipdp.make_private(method="clipped")`` at sigma = 1 (the calibrated sigma is
-    replaced, as make_private itself sets it); fixed batches (``sampling="shuffle"``)."""
+    replaced, as make_private itself sets it); fixed batches (``sampling="shuffle"``);
+    ``physical``: logical batches of ``batch`` rows computed ``physical`` rows at a time."""
     import dataclasses
 
     import keras
@@ -223,13 +243,15 @@ def _lipdp_clipped(batch, n):
         clipping="flat",
         sampling="shuffle",
         **ghost,
+        **_physical_option(physical, probe),
     )
     model.dp_parameters = dataclasses.replace(model.dp_parameters, noise_multiplier=SIGMA)
     return _keras_compile(model)
 
 
-def _lipdp_clipless(batch, n):
-    """The Lipschitz CNN of ``step_speed.py``, Clipless DP-SGD, global noise, sigma = 1."""
+def _lipdp_clipless(batch, n, physical=None, probe=True):
+    """The Lipschitz CNN of ``step_speed.py``, Clipless DP-SGD, global noise, sigma = 1;
+    ``physical`` as in :func:`_lipdp_clipped`."""
     sys.path.insert(0, str(HERE))
     import step_speed
 
@@ -248,6 +270,7 @@ def _lipdp_clipless(batch, n):
         step_speed._lipdp_layers("cnn"),
         dp_parameters=DPParameters("global", SIGMA, DELTA),
         dataset_metadata=metadata,
+        **_physical_option(physical, probe),
     )
     return _keras_compile(model, losses.DP_TauCategoricalCrossentropy(tau=8.0))
 
@@ -265,10 +288,13 @@ def _keras_lipschitz():
     return _keras_compile(model, losses.DP_TauCategoricalCrossentropy(tau=8.0))
 
 
-def _jax_privacy(batch, n, steps, poisson):
+def _jax_privacy(batch, n, steps, poisson, physical=None):
     """jax-privacy 2.0's Keras API on the plain model, sigma = 1, clip 1. Its
     ``rescale_to_unit_norm`` (divide the clipped gradients by the clip norm) is turned
-    off: a no-op at clip 1, and lipdp and Opacus do not rescale."""
+    off: a no-op at clip 1, and lipdp and Opacus do not rescale. ``physical``: its
+    gradient accumulation, ``fit`` on batches of ``physical`` rows and one noisy update
+    every ``batch / physical`` of them (``gradient_accumulation_steps``); ``steps`` counts
+    ``fit``'s batches."""
     import keras
     from jax_privacy import keras_api
 
@@ -276,8 +302,8 @@ def _jax_privacy(batch, n, steps, poisson):
         epsilon=1e3,  # only checked to be met by noise_multiplier=1 (no calibration)
         delta=DELTA,
         clipping_norm=CLIP,
-        batch_size=batch,
-        gradient_accumulation_steps=1,
+        batch_size=batch if physical is None else physical,
+        gradient_accumulation_steps=_accumulation(batch, physical),
         train_steps=steps,
         train_size=n,
         poisson_sampling_in_fit=poisson,
@@ -286,21 +312,31 @@ def _jax_privacy(batch, n, steps, poisson):
         seed=0,
     )
     model = keras_api.make_private(keras.Sequential(_keras_layers()), config)
-    return _keras_compile(model)
+    return _keras_compile(model, accumulation=config.gradient_accumulation_steps)
 
 
-def _keras_model(name, batch, n, steps):
+def _accumulation(batch, physical):
+    """Physical batches per logical one (``physical`` must divide ``batch``)."""
+    if physical is None:
+        return 1
+    if batch % physical:
+        raise ValueError(f"physical batch {physical} does not divide the batch {batch}")
+    return batch // physical
+
+
+def _keras_model(name, batch, n, steps, physical=None, probe=True):
     import keras
 
     if name in ("keras-tf", "keras-jax"):
         return _keras_compile(keras.Sequential(_keras_layers()))
     if name in ("lipdp-clipped-tf", "lipdp-clipped-jax"):
-        return _lipdp_clipped(batch, n)
+        return _lipdp_clipped(batch, n, physical, probe)
     if name in ("lipdp-clipless-tf", "lipdp-clipless-jax"):
-        return _lipdp_clipless(batch, n)
+        return _lipdp_clipless(batch, n, physical, probe)
     if name in ("keras-lipschitz-tf", "keras-lipschitz-jax"):
         return _keras_lipschitz()
-    return _jax_privacy(batch, n, steps, poisson=name == "jax-privacy-poisson")
+    poisson = name == "jax-privacy-poisson"
+    return _jax_privacy(batch, n, steps, poisson, physical)
 
 
 def _keras_setup(backend):
@@ -324,25 +360,33 @@ def _keras_setup(backend):
     return {"keras": keras.__version__}
 
 
-def _keras_worker(contender, batch, steps):
+def _keras_worker(contender, batch, steps, physical=None, rows=None, probe=True):
     import keras
     import numpy as np
 
     info = _keras_setup(contender.backend)
-    x, y = _data(batch, steps)
+    x, y = _data(rows or batch * steps)
     info["rss_before_model_mb"] = _peak_rss_mb()
-    model = _keras_model(contender.name, batch, len(x), steps)
+    # jax-privacy's accumulation: fit's batches are the physical ones, `every` to a step.
+    every = _accumulation(batch, physical) if contender.name.startswith("jax-priv") else 1
+    fit_batch = batch // every
+    epochs = -(-steps * every // (len(x) // fit_batch))  # whole epochs over `rows`
+    fits = epochs * len(x) // fit_batch
+    model = _keras_model(contender.name, batch, len(x), fits, physical, probe)
     marks = _Marks()
 
     class Timer(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
+            self.seen = 0
             marks.mark()
 
         def on_train_batch_end(self, step, logs=None):
             float((logs or {}).get("loss", 0.0))  # the step has finished
-            marks.mark()
+            self.seen += 1
+            if self.seen % every == 0:  # the end of a logical step
+                marks.mark()
 
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[Timer()])
+    model.fit(x, y, batch_size=fit_batch, epochs=epochs, verbose=0, callbacks=[Timer()])
     info["params"] = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     info["tensorflow_imported"] = "tensorflow" in sys.modules
     if "lipdp" in sys.modules:
@@ -366,10 +410,10 @@ def _torch_model():
     )
 
 
-def _torch_loader(batch, steps):
+def _torch_loader(batch, rows):
     import torch
 
-    x, y = _data(batch, steps)
+    x, y = _data(rows)
     images = torch.from_numpy(x.transpose(0, 3, 1, 2).copy())  # NHWC -> NCHW
     labels = torch.from_numpy(y.argmax(axis=1))
     dataset = torch.utils.data.TensorDataset(images, labels)
@@ -398,14 +442,19 @@ def _torch_private(name, model, optimizer, criterion, loader):
     return (*made[:2], criterion, made[2])
 
 
-def _torch_worker(contender, batch, steps):
+def _torch_worker(contender, batch, steps, physical=None, rows=None, probe=True):
+    """PyTorch's loop; ``physical`` (Opacus): ``BatchMemoryManager`` splits each logical
+    batch of ``batch`` rows into physical ones of at most ``physical`` rows; the optimizer
+    skips its step (clips and sums only) until the last one, and a step is marked then."""
+    import contextlib
+
     import torch
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     torch.manual_seed(0)
     info = {"torch": torch.__version__}
-    loader = _torch_loader(batch, steps)
+    loader = _torch_loader(batch, rows or batch * steps)
     info["rss_before_model_mb"] = _peak_rss_mb()
     model = _torch_model()
     info["params"] = sum(p.numel() for p in model.parameters())
@@ -415,24 +464,38 @@ def _torch_worker(contender, batch, steps):
         model, optimizer, criterion, loader = _torch_private(
             contender.name, model, optimizer, criterion, loader
         )
+    manager = contextlib.nullcontext(loader)
+    if physical is not None and contender.name.startswith("opacus-"):
+        from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+        manager = BatchMemoryManager(
+            data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer
+        )
     marks = _Marks()
-    marks.mark()
-    for images, labels in loader:
-        optimizer.zero_grad()
-        loss = criterion(model(images), labels)
-        loss.backward()
-        optimizer.step()
-        loss.item()
+    with manager as batches:
         marks.mark()
+        while len(marks.marks) <= steps:  # whole epochs over the data
+            for images, labels in batches:
+                optimizer.zero_grad()
+                loss = criterion(model(images), labels)
+                loss.backward()
+                optimizer.step()
+                loss.item()
+                if not getattr(optimizer, "_is_last_step_skipped", False):
+                    marks.mark()  # an update was made: the end of a logical step
     return marks.steps(), info
 
 
-def worker(name, batch, warmup, steps):
-    """One contender, one process: RESULT line with its medians and peak memory."""
+def worker(name, batch, warmup, steps, physical=None, rows=None, probe=True):
+    """One contender, one process: RESULT line with its medians and peak memory.
+    ``physical``: logical batches of ``batch`` rows computed ``physical`` rows at a time
+    (the private contenders; ignored by the plain ones). ``rows``: the size of the
+    synthetic data set (default ``batch * (warmup + steps)``), trained on for as many
+    whole epochs as the steps need."""
     contender = BY_NAME[name]
     load = [os.getloadavg()[0]]
     run = _torch_worker if contender.backend == "torch" else _keras_worker
-    per_step, info = run(contender, batch, warmup + steps)
+    per_step, info = run(contender, batch, warmup + steps, physical, rows, probe)
     if info["params"] != PARAMS:
         raise AssertionError(f"{name}: {info['params']} parameters, expected {PARAMS}")
     timed = per_step[warmup:]
@@ -496,6 +559,12 @@ def run_worker(python, contender, args):
     cmd = [python, str(Path(__file__).resolve()), "--worker", contender.name]
     cmd += ["--batch-size", str(args.batch_size), "--steps", str(args.steps)]
     cmd += ["--warmup", str(args.warmup)]
+    if getattr(args, "physical_batch_size", None):
+        cmd += ["--physical-batch-size", str(args.physical_batch_size)]
+    if getattr(args, "rows", None):
+        cmd += ["--rows", str(args.rows)]
+    if getattr(args, "no_probe", False):
+        cmd += ["--no-probe"]
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -605,8 +674,11 @@ def header(saved):
         versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
         lines.append(f"{kind} interpreter ({info['python']}): {versions or 'missing'}.")
     lines.append(f"lipdp: commit {saved['lipdp_commit']}.")
+    physical = s.get("physical_batch_size")
     lines.append(
-        f"Settings: b = {s['batch_size']}, {s['rounds']} round(s), {s['warmup']} warm-up + "
+        f"Settings: b = {s['batch_size']}"
+        + (f" computed {physical} rows at a time by the private contenders" if physical else "")
+        + f", {s['rounds']} round(s), {s['warmup']} warm-up + "
         f"{s['steps']} timed steps per worker, 1 thread per worker, cap {s['cap']:g} s."
     )
     return "\n".join(lines)
@@ -619,6 +691,15 @@ def _parse():
     parser.add_argument("--steps", type=int, default=10, help="timed steps per worker")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps")
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument(
+        "--physical-batch-size",
+        type=int,
+        default=None,
+        help="the private contenders compute each batch this many rows at a time (lipdp's "
+        "physical_batch_size, Opacus' BatchMemoryManager, jax-privacy's accumulation)",
+    )
+    parser.add_argument("--rows", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--contenders", nargs="+", default=[c.name for c in CONTENDERS])
     parser.add_argument("--cap", type=float, default=600.0, help="seconds per worker")
     parser.add_argument("--keras3-python", default=str(ROOT / ".venv" / "bin" / "python"))
@@ -651,6 +732,7 @@ def _start(args, pythons):
         "command": _command(),
         "settings": {
             "batch_size": args.batch_size,
+            "physical_batch_size": args.physical_batch_size,
             "rounds": args.rounds,
             "steps": args.steps,
             "warmup": args.warmup,
@@ -699,7 +781,15 @@ def _dump(saved, args):
 def main():
     args = _parse()
     if args.worker:
-        result = worker(args.worker, args.batch_size, args.warmup, args.steps)
+        result = worker(
+            args.worker,
+            args.batch_size,
+            args.warmup,
+            args.steps,
+            args.physical_batch_size,
+            args.rows,
+            not args.no_probe,
+        )
         print("RESULT " + json.dumps(result), flush=True)
         return
     if args.from_json:
