@@ -263,6 +263,8 @@ def test_a_subclassed_model_or_one_of_several_inputs_trains_exactly(kind, rng):
     assert 0.99 < ratios.min() and ratios.max() <= 1 + TOLERANCE
     model.fit(lipdp.private_batches(model, x, y), epochs=1, verbose=0)
     assert int(model.noisy_steps.numpy()) == N // B
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)  # the arrays, Poisson-sampled by fit
+    assert int(model.noisy_steps.numpy()) == 2 * (N // B)
 
 
 def test_a_non_finite_value_in_a_second_input_is_counted_and_contributes_nothing(rng):

@@ -33,6 +33,7 @@ JAX, and nothing Keras-3-only (Keras 2's differences are in :mod:`lipdp.foundati
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 
@@ -401,9 +402,12 @@ class PrivateModelBase:
     def _check_fit_arguments(self, x, y, batch_size, kwargs) -> None:
         """The guards of ``fit``, before any step: sample and class weights change the
         sensitivity; Poisson sampling needs Poisson batches drawn at the accountant's rate
-        (:meth:`_poisson_batches_facts`); fixed-size batches need ``N`` a multiple of
-        ``b`` and the ``N`` declared (the sampling rate ``b/N``); arrays are checked row by
-        row (rule S9: :func:`refuse_non_finite`, :meth:`_refuse_invalid_rows`)."""
+        (:meth:`_poisson_batches_facts`) or arrays that ``fit`` samples itself
+        (:meth:`_poisson_fit_data`); fixed-size batches need ``N`` a multiple of ``b``;
+        arrays must hold the ``N`` declared (the sampling rate ``b/N``) and are checked
+        row by row (rule S9: :func:`refuse_non_finite`, :meth:`_refuse_invalid_rows`).
+        ``kwargs``: every argument of ``fit`` after ``batch_size``, by name
+        (:func:`named_fit_arguments`)."""
         if not self._compiled_with_loss():
             raise RuntimeError("Call compile(loss=..., optimizer=...) before fit().")
         self._refuse_changed_trainable_state()
@@ -416,10 +420,13 @@ class PrivateModelBase:
         self._check_distributed_data(x)
         if self.poisson_sampling:
             facts = self._poisson_batches_facts(x)
+            if facts is None and _arrays(x):
+                self._check_arrays(x, y, batch_size, kwargs)
+                return
             if facts is None:
                 raise ValueError(
                     "dataset_metadata.sampling='poisson' needs Poisson-sampled batches: pass "
-                    f"{self._poisson_batches_hint}."
+                    f"the arrays themselves, fit(x, y), or {self._poisson_batches_hint}."
                 )
             check_poisson_batches(*facts, metadata)
             self._check_poisson_batch_sizes(x)
@@ -438,22 +445,7 @@ class PrivateModelBase:
             )
         if _not_arrays(x):  # batch sizes are checked when the step is traced
             return
-        refuse_non_finite(x, y)
-        self._refuse_invalid_rows(x, y)
-        n = len(compat.flatten(x)[0])
-        if batch_size is not None and batch_size != b:
-            raise ValueError(
-                f"fit(batch_size={batch_size}) differs from the batch size "
-                f"{b} declared in dataset_metadata."
-            )
-        split = kwargs.get("validation_split") or 0.0
-        n_train = int(math.floor(n * (1.0 - split)))
-        if n_train != metadata.nb_samples_train:
-            raise ValueError(
-                f"fit receives {n_train} training examples but dataset_metadata declares "
-                f"nb_samples_train={metadata.nb_samples_train}: the sampling rate b/N of the "
-                "privacy accounting comes from it. Declare the number of examples trained on."
-            )
+        n_train = self._check_arrays(x, y, batch_size, kwargs)
         if n_train % b:
             raise ValueError(
                 f"{n_train} training examples are not a multiple of batch_size={b}: the last "
@@ -465,6 +457,68 @@ class PrivateModelBase:
                 "fit(shuffle=False): batches are not random, so privacy "
                 "amplification by subsampling does not apply."
             )
+
+    def _check_arrays(self, x, y, batch_size, kwargs) -> int:
+        """The checks of arrays given to ``fit`` (either sampling): every row (rule S9),
+        ``batch_size`` the declared ``b``, the training part (before ``validation_split``)
+        of the declared ``N``; under Poisson sampling, labels and the steps per epoch of
+        the metadata. Returns the number of training examples."""
+        metadata = self.dataset_metadata
+        b = metadata.batch_size
+        if self.poisson_sampling and y is None:
+            raise ValueError(
+                "fit(x) without y: Poisson sampling draws (x, y) rows together; pass the "
+                "labels as y."
+            )
+        refuse_non_finite(x, y)
+        self._refuse_invalid_rows(x, y)
+        n = len(compat.flatten(x)[0])
+        if batch_size is not None and batch_size != b:
+            raise ValueError(
+                f"fit(batch_size={batch_size}) differs from the batch size "
+                f"{b} declared in dataset_metadata."
+            )
+        split = kwargs.get("validation_split") or 0.0
+        n_train = int(math.floor(n * (1.0 - split))) if kwargs.get("validation_data") is None else n
+        if n_train != metadata.nb_samples_train:
+            raise ValueError(
+                f"fit receives {n_train} training examples but dataset_metadata declares "
+                f"nb_samples_train={metadata.nb_samples_train}: the sampling rate b/N of the "
+                "privacy accounting comes from it. Declare the number of examples trained on."
+            )
+        steps = kwargs.get("steps_per_epoch")
+        if self.poisson_sampling and steps is not None and steps != metadata.nb_steps_per_epochs:
+            raise ValueError(
+                f"fit(steps_per_epoch={steps}) differs from the {metadata.nb_steps_per_epochs} "
+                "steps per epoch of dataset_metadata (the accountant's): omit steps_per_epoch."
+            )
+        return n_train
+
+    def _poisson_fit_data(self, x, y, batch_size, kwargs) -> tuple:
+        """``(x, y, batch_size)`` for Keras' ``fit``: under Poisson sampling, arrays become
+        Poisson batches drawn here (:func:`lipdp.privatize.private_batches`: every record
+        enters each batch independently with probability ``q = b/N``, from the operating
+        system's entropy -- rule S8 --, fresh draws every epoch, ``nb_steps_per_epochs``
+        steps an epoch: the mechanism the accountant analyses, rule S5), the way Keras
+        batches arrays otherwise. Keras' ``validation_split`` is applied first, exactly as
+        Keras does (the last ``validation_split`` of the rows, not shuffled, is held out:
+        the first ``N`` are trained on); validation arrays are evaluated in batches of
+        ``b``. ``shuffle`` does not apply (the draws are random). ``kwargs`` is updated in
+        place. Other data, and every sampling but Poisson, is returned unchanged."""
+        if not (self.poisson_sampling and self._poisson_batches_facts(x) is None and _arrays(x)):
+            return x, y, batch_size
+        from lipdp.privatize import private_batches
+
+        split = kwargs.pop("validation_split", None) or 0.0
+        if split and kwargs.get("validation_data") is None:
+            n = self.dataset_metadata.nb_samples_train
+            kwargs["validation_data"] = (_rows(x, slice(n, None)), _rows(y, slice(n, None)))
+            x, y = _rows(x, slice(None, n)), _rows(y, slice(None, n))
+        if isinstance(kwargs.get("validation_data"), (tuple, list)):
+            kwargs.setdefault("validation_batch_size", self.dataset_metadata.batch_size)
+        kwargs.pop("steps_per_epoch", None)  # checked: the metadata's, stated by the batches
+        kwargs["shuffle"] = False
+        return private_batches(self, x, y), None, None
 
     def _refuse_changed_trainable_state(self) -> None:
         """Refuse layers frozen or unfrozen since ``compile`` where the backend would train
@@ -720,6 +774,42 @@ def check_poisson_batches(rate, steps, metadata) -> None:
         )
 
 
+def named_fit_arguments(args, kwargs) -> dict:
+    """The arguments of ``fit`` after ``batch_size`` by name: positional ones (``fit(x, y,
+    32, 10)``) named as Keras' ``fit`` names them, so that every guard sees them."""
+    names = list(inspect.signature(keras.Model.fit).parameters)[4:]  # self, x, y, batch_size
+    if len(args) > len(names):
+        raise TypeError(f"fit() takes at most {len(names) + 3} positional arguments.")
+    named = dict(zip(names, args))
+    for name in set(named) & set(kwargs):
+        raise TypeError(f"fit() got multiple values for argument {name!r}.")
+    return {**named, **kwargs}
+
+
+def _arrays(x) -> bool:
+    """Whether ``x`` is arrays (numpy, tensors, data frames: one, or a dict, tuple or list
+    of them, one per input): data whose rows ``fit`` can sample itself."""
+    if x is None or isinstance(x, keras.utils.Sequence):
+        return False
+    if isinstance(x, (dict, tuple, list)):
+        leaves = list(x.values()) if isinstance(x, dict) else list(x)
+        return bool(leaves) and all(_array(leaf) for leaf in leaves)
+    return _array(x)
+
+
+def _array(leaf) -> bool:
+    return hasattr(leaf, "__array__") and hasattr(leaf, "shape") and hasattr(leaf, "__len__")
+
+
+def _rows(x, rows):
+    """The ``rows`` (a slice) of arrays ``x`` (one, or a dict, tuple or list of them)."""
+    if isinstance(x, dict):
+        return {key: value[rows] for key, value in x.items()}
+    if isinstance(x, (tuple, list)) and all(_array(leaf) for leaf in x):
+        return type(x)(value[rows] for value in x)
+    return x[rows]
+
+
 def _not_arrays(x) -> bool:
     """Whether ``x`` is no data, a ``keras.utils.Sequence`` (``PyDataset``), a callable or a
     generator: a source whose rows are not counted before ``fit``."""
@@ -737,6 +827,7 @@ __all__ = [
     "PrivateModelBase",
     "check_poisson_batches",
     "check_reduction",
+    "named_fit_arguments",
     "one_target_per_output",
     "other_backend_class",
     "refuse_mixed_precision",

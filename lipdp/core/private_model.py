@@ -42,6 +42,7 @@ from lipdp.core.private_base import (
     PrivateModelBase,
     check_poisson_batches,
     check_reduction,
+    named_fit_arguments,
     one_target_per_output,
 )
 from lipdp.core.private_base import refuse_mixed_precision as _refuse_mixed_precision
@@ -756,16 +757,28 @@ class PrivateModel(PrivateModelBase, keras.Model):
         return [fn() for layer in self._flatten_layers() for fn in layer._callable_losses]  # noqa: SLF001
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """Keras' ``fit``, privately. Under Poisson sampling, arrays (``fit(x, y,
+        batch_size=b, epochs=E)``, ``batch_size`` omitted or the declared ``b``) are
+        Poisson-sampled here, fresh every epoch, from the operating system's entropy
+        (:meth:`~lipdp.core.private_base.PrivateModelBase._poisson_fit_data`): ``shuffle``
+        does not apply, ``validation_split`` holds out Keras' last rows exactly (the
+        training part must be the declared ``N``), ``validation_data`` works and the steps
+        per epoch are the metadata's. ``tf.data`` pipelines must be lipdp's Poisson
+        batches (:func:`lipdp.private_batches`, ``lipdp.pipeline.poisson_batches``); a
+        pipeline whose sampling lipdp cannot know is refused. Fixed-size sampling
+        (``"shuffle"``): Keras batches the arrays, ``N`` a multiple of ``b``."""
+        kwargs = named_fit_arguments(args, kwargs)
         self._check_fit_arguments(x, y, batch_size, kwargs)
-        if getattr(x, "lipdp_partitioned", False) and not args:
+        x, y, batch_size = self._poisson_fit_data(x, y, batch_size, kwargs)
+        if getattr(x, "lipdp_partitioned", False):
             # An endless (distributed) stream of batches: its steps per epoch are stated.
             kwargs.setdefault("steps_per_epoch", x.lipdp_steps_per_epoch)
-        if compat.keras_3() and isinstance(x, tf.data.Dataset) and not args:
+        if compat.keras_3() and isinstance(x, tf.data.Dataset):
             # Batches drawn by the pipeline (Poisson, or shuffled there): Keras 3 would warn
             # at every fit that its default shuffle=True does not apply to a dataset.
             kwargs.setdefault("shuffle", False)
         self._prepare_weights_for_training()
-        return super().fit(x, y, batch_size, *args, **kwargs)
+        return super().fit(x, y, batch_size, **kwargs)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         """Keras 3 only (Keras 2 has no such method): Keras' build at the start of ``fit``

@@ -193,6 +193,24 @@ def test_replicas_stay_identical_and_epsilon_counts_global_steps(family):
         assert epsilon == get_eps_delta(single, epoch)[0]
 
 
+@pytest.mark.parametrize("family", h.FAMILIES)
+def test_fit_on_arrays_of_a_poisson_model_samples_them_under_mirrored(family):
+    """fit(x, y, batch_size=b) of a Poisson model under MirroredStrategy: the arrays are
+    Poisson-sampled by fit (batches of random size split between the replicas), the copies
+    stay identical, and epsilon is the plan's after the metadata's steps per epoch."""
+    x, y = h.data()
+    strategy = mirrored()
+    with strategy.scope():
+        model = h.build(family, 1.0, 16, sampling="poisson")
+    plan = model.privacy_plan()
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[DP_Accountant()])
+    for variable in model.trainable_variables:
+        copies = h.replica_copies(strategy, variable)
+        np.testing.assert_array_equal(copies[0], copies[1])
+    assert int(model.noisy_steps.numpy()) == 2 * (h.N // 16)
+    assert history.history["epsilon"] == [plan.epsilon(1), plan.epsilon(2)]
+
+
 def test_uneven_batches_and_dp_sat_are_refused_with_the_fix():
     x, y = h.data()
     strategy = mirrored()

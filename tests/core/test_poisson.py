@@ -80,8 +80,11 @@ def test_poisson_training_and_bounds_use_the_expected_batch_size():
     assert model.loss_normalizer == 8  # the clip layers receive it from the model
     history = model.fit(poisson_batches(x, y, 8 / 64, 8, seed=0), epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
-    with pytest.raises(ValueError, match="poisson_batches"):
-        model.fit(x, y, batch_size=8, verbose=0)
+    model.fit(x, y, batch_size=8, verbose=0)  # arrays: Poisson-sampled by fit itself
+    assert int(model.noisy_steps.numpy()) == 3 * 8
+    fixed = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
+    with pytest.raises(ValueError, match="fixed-size batches are not Poisson samples"):
+        model.fit(fixed, verbose=0)
 
 
 def test_empty_poisson_batch_still_gets_noise():

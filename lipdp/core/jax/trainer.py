@@ -46,7 +46,11 @@ import numpy as np
 from lipdp.core import noise
 from lipdp.core.jax import keys, ledger
 from lipdp.core.jax.batches import PoissonBatches
-from lipdp.core.private_base import PrivateModelBase, refuse_mixed_precision
+from lipdp.core.private_base import (
+    PrivateModelBase,
+    named_fit_arguments,
+    refuse_mixed_precision,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,13 +337,26 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
 
     # ----------------------------------------------------------------- guards
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """Keras' ``fit``, privately. Under Poisson sampling, arrays (``fit(x, y,
+        batch_size=b, epochs=E)``, ``batch_size`` omitted or the declared ``b``) become
+        padded Poisson batches (:class:`~lipdp.core.jax.batches.PoissonBatches`), fresh
+        every epoch, from the operating system's entropy
+        (:meth:`~lipdp.core.private_base.PrivateModelBase._poisson_fit_data`):
+        ``shuffle`` does not apply, ``validation_split`` holds out Keras' last rows exactly
+        (the training part must be the declared ``N``), ``validation_data`` works and the
+        steps per epoch are the metadata's. A ``PyDataset`` must be lipdp's Poisson
+        batches (:func:`lipdp.private_batches`); one whose sampling lipdp cannot know is
+        refused. Fixed-size sampling (``"shuffle"``): Keras batches the arrays in
+        batches of ``b``."""
+        kwargs = named_fit_arguments(args, kwargs)
         self._check_fit_arguments(x, y, batch_size, kwargs)
+        x, y, batch_size = self._poisson_fit_data(x, y, batch_size, kwargs)
         self._prepare_weights_for_training()
         if isinstance(x, PoissonBatches):
             kwargs.setdefault("shuffle", False)
         elif batch_size is None and not isinstance(x, keras.utils.PyDataset):
             batch_size = self.batch_size
-        return super().fit(x, y, batch_size, *args, **kwargs)
+        return super().fit(x, y, batch_size, **kwargs)
 
     def _poisson_batches_facts(self, x):
         """The rate and steps of padded Poisson batches (:mod:`lipdp.core.jax.batches`),

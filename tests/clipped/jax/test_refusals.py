@@ -180,10 +180,19 @@ def test_fixed_size_batches_must_have_the_declared_size():
 def test_poisson_models_take_poisson_batches_only():
     model = h.private(h.mlp(), batch_size=8, n=32)
     x, y = h.data(32)
+
+    class Batches(keras.utils.PyDataset):  # batches whose sampling lipdp cannot know
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return x[:8], y[:8]
+
     with pytest.raises(
-        ValueError, match="needs Poisson-sampled batches: pass lipdp.private_batches"
+        ValueError, match="needs Poisson-sampled batches: pass the arrays themselves, fit"
     ):
-        model.fit(x, y, epochs=1, verbose=0)
+        model.fit(Batches(), epochs=1, verbose=0)
+    assert int(model.noisy_steps.numpy()) == 0
     with pytest.raises(ValueError, match="sample_weight is not supported"):
         model.fit(lipdp.private_batches(model, x, y), sample_weight=np.ones(32), verbose=0)
 
