@@ -15,6 +15,8 @@ def run_line(verb, prepared, replicas=None) -> str:
     run, epochs = prepared.run, prepared.epochs
     recipe = run.model.resolved()
     devices = f", {replicas} replicas" if replicas else ""
+    if recipe.physical_batch_size is not None:
+        devices += f" computed {recipe.physical_batch_size} rows at a time"
     return (
         f"lipdp {verb}: {recipe.dataset}, {len(prepared.x_train)} training examples, batch "
         f"{recipe.batch_size}{devices}, method {recipe.method} ({method_detail(recipe)}), "

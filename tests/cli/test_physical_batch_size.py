@@ -32,3 +32,14 @@ def test_the_model_of_either_family_computes_p_rows_at_a_time(method):
     assert model.physical_batch_size == 7
     with pytest.raises(ValueError, match="physical_batch_size"):
         runs.ModelRecipe(physical_batch_size=-1)
+
+
+def test_the_run_line_says_how_many_rows_a_step_computes_at_once():
+    from types import SimpleNamespace
+
+    from lipdp.cli import output
+
+    run = SimpleNamespace(model=runs.ModelRecipe(physical_batch_size=64), epsilon=3.0)
+    prepared = SimpleNamespace(run=run, epochs=2, x_train=range(1536))
+    line = output.run_line("train", prepared)
+    assert "batch 512 computed 64 rows at a time," in line
