@@ -144,14 +144,8 @@ def _measure(saved, args, pythons):
                     file=sys.stderr,
                     flush=True,
                 )
-                _dump(saved, args)
+                cls._dump(saved, args)
     saved["total_wall_s"] = time.perf_counter() - started
-
-
-def _dump(saved, args):
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(saved, indent=1))
 
 
 # --------------------------------------------------------------------------- tables
@@ -369,7 +363,7 @@ def main():
     for name, why in saved["skipped"].items():
         print(f"{name}: not available ({why})", flush=True)
     _measure(saved, args, pythons)
-    _dump(saved, args)
+    cls._dump(saved, args)
     print(header(saved))
     print(table(saved))
 
