@@ -193,34 +193,7 @@ def private_batches(model, x, y, seed=None):
     :class:`~lipdp.core.jax.batches.PoissonBatches`); pass it to ``fit`` with
     ``epochs=E`` (fresh draws every epoch). ``seed=None``: drawn from the operating
     system, as amplification by subsampling assumes (rule S8)."""
-    metadata = model.dataset_metadata
-    if _several(metadata.input_shape):  # one array per input: a dict, list or tuple
-        x = dict(x) if isinstance(x, dict) else tuple(x)
-        records = len(compat.tf_nest_flatten(x)[0])
-    else:
-        records = len(x)
-    if records != metadata.nb_samples_train:
-        raise ValueError(
-            f"x has {records} records but the model was made private for dataset_size="
-            f"{metadata.nb_samples_train}: the sampling rate, and epsilon, come from it."
-        )
-    rate, steps = metadata.sampling_rate, metadata.nb_steps_per_epochs
-    if compat.keras_backend() == compat.JAX_BACKEND:
-        from lipdp.core.jax.batches import PoissonBatches
-
-        multiple = 8 * _data_parallel_devices()
-        return PoissonBatches(x, y, rate, steps, metadata.batch_size, multiple, seed)
-    from lipdp.data.sampling import poisson_batches
-
-    return poisson_batches(x, y, rate, steps, seed)
-
-
-def _data_parallel_devices() -> int:
-    """Devices a Keras 3 distribution shards the batch over (1 without one)."""
-    distribution = keras.distribution.distribution()
-    if distribution is None:
-        return 1
-    return int(distribution.device_mesh.devices.size)
+    return model.private_batches(x, y, seed)
 
 
 def _jax_model(

@@ -65,7 +65,8 @@ ALLOWED = {
     # the JAX trainer of both families (keys, ledger words, row isolation, Poisson batches,
     # the step skeleton): the shared base only, never a family
     "lipdp.core.jax": ("lipdp.core", "lipdp.foundation", "lipdp.accounting"),
-    "lipdp.core": ("lipdp.foundation", "lipdp.core", "lipdp.accounting"),
+    # (and the Poisson sampler of lipdp.data, below it: fit draws the batches of arrays)
+    "lipdp.core": ("lipdp.foundation", "lipdp.core", "lipdp.accounting", "lipdp.data.sampling"),
     # the clipless family's JAX trainer (lipdp.clipless.jax.trainer): the family's layers,
     # losses and bounds (written once for every backend) and the JAX step skeleton; never
     # the TensorFlow step (lipdp.clipless.model, lipdp.core.private_model)

@@ -34,6 +34,7 @@ from lipdp.clipless import layers as dp_layers
 from lipdp.clipless.bounds import bound_pass, parameterized_variables
 from lipdp.clipless.dynamic import dynamic_clip_layers
 from lipdp.clipless.layers import DP_BoundedInput, DP_InputLayer, DPLayer
+from lipdp.clipless.layers.fused import fused_kernels, no_fused_kernels
 from lipdp.core.batch_independence import refuse_coupling_layers
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.core.parameters import DPParameters
@@ -174,6 +175,12 @@ class CliplessFacts:
         user's DP layer and subclasses run one row at a time (:func:`runs_per_example`)."""
         return runs_per_example(layer)
 
+    def isolated_layer_call(self, layer, h, training, kwargs):
+        """The trainer's row-by-row call (TensorFlow) with the layers' fused XLA kernels
+        off: ``pfor`` cannot vectorise them (:mod:`lipdp.clipless.layers.fused`)."""
+        with no_fused_kernels():
+            return super().isolated_layer_call(layer, h, training, kwargs)
+
     def _check_loss(self, loss) -> None:
         check_loss(loss)
 
@@ -272,7 +279,9 @@ class _TensorFlowSteps:
         example's part is within the bounds of :meth:`sensitivities` (a variable the
         loss does not reach gets a zero gradient)."""
         x_adv = None if self.adversarial is None else self.adversarial_examples(x, y)
-        with tf.GradientTape() as tape:
+        # The layers run on the batch here, no pfor around them: their fused XLA kernels
+        # may run (lipdp.clipless.layers.fused).
+        with tf.GradientTape() as tape, fused_kernels():
             if x_adv is None:
                 loss, y_pred = self._clean_loss(x, y)
             else:

@@ -507,8 +507,6 @@ class PrivateModelBase:
         place. Other data, and every sampling but Poisson, is returned unchanged."""
         if not (self.poisson_sampling and self._poisson_batches_facts(x) is None and _arrays(x)):
             return x, y, batch_size
-        from lipdp.privatize import private_batches
-
         split = kwargs.pop("validation_split", None) or 0.0
         if split and kwargs.get("validation_data") is None:
             n = self.dataset_metadata.nb_samples_train
@@ -518,7 +516,32 @@ class PrivateModelBase:
             kwargs.setdefault("validation_batch_size", self.dataset_metadata.batch_size)
         kwargs.pop("steps_per_epoch", None)  # checked: the metadata's, stated by the batches
         kwargs["shuffle"] = False
-        return private_batches(self, x, y), None, None
+        return self.private_batches(x, y), None, None
+
+    def private_batches(self, x, y, seed=None):
+        """One epoch of Poisson batches of ``(x, y)`` at the model's rate ``q = b / N`` and
+        steps per epoch (:func:`lipdp.privatize.private_batches`; ``x``: for a model of
+        several inputs, one array per input, a dict or a list or tuple); the backend's
+        batches (:meth:`_poisson_batches`). ``seed=None``: drawn from the operating system
+        (rule S8)."""
+        metadata = self._metadata_for("training")
+        shape = metadata.input_shape
+        if bool(shape) and all(isinstance(s, tuple) for s in shape):  # several inputs
+            x = dict(x) if isinstance(x, dict) else tuple(x)
+            records = len(compat.tf_nest_flatten(x)[0])
+        else:
+            records = len(x)
+        if records != metadata.nb_samples_train:
+            raise ValueError(
+                f"x has {records} records but the model was made private for dataset_size="
+                f"{metadata.nb_samples_train}: the sampling rate, and epsilon, come from it."
+            )
+        return self._poisson_batches(x, y, metadata, seed)
+
+    def _poisson_batches(self, x, y, metadata, seed):
+        """The backend's Poisson batches of one epoch (``tf.data`` on TensorFlow, padded
+        numpy batches on JAX; backend hook)."""
+        raise NotImplementedError
 
     def _refuse_changed_trainable_state(self) -> None:
         """Refuse layers frozen or unfrozen since ``compile`` where the backend would train

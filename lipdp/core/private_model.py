@@ -877,6 +877,13 @@ class PrivateModel(PrivateModelBase, keras.Model):
     def _check_poisson_batch_sizes(self, x) -> None:
         _refuse_fixed_size_batches(x, self.dataset_metadata)
 
+    def _poisson_batches(self, x, y, metadata, seed):
+        """:func:`lipdp.data.sampling.poisson_batches` (a ``tf.data.Dataset``)."""
+        from lipdp.data.sampling import poisson_batches
+
+        rate, steps = metadata.sampling_rate, metadata.nb_steps_per_epochs
+        return poisson_batches(x, y, rate, steps, seed)
+
     def _checked_data_source(self, x) -> bool:
         """A ``tf.data`` pipeline of fixed-size batches yields the rows of a batch."""
         if not isinstance(x, tf.data.Dataset):

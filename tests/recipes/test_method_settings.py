@@ -41,6 +41,7 @@ EVERY_METHOD = {
     "--delta",
     "--allow-large-delta",
     "--batch-size",
+    "--physical-batch-size",
     "--noise-multiplier",
     "--epochs",
     "--sampling",

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
+from lipdp.clipless.layers.fused import fused_kernels_allowed
 from lipdp.foundation import compat
 
 #: ``DP_GroupSort(2)`` runs as one XLA-compiled kernel (forward, and one backward) when an
@@ -209,6 +210,8 @@ class DP_GroupSort(keras.layers.Layer, NonExpansiveLayer):
     def _use_xla(self, input_shape):
         if self.jit_compile is not None:
             return self.jit_compile
+        if not fused_kernels_allowed():  # e.g. under pfor (lipdp.clipless.layers.fused)
+            return False
         return math.prod(input_shape[1:]) >= XLA_MIN_VALUES_PER_EXAMPLE
 
     def call(self, x):

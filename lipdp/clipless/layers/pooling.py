@@ -15,6 +15,7 @@ import math
 import keras
 
 from lipdp.clipless.layers.base import NonExpansiveLayer, register
+from lipdp.clipless.layers.fused import fused_kernels_allowed
 from lipdp.foundation import compat, validation
 
 _EPS = 1e-6
@@ -110,7 +111,7 @@ class DP_ScaledL2NormPooling2D(keras.layers.Layer, NonExpansiveLayer):
         self.eps = validation.positive("eps", eps)
 
     def call(self, inputs):
-        if self._fused(inputs.shape):
+        if fused_kernels_allowed() and self._fused(inputs.shape):
             return l2_norm_pool_xla(inputs, self.pool_size, self.eps)
         ops = compat.array_ops()
         squares = ops.square(inputs)

@@ -87,4 +87,14 @@ class PoissonBatches(keras.utils.PyDataset):
         return keras.tree.map_structure(padded, self.x), padded(self.y), weights
 
 
-__all__ = ["PoissonBatches", "padded_size"]
+__all__ = ["PoissonBatches", "padded_size", "data_parallel_devices"]
+
+
+def data_parallel_devices() -> int:
+    """Devices a Keras 3 distribution shards the batch over (1 without one)."""
+    import keras
+
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    return int(distribution.device_mesh.devices.size)

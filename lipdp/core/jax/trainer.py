@@ -45,7 +45,7 @@ import numpy as np
 
 from lipdp.core import noise
 from lipdp.core.jax import keys, ledger
-from lipdp.core.jax.batches import PoissonBatches
+from lipdp.core.jax.batches import PoissonBatches, data_parallel_devices
 from lipdp.core.private_base import (
     PrivateModelBase,
     named_fit_arguments,
@@ -357,6 +357,13 @@ class JaxPrivateTrainer(PrivateModelBase, keras.Model):
         elif batch_size is None and not isinstance(x, keras.utils.PyDataset):
             batch_size = self.batch_size
         return super().fit(x, y, batch_size, **kwargs)
+
+    def _poisson_batches(self, x, y, metadata, seed):
+        """:class:`~lipdp.core.jax.batches.PoissonBatches`, padded to a multiple of 8 rows
+        per device of a Keras distribution."""
+        multiple = 8 * data_parallel_devices()
+        rate, steps = metadata.sampling_rate, metadata.nb_steps_per_epochs
+        return PoissonBatches(x, y, rate, steps, metadata.batch_size, multiple, seed)
 
     def _poisson_batches_facts(self, x):
         """The rate and steps of padded Poisson batches (:mod:`lipdp.core.jax.batches`),
