@@ -125,10 +125,11 @@ def _budget_stop_line(args, prepared):
     )
 
 
-def _interrupted_line(args, prepared) -> str:
+def _interrupted_line(args, prepared, after_training=False) -> str:
     """Where a run stopped by Ctrl-C stopped, the epsilon it spent (the epochs begun, a
     partial one counted whole: the accountant's own rule) and, with ``--save``, where the
-    partial model was saved."""
+    partial model was saved (``after_training``: stopped in the test evaluation, the
+    trained model saved)."""
     from lipdp.core.callbacks import epochs_trained, noisy_steps_taken
     from lipdp.core.report import privacy_report
 
@@ -141,14 +142,20 @@ def _interrupted_line(args, prepared) -> str:
     if step == 0:
         epoch, step = epoch - 1, per_epoch
     report = privacy_report(model, accountant=args.accountant)
+    where = (
+        "in the test evaluation, after training"
+        if after_training
+        else f"at epoch {epoch + 1}/{prepared.epochs}, step {step}/{per_epoch}"
+    )
     line = (
-        f"interrupted at epoch {epoch + 1}/{prepared.epochs}, step {step}/{per_epoch}: "
+        f"interrupted {where}: "
         f"epsilon = {report.epsilon:.4f} spent (delta = {report.delta:g}, "
         f"{epochs_trained(model)} epoch(s) begun)"
     )
     if args.save:
         model.save(args.save)
-        return f"{line}; partial model saved to {args.save}"
+        kept = "trained" if after_training else "partial"
+        return f"{line}; {kept} model saved to {args.save}"
     return f"{line}; nothing saved (--save PATH keeps the partial model)"
 
 
@@ -159,7 +166,10 @@ def train_command(args) -> int:
 
     prepared, seconds = _train(args, "train")
     model, data = prepared.model, prepared.data
-    accuracy = runs.metrics_on_test_set(model, data)["accuracy"]
+    try:
+        accuracy = runs.metrics_on_test_set(model, data)["accuracy"]
+    except KeyboardInterrupt:  # the training is done: its epsilon and model are not lost
+        raise Interrupted(_interrupted_line(args, prepared, after_training=True)) from None
     print()
     print(privacy_report(model, accountant=args.accountant))
     print(f"test accuracy: {accuracy:.4f} ({len(data.x_test)} examples, {seconds:.1f} s training)")

@@ -213,6 +213,25 @@ def test_ctrl_c_prints_one_line_and_saves_the_partial_model(tmp_path, monkeypatc
     )
 
 
+def test_ctrl_c_in_the_test_evaluation_keeps_the_trained_model(tmp_path, monkeypatch, capsys):
+    """Ctrl-C after the last epoch (in the test evaluation): the training is whole, so its
+    epsilon is said and the trained model saved, not lost (before: "interrupted")."""
+    from lipdp.core.report import privacy_report
+
+    def interrupted(model, data):
+        raise KeyboardInterrupt
+
+    path = tmp_path / "trained.keras"
+    monkeypatch.setattr(runs, "metrics_on_test_set", interrupted)
+    assert cli.main(["train", "--quiet", "--epochs", "1", "--save", str(path)]) == 130
+    report = privacy_report(keras.models.load_model(path))
+    assert capsys.readouterr().err == (
+        f"lipdp train: interrupted in the test evaluation, after training: epsilon = "
+        f"{report.epsilon:.4f} spent (delta = 1e-05, 1 epoch(s) begun); trained model saved "
+        f"to {path}\n"
+    )
+
+
 def test_ctrl_c_before_training_is_one_line(monkeypatch, capsys):
     def interrupted(run, data=None, strategy=None):
         raise KeyboardInterrupt
