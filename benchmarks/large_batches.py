@@ -5,8 +5,7 @@
         [--warmup 1] [--contenders ...] [--cap 900] [--json out.json]
     .venv/bin/python benchmarks/large_batches.py --from-json out.json
 
-Results and their reading: benchmarks/README.md, section "Large logical batches (issue
-39)".
+Results and their reading: benchmarks/README.md, section "Large logical batches".
 
 **What is measured.** A *logical* batch of ``b`` rows (one noisy update, one step of the
 accountant) computed ``P`` rows at a time (the *physical* batch): per-example clipped (or,

@@ -6,7 +6,7 @@ per-example engine, side by side with the plain Keras step, in one process.
         [--batch-sizes 256 1024] [--rounds 3] [--steps 6] [--warmup 2] [--json out.json]
 
 Results and their reading: benchmarks/README.md, section "Where the private step's time
-goes (issue 39)".
+goes".
 
 **The network and the step** are those of ``cross_library_speed.py`` (the unconstrained
 50 080-parameter CNN, softmax cross-entropy, SGD(0.01); the clipped contender is

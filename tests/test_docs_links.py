@@ -112,3 +112,66 @@ def test_every_cited_rule_is_defined_with_its_anchor():
     for path in sources:
         cited |= {int(n) for n in re.findall(r"(?<![\w])S(\d+)(?![\w])", path.read_text("utf-8"))}
     assert cited <= defined, f"rules cited but not defined: {sorted(cited - defined)}"
+
+
+# --- Citations of benchmarks/README.md sections --------------------------------------
+#
+# Pages and docstrings cite a benchmark section by its name, in quotes after the file
+# name (`benchmarks/README.md`, "Large logical batches") or in brackets in the tables of
+# docs/which_method.md; the sections are not linked (the site does not publish
+# benchmarks/README.md), so this test is what keeps the names in step with the headings.
+
+BENCHMARKS_README = ROOT / "benchmarks" / "README.md"
+_QUOTED = re.compile(r"benchmarks/README\.md`{0,2}\)?[,\s(]*(?:section\s+)?\"([^\"]+)\"")
+_BRACKETED = re.compile(r"\[([^\]\[]+)\](?!\()")
+
+
+def _headings() -> list[str]:
+    text = BENCHMARKS_README.read_text("utf-8")
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return [m.strip().replace("`", "") for m in re.findall(r"^#{2,6} (.+)$", text, re.M)]
+
+
+def _flat(text: str) -> str:
+    """One line: comment markers and indentation of wrapped lines removed."""
+    return re.sub(r"\s*\n\s*(?:#:?\s*)?", " ", text)
+
+
+def _cited_sections() -> list[tuple[str, str]]:
+    sources = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.glob("**/*.md")]
+    sources += [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "lipdp").glob("**/*.py")]
+    cited = []
+    for path in sources:
+        text = _flat(path.read_text("utf-8"))
+        cited += [(path.name, name) for name in _QUOTED.findall(text)]
+    which = (DOCS / "which_method.md").read_text("utf-8")
+    for cell in _BRACKETED.findall(which):
+        cited += [("which_method.md", name.strip()) for name in cell.split(";")]
+    return cited
+
+
+def test_the_citation_patterns_find_the_known_citations():
+    cited = {name for _, name in _cited_sections()}
+    assert {
+        "Large logical batches",
+        "Calibration of clipped DP-SGD",
+        "The default commands",
+    } <= cited
+    assert len(cited) >= 15
+
+
+def test_every_cited_benchmark_section_exists():
+    headings = [h.lower() for h in _headings()]
+    missing = sorted(
+        {
+            f"{where}: {name!r}"
+            for where, name in _cited_sections()
+            if not any(h.startswith(name.lower().replace("`", "")) for h in headings)
+        }
+    )
+    assert not missing, f"benchmark sections cited but not found in benchmarks/README.md: {missing}"
+
+
+def test_benchmark_headings_carry_no_issue_number():
+    numbered = [h for h in _headings() if re.search(r"\bissues? ?#?\d", h, re.I)]
+    assert not numbered, f"headings named after issues (name them by topic): {numbered}"

@@ -95,7 +95,13 @@ def evaluation_lines(results, config) -> list:
     robustness table, calibration, membership inference."""
     lines = [f"test accuracy: {results.accuracy:.4f} ({results.test_examples} examples)"]
     if results.lipschitz is not None:
-        lines.append(f"Lipschitz constant (from the layers): {results.lipschitz:.6g}")
+        lines.append(
+            f"Lipschitz constant w.r.t. the raw input (from the layers): {results.lipschitz:.6g}"
+        )
+        lines.append(
+            f"certified l2 radius in raw input units ({_CERTIFICATES[results.certificate]}): "
+            f"median {results.median_radius:.4g} over the correctly classified test examples"
+        )
         lines.append("certified accuracy (l2 radius: accuracy):")
         for radius, value in zip(config.radii, results.certified):
             lines.append(f"  {radius:g}: {value:.4f}")
@@ -110,6 +116,14 @@ def evaluation_lines(results, config) -> list:
     )
     lines.append(_membership_line(results.membership))
     return lines
+
+
+#: How ``lipdp evaluate`` names each certificate (:func:`lipdp.evaluation.model_certified_radius`).
+_CERTIFICATES = {
+    "global": "margin / (sqrt 2 L)",
+    "local": "local certificate: the group normalisation's slope on the ball around each "
+    "example instead of its worst case 1/alpha",
+}
 
 
 def robustness_table(results, config) -> list:

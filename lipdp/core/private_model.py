@@ -376,8 +376,9 @@ class PrivateModel(PrivateModelBase, keras.Model):
         a trainable variable of the model itself, e.g. a weight penalty written inside the
         loss: the sensitivities bound the loss's gradient through the predictions only,
         and the penalty's gradient comes once per sampled row (clipless family: remove-one
-        ratio 2.8, ``tests/test_attacks_issue26.py``). A hook: the clipped family lets its gradient
-        method decide (:func:`lipdp.clipped.per_example.refuse_loss_reads`)."""
+        ratio 2.8, ``tests/test_attacks_couplings_records_ledger.py``). A hook: the clipped
+        family lets its gradient method decide
+        (:func:`lipdp.clipped.per_example.refuse_loss_reads`)."""
         own = {variable_key(v) for v in self.trainable_variables}
         for v in read:
             if variable_key(v) in own:

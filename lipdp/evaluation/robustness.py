@@ -45,6 +45,13 @@ correctly classified *and* certified at each radius ``r``: certified radius
 ``> r`` for ``r > 0`` (strict: at ``||delta|| = m / (sqrt(2) L)`` a tie is possible),
 clean accuracy at ``r = 0``.
 
+A :class:`~lipdp.clipless.layers.DP_GroupNormalization` (the scattering network of
+``lipdp train``) makes ``L`` useless: it counts the layer's worst slope ``1 / alpha``
+(``alpha = 1e-4`` there: ``L`` about 2 500 w.r.t. the pixels). For such a model
+:func:`model_certified_radius` (and :func:`certified_accuracy` without an explicit
+``lipschitz``) certify with the layer's slope on the ball around each example instead
+(:mod:`lipdp.evaluation.local_certificates`), never a smaller radius.
+
 Attacks
 -------
 :func:`pgd_attack` (projected gradient ascent on the margin loss over the ``l2`` or
@@ -133,14 +140,50 @@ def certified_accuracy(model, x, y, radii, lipschitz: float | None = None, batch
         x, y: examples and labels (integers or one-hot).
         radii: iterable of ``l2`` radii ``r >= 0`` in input space (the space of
             ``x`` as fed to the model, before the model's input clipping).
-        lipschitz: the model's constant; default :func:`lipschitz_constant`.
+        lipschitz: a constant of the model: the global certificate with it. Default: the
+            radii of :func:`model_certified_radius` (the local certificate of a model with
+            a group normalisation, the global one with :func:`lipschitz_constant`
+            otherwise).
 
     Returns:
         ``np.ndarray`` aligned with ``radii``; at ``r = 0`` the clean accuracy.
     """
-    if lipschitz is None:
-        lipschitz = lipschitz_constant(model)
-    return certified_accuracy_from_logits(predict_logits(model, x, batch_size), y, radii, lipschitz)
+    logits = predict_logits(model, x, batch_size)
+    if lipschitz is not None:
+        return certified_accuracy_from_logits(logits, y, radii, lipschitz)
+    radius, _ = model_certified_radius(model, x, batch_size, logits=logits)
+    return certified_accuracy_from_radius(logits, y, radii, radius)
+
+
+def certified_accuracy_from_radius(logits, y, radii, radius) -> np.ndarray:
+    """Certified accuracy at each of ``radii`` from each example's certified ``radius``
+    (correct and ``radius > r``; the clean accuracy at ``r = 0``)."""
+    radii = np.atleast_1d(np.asarray(radii, dtype=np.float64))
+    if np.any(radii < 0):
+        raise ValueError("radii must be >= 0.")
+    correct = _predictions(logits) == class_indices(y)
+    radius = np.asarray(radius, dtype=np.float64)
+    return np.array([np.mean(correct & ((r == 0) | (radius > r))) for r in radii])
+
+
+def model_certified_radius(model, x, batch_size=512, logits=None):
+    """Each example's certified ``l2`` radius in the space of ``x`` (raw inputs, as fed to
+    the model) and the certificate used: ``"local"`` for a model with one group
+    normalisation (:mod:`lipdp.evaluation.local_certificates`: its slope around each
+    example instead of its worst case ``1 / alpha``; never smaller), ``"global"``
+    (``margin / (sqrt(2) L)``, :func:`lipschitz_constant`) otherwise.
+
+    Returns:
+        ``(radius, kind)``: an ``np.ndarray`` of radii and ``"local"`` or ``"global"``.
+    """
+    from lipdp.evaluation.local_certificates import local_certified_radius
+
+    local = local_certified_radius(model, x, batch_size)
+    if local is not None:
+        return local, "local"
+    if logits is None:
+        logits = predict_logits(model, x, batch_size)
+    return certified_radius(logits, lipschitz_constant(model)), "global"
 
 
 # ----------------------------------------------------------------------------- attacks
@@ -297,16 +340,14 @@ def robustness_curves(
     if certified is None:
         certified = callable(getattr(model, "bounds", None))
     if certified:
-        lipschitz = lipschitz_constant(model)
         logits = predict_logits(model, x)
+        radius, _ = model_certified_radius(model, x, logits=logits)
         dim = int(np.prod(np.asarray(x).shape[1:]))
-        curves["certified_l2"] = certified_accuracy_from_logits(
-            logits, y, radii, lipschitz
-        ).tolist()
+        curves["certified_l2"] = certified_accuracy_from_radius(logits, y, radii, radius).tolist()
         if "linf" in norms:
             wide = [adversarial.matching_l2_radius(r, dim) if r > 0 else 0.0 for r in radii]
-            curves["certified_linf"] = certified_accuracy_from_logits(
-                logits, y, wide, lipschitz
+            curves["certified_linf"] = certified_accuracy_from_radius(
+                logits, y, wide, radius
             ).tolist()
     return curves
 
@@ -461,6 +502,8 @@ __all__ = [
     "certified_radius",
     "certified_accuracy",
     "certified_accuracy_from_logits",
+    "certified_accuracy_from_radius",
+    "model_certified_radius",
     "pgd_attack",
     "pgd_l2_attack",
     "robust_accuracy",

@@ -2,8 +2,10 @@
 
 :func:`evaluate_model` computes, on a trained model (:func:`lipdp.recipes.runs.train`) or a
 saved one (:func:`load_private_model`): the test accuracy; for a Lipschitz (clipless) model
-the Lipschitz constant of its bound pass and the certified accuracy at each radius (a
-clipped DP-SGD network has no bound: none); the accuracy under PGD at the same radii (an
+the Lipschitz constant of its bound pass w.r.t. the raw input, each test example's certified
+radius (local for a network with a group normalisation:
+:func:`lipdp.evaluation.model_certified_radius`) and the certified accuracy at each radius
+(a clipped DP-SGD network has no bound: none); the accuracy under PGD at the same radii (an
 upper bound on robust accuracy); the calibration errors; and the AUROC of
 membership-inference attacks (:mod:`lipdp.evaluation`).
 
@@ -72,9 +74,16 @@ class EvaluationResults:
     Attributes:
         accuracy: test accuracy (of the calibration's probabilities' argmax).
         test_examples: the number of test examples.
-        lipschitz: the Lipschitz constant from the layers; ``None`` for a clipped DP-SGD
-            network (no bound).
+        lipschitz: the Lipschitz constant from the layers, w.r.t. the raw input (the
+            space of ``data.x_test``); ``None`` for a clipped DP-SGD network (no bound).
         certified: certified accuracy at each radius (``None`` as ``lipschitz``).
+        certificate: ``"local"`` (a group normalisation's slope around each example,
+            :mod:`lipdp.evaluation.local_certificates`) or ``"global"`` (``margin /
+            (sqrt(2) lipschitz)``); ``None`` as ``lipschitz``.
+        radius: each test example's certified ``l2`` radius in that space (``None`` as
+            ``lipschitz``).
+        median_radius: the median of ``radius`` over the correctly classified test
+            examples (0 when there is none; ``None`` as ``lipschitz``).
         calibration: the :class:`~lipdp.evaluation.calibration.CalibrationReport`.
         membership: the membership-inference report (train vs test).
         robustness: :func:`~lipdp.evaluation.robustness_curves` on the first
@@ -90,6 +99,9 @@ class EvaluationResults:
     membership: object
     robustness: dict | None
     attacked: int
+    certificate: str | None = None
+    radius: object = None
+    median_radius: float | None = None
 
 
 def is_lipschitz(model) -> bool:
@@ -104,16 +116,22 @@ def evaluate_model(model, data, x_train, y_train, config=None) -> EvaluationResu
     """The measurements of ``config`` (:class:`EvaluationConfig`, default its defaults) of
     ``model`` on ``data``'s test set; ``(x_train, y_train)`` (labels one-hot) are the members
     of the membership-inference attacks."""
+    import numpy as np
+
     from lipdp import evaluation
 
     config = EvaluationConfig.coerce(config or EvaluationConfig())
     x_test, y_test = data.x_test, data.y_test
-    lipschitz = certified = None
+    lipschitz = certified = certificate = radius = median_radius = None
     if is_lipschitz(model):
         lipschitz = evaluation.lipschitz_constant(model)
-        certified = evaluation.certified_accuracy(
-            model, x_test, y_test, list(config.radii), lipschitz
+        logits = evaluation.predict_logits(model, x_test)
+        radius, certificate = evaluation.model_certified_radius(model, x_test, logits=logits)
+        certified = evaluation.certified_accuracy_from_radius(
+            logits, y_test, list(config.radii), radius
         )
+        correct = np.argmax(logits, axis=1) == evaluation.class_indices(y_test)
+        median_radius = float(np.median(radius[correct])) if correct.any() else 0.0
     probs = evaluation.predict_probabilities(model, x_test)
     calibration = evaluation.calibration_report(probs, y_test, config.bins)
     membership = evaluation.membership_inference(
@@ -130,6 +148,9 @@ def evaluate_model(model, data, x_train, y_train, config=None) -> EvaluationResu
         membership,
         robustness,
         attacked,
+        certificate,
+        radius,
+        median_radius,
     )
 
 

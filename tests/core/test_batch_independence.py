@@ -781,7 +781,7 @@ def test_randomness_the_probe_cannot_replay_is_refused_naming_the_layer(rng):
 
 def test_the_probe_refuses_a_layer_depending_on_the_batch_size(rng):
     """Nothing a gradient or a redrawn row sees: found by removing a row (the loss's
-    case, with its remove-one ratio, is in tests/test_attacks_issue26.py)."""
+    case, with its remove-one ratio, is in tests/test_attacks_couplings_records_ledger.py)."""
     per_size = K.Lambda(lambda h: h * BATCH / tf.cast(tf.shape(h)[0], h.dtype), name="per_size")
     model = _dpsgd([K.Dense(8, input_shape=(FEATURES,)), per_size, K.Dense(CLASSES)])
     with pytest.raises(ValueError) as error:

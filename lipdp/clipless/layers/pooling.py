@@ -71,7 +71,8 @@ def l2_norm_pool_xla(x, pool_size, eps):
     ``x g / r`` (one elementwise pass), with the custom gradient between them in the
     graph. The same function and gradient as the generic path (square, average pooling
     times the area, root; autodiff) up to float round-off in the order of the window sum
-    (one or two ulps), in half the memory passes (``benchmarks/README.md``, issue 39)."""
+    (one or two ulps), in half the memory passes (``benchmarks/README.md``, "Where the
+    private step's time goes")."""
     import tensorflow as tf
 
     if not _XLA_POOL:
