@@ -120,6 +120,17 @@ it, for both families:
    s); later steps take 0.01 s. Three test files that train some 70 small models
    (``tests/clipped/test_model.py``, ``tests/core/test_train_step.py``,
    ``tests/clipless/test_model.py``) run in 68 s instead of 60 s.
+   Memory (issue 39): at most one large pass is held whole at a time -- the model-size
+   one of the first scenario, the reference of the passes that follow it. A pass used in
+   one comparison only (the larger batch, the model-size batch minus its last row) is
+   compared stage by stage as its layers return their outputs and keeps the verdicts,
+   not the outputs; kept outputs are numpy views of the tensors' buffers (no copy); the
+   comparisons run in float64 pieces of :data:`COMPARE_CHUNK` entries. The same tests on
+   the same values as when every pass was kept (``tests/core/test_batch_independence.py``:
+   couplings only those passes show are refused), in about a quarter of the memory: on
+   the CNN of ``benchmarks/large_batches.py`` at ``P = 512`` (passes of 512 and 603
+   rows) the probe's peak went from +1 486 MB to +395 MB above the built model, below the
+   clipped step's own peak.
    The model argument ``independence_probe=False`` skips it (the structural walk and the
    per-example check still run); :func:`lipdp.core.report.privacy_report` then says so.
 
@@ -244,6 +255,10 @@ PROBE_SEED = 2602
 #: which rows are deemed coupled: exactly 0 for layers that treat rows separately (their
 #: cotangents are exact zeros), about ``1 / B^2`` for a batch mean over ``B`` rows.
 PROBE_TOLERANCE = 1e-10
+
+#: Entries compared at once (float64) by the probe's comparisons: bounds their temporary
+#: memory (8 MB a copy) whatever the size of the compared outputs.
+COMPARE_CHUNK = 1 << 20
 
 
 # ------------------------------------------------------------- per-example losses
@@ -523,18 +538,29 @@ def row_sets(rows) -> list:
 def _moved(a, b) -> bool:
     """Whether two values differ beyond float round-off: relative to the squared norm of
     the whole block ``a`` (its finite entries); a non-finite entry must be the same
-    non-finite value in both (a row that overflows does so in every pass)."""
-    a = np.asarray(a, np.float64).ravel()
-    b = np.asarray(b, np.float64).ravel()
-    finite_a, finite_b = np.isfinite(a), np.isfinite(b)
-    if np.any(finite_a != finite_b):
-        return True
-    odd = ~finite_a
-    if np.any(odd) and not np.all((a[odd] == b[odd]) | (np.isnan(a[odd]) & np.isnan(b[odd]))):
-        return True
-    a, b = a[finite_a], b[finite_a]
-    change = float(np.sum(np.square(a - b)))
-    return change > PROBE_TOLERANCE * max(float(np.sum(np.square(a))), 1e-30)
+    non-finite value in both (a row that overflows does so in every pass).
+
+    Computed in float64 over consecutive pieces of :data:`COMPARE_CHUNK` entries (the sums
+    of squares accumulated over the pieces): the same test as on the whole arrays, with
+    float64 temporaries of one piece instead of several copies of a stage of a large probe
+    batch (issue 39: they set the probe's peak memory)."""
+    a, b = np.ravel(a), np.ravel(b)
+    change = norm = 0.0
+    for start in range(0, a.size, COMPARE_CHUNK):
+        piece_a = np.asarray(a[start : start + COMPARE_CHUNK], np.float64)
+        piece_b = np.asarray(b[start : start + COMPARE_CHUNK], np.float64)
+        finite_a, finite_b = np.isfinite(piece_a), np.isfinite(piece_b)
+        if np.any(finite_a != finite_b):
+            return True
+        odd = ~finite_a
+        if np.any(odd):
+            x, y = piece_a[odd], piece_b[odd]
+            if not np.all((x == y) | (np.isnan(x) & np.isnan(y))):
+                return True
+            piece_a, piece_b = piece_a[finite_a], piece_b[finite_a]
+        change += float(np.sum(np.square(piece_a - piece_b)))
+        norm += float(np.sum(np.square(piece_a)))
+    return change > PROBE_TOLERANCE * max(norm, 1e-30)
 
 
 def _rows_moved(a, b) -> bool:
@@ -557,12 +583,24 @@ class _Forward:
     ``cut``'s copied out of the history of the layers before (:func:`_taped_pass`). A pass
     keeps its ``labels``, per-row ``losses`` and the values of the variables the replay
     tracks after it (``variables``); the taped pass also the weighted loss sums of the
-    Jacobian's row sets (``targets``) and the ``extra`` losses."""
+    Jacobian's row sets (``targets``) and the ``extra`` losses.
+
+    ``against = (reference, reference_rows, own_rows, own_first)``: a pass whose only use
+    is one comparison with the pass ``reference`` (rows ``reference_rows`` of it against
+    rows ``own_rows`` of this one; this pass in the role of ``first`` of
+    :meth:`_Probe.difference` if ``own_first``) makes that comparison stage by stage as
+    each layer returns its outputs, and keeps the verdicts (``compared``: ``{stage:
+    moved}``), not the outputs: the same tests on the same values, without holding a
+    second large batch's every activation (issue 39: the probe's peak memory)."""
 
     labels = losses = targets = sets = extra = variables = first_gradients = None
 
-    def __init__(self, model, x, tape=None, cut=-1):
+    def __init__(self, model, x, tape=None, cut=-1, against=None):
         self.stages, self.watched, self._arrays = {}, [], {}
+        # A pass without a tape keeps its outputs as numpy arrays only (what its
+        # comparisons read; views of the tensors' buffers, no copy), not the tensors.
+        self._tensors = tape is not None
+        self.against, self.compared = against, {}
         self._record(-1, x, tape if cut < 0 else None)
 
         def observe(index, h):
@@ -574,6 +612,16 @@ class _Forward:
 
     def _record(self, stage, h, tape):
         self.stages[stage] = _float_tensors(h)
+        if not self._tensors:
+            self.stages[stage] = self._arrays[stage] = [np.asarray(t) for t in self.stages[stage]]
+        if self.against is not None and stage >= 0:
+            reference, reference_rows, own_rows, own_first = self.against
+            theirs, mine = reference.arrays(stage), self._arrays.pop(stage)
+            pairs = [(b[own_rows], a[reference_rows]) for a, b in zip(theirs, mine)]
+            self.compared[stage] = len(mine) != len(theirs) or any(
+                _rows_moved(*(pair if own_first else pair[::-1])) for pair in pairs
+            )
+            self.stages[stage] = None  # compared, not kept
         if tape is not None:
             for t in self.stages[stage]:
                 tape.watch(t)
@@ -1136,6 +1184,7 @@ class _Probe:
                 self.check_large(x, labels, forward, first=first)
             if first:
                 self.check_traced(x, labels)
+                self.size_passes = {}  # the large passes released before the next scenario
             return len(replay.keras) + len(replay.tensorflow)
 
     # --------------------------------------------------------------------- passes
@@ -1175,25 +1224,42 @@ class _Probe:
         forward.variables = self.replay.variable_values()
         return forward, tape, labels
 
-    def run_pass(self, x, labels) -> _Forward:
-        """A pass (no tape) from the replayed state: outputs, losses, variables after."""
+    def run_pass(self, x, labels, against=None) -> _Forward:
+        """A pass (no tape) from the replayed state: outputs (or, with ``against``, their
+        comparisons: :class:`_Forward`), losses, variables after."""
         self.replay.reset()
         self.passes += 1
-        forward = _Forward(self.model, x)
+        forward = _Forward(self.model, x, against=against)
         forward.labels = labels
         forward.losses = self.model.per_example_losses(labels, forward.y_pred)
         forward.variables = self.replay.variable_values()
         return forward
 
-    def rows_pass(self, x, labels, rows) -> _Forward:
-        return self.run_pass(_take(x, rows), _take(labels, rows))
+    def rows_pass(self, x, labels, rows, against=None) -> _Forward:
+        return self.run_pass(_take(x, rows), _take(labels, rows), against)
 
     # ---------------------------------------------------------------- comparisons
     def difference(self, first, rows, other, other_rows=slice(None)):
         """The first top-level stage whose outputs differ between two passes (rows
         ``rows`` of ``first`` against rows ``other_rows`` of ``other``), ``"loss"`` if only
-        the losses differ, or ``None``."""
-        for stage in sorted(k for k in first.stages if k >= 0):
+        the losses differ, or ``None``. ``other`` may have been compared with ``first`` as
+        it ran (:class:`_Forward`, ``against``): its verdicts are read, stage by stage in
+        the same order (a stage it did not reach counts as moved)."""
+        streamed = None
+        if getattr(first, "against", None) is not None:
+            streamed, expected = first, (other, other_rows, rows, True)
+        elif getattr(other, "against", None) is not None:
+            streamed, expected = other, (first, rows, other_rows, False)
+        if streamed is not None and (
+            streamed.against[0] is not expected[0] or streamed.against[1:] != expected[1:]
+        ):
+            raise AssertionError("A streamed probe pass is compared with another pass.")
+        reference = other if streamed is first else first
+        for stage in sorted(k for k in reference.stages if k >= 0):
+            if streamed is not None:
+                if streamed.compared.get(stage, True):
+                    return stage
+                continue
             mine, theirs = first.arrays(stage), other.arrays(stage)
             if len(mine) != len(theirs):
                 return stage
@@ -1398,13 +1464,20 @@ class _Probe:
         scenario, the model-size batch minus its last row too (the remove-one relation at
         ``b``, and the batch size of a fixed-size pipeline)."""
         smaller, before = self.full, full
-        self.size_passes = {self.full: full}
+        # Kept for the traced passes (first scenario): the full and the model-size ones;
+        # no other large pass outlives its comparisons (issue 39: the probe's memory).
+        self.size_passes = {self.full: full} if first else {}
         sizes = {self.batch, self.large} if first else {self.large}
         remove_last = first
         for rows in sorted(sizes - {self.full}):
             where = self.where(rows)
-            everything = self.rows_pass(x, labels, list(range(rows)))
-            self.size_passes[rows] = everything
+            # The model-size batch of the first scenario is compared again below (kept);
+            # any other is compared with the next smaller batch as it runs (streamed).
+            kept = first and rows == self.batch
+            against = None if kept else (before, slice(None), slice(0, smaller), True)
+            everything = self.rows_pass(x, labels, list(range(rows)), against)
+            if kept:
+                self.size_passes[rows] = everything
             self.refuse_changes(
                 everything,
                 slice(0, smaller),
@@ -1416,7 +1489,12 @@ class _Probe:
                 f"changes with the number of rows in the batch{where}",
             )
             if remove_last and rows == self.batch:
-                fewer = self.rows_pass(x, labels, list(range(rows - 1)))
+                fewer = self.rows_pass(
+                    x,
+                    labels,
+                    list(range(rows - 1)),
+                    against=(everything, slice(0, rows - 1), slice(None), False),
+                )
                 self.refuse_changes(
                     everything,
                     slice(0, rows - 1),
@@ -1427,18 +1505,21 @@ class _Probe:
                     ),
                     f"changes when one row is removed from the batch{where}",
                 )
+                del fewer
             smaller, before = rows, everything
+            del everything
 
 
 class _Outputs:
     """What a traced pass returns, shaped as a :class:`_Forward` for the comparisons."""
 
     def __init__(self, stages, losses, variables):
-        self.stages = dict(enumerate(stages))
+        # numpy views of the tensors' buffers (no copy): what the comparisons read.
+        self.stages = {k: [np.asarray(t) for t in ts] for k, ts in enumerate(stages)}
         self.losses, self.variables = losses.numpy(), variables
 
     def arrays(self, stage) -> list:
-        return [t.numpy() for t in self.stages[stage]]
+        return self.stages[stage]
 
     def loss_values(self) -> np.ndarray:
         return self.losses

@@ -84,3 +84,41 @@ def test_single_channel_kernel_rows_are_the_rows_gradients(kernel, strides, dila
             out = layer(a[i : i + 1])
         expected = tape.gradient(out, layer.kernel, output_gradients=g[i : i + 1])
         np.testing.assert_allclose(got[i].numpy(), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding", ["same", "valid"])
+@pytest.mark.parametrize(("shape", "kernel", "strides", "dilation"), CASES)
+def test_offset_kernel_rows_are_the_rows_gradients(shape, kernel, strides, dilation, padding):
+    """Several channels: each row's kernel gradient from one product per kernel offset
+    (issue 39: no patch matrix), against one GradientTape per row through the layer
+    itself; ``None`` only where the Grams are cheaper or the layer has no output."""
+    import keras
+
+    from lipdp.clipped.per_example.convolution import Conv2DRule, offset_kernel_rows
+    from lipdp.clipped.per_example.dense import materialise
+
+    if max(strides) > 1 and max(dilation) > 1:
+        pytest.skip("Keras' Conv2D takes no strides > 1 with a dilation > 1")
+    layer = keras.layers.Conv2D(
+        4, kernel, strides=strides, dilation_rate=dilation, padding=padding, use_bias=False
+    )
+    rng = np.random.default_rng(2)
+    a = tf.constant(rng.normal(size=(3, *shape)).astype("float32"))
+    try:
+        z = layer(a)
+    except (ValueError, tf.errors.InvalidArgumentError):  # a kernel larger than the input
+        return
+    if 0 in z.shape:
+        return
+    g = tf.constant(rng.normal(size=z.shape).astype("float32"))
+    got = offset_kernel_rows(layer, a, g)
+    positions, d = z.shape[1] * z.shape[2], kernel[0] * kernel[1] * shape[2]
+    assert (got is None) == (not materialise(positions, d, 4))
+    if got is None:
+        return
+    assert Conv2DRule().kernel_rows(layer, a, g) is not None
+    for i in range(3):
+        with tf.GradientTape() as tape:
+            out = layer(a[i : i + 1])
+        expected = tape.gradient(out, layer.kernel, output_gradients=g[i : i + 1])
+        np.testing.assert_allclose(got[i].numpy(), np.asarray(expected), rtol=1e-5, atol=1e-5)

@@ -1197,3 +1197,91 @@ def test_the_probe_puts_every_weight_back_exactly(rng):
     assert set(result.scenarios) == {f"{p}/{d}" for p, d in batch_independence.SCENARIOS}
     for v, value in zip(model.variables, before):
         np.testing.assert_array_equal(v.numpy(), value)
+
+
+class _MeanAtSizes(K.Layer):
+    """Subtracts the batch mean only for batches whose number of rows satisfies
+    ``when(rows)``: a coupling only one of the probe's large passes can show."""
+
+    def __init__(self, when, **kwargs):
+        super().__init__(**kwargs)
+        self.when = when
+
+    def call(self, h):
+        on = self.when(tf.shape(h)[0])
+        return tf.where(on, h - tf.reduce_mean(h, axis=0, keepdims=True), h)
+
+
+@pytest.mark.parametrize(
+    "when, fragment",
+    [
+        # Only the model-size batch minus its last row (a pass compared as it runs).
+        (lambda rows: tf.equal(rows, 15), "one row is removed from the batch (probe batch of 16"),
+        # Only above the model's size (the larger pass, compared as it runs).
+        (lambda rows: rows > 16, "other rows join the batch (16 rows, then 32)"),
+    ],
+    ids=["model-size-minus-one", "above-model-size"],
+)
+def test_couplings_only_the_large_streamed_passes_show_are_refused(when, fragment, rng):
+    """Issue 39 compares the probe's large passes with their reference as the layers
+    return their outputs, without keeping them: a coupling that only they show is still
+    refused, at b = 16 (probe sizes 4, 8, 16, 32), naming the layer."""
+    assert batch_independence.probe_sizes(16) == (4, 8, 16, 32)
+    model = DPSGD_Sequential(
+        [K.Dense(8, input_shape=(FEATURES,)), _MeanAtSizes(when, name="sized"), K.Dense(CLASSES)],
+        dp_parameters=PARAMS,
+        clipping=Clipping("flat", 0.5),
+        dataset_metadata=_metadata(batch=16),
+    )
+    model.build((None, FEATURES))
+    model.compile(
+        optimizer=tf.keras.optimizers.SGD(0.1),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    with pytest.raises(ValueError) as error:
+        model.train_on_batch(*_data(rng, rows=16))
+    _assert_one_line_refusal(error.value, "'sized'", fragment)
+    assert int(model.noisy_steps) == 0
+
+
+def _moved_whole(a, b, tolerance):
+    """The probe's comparison on whole arrays (its form before issue 39), written here."""
+    a = np.asarray(a, np.float64).ravel()
+    b = np.asarray(b, np.float64).ravel()
+    if np.any(np.isfinite(a) != np.isfinite(b)):
+        return True
+    odd = ~np.isfinite(a)
+    same = (a[odd] == b[odd]) | (np.isnan(a[odd]) & np.isnan(b[odd]))
+    if not np.all(same):
+        return True
+    a, b = a[~odd], b[~odd]
+    return np.sum((a - b) ** 2) > tolerance * max(np.sum(a**2), 1e-30)
+
+
+def test_the_chunked_comparison_is_the_whole_array_one(monkeypatch):
+    """The probe compares in float64 pieces (issue 39: bounded memory): the same verdict
+    as on whole arrays, for differences on either side of the tolerance and non-finite
+    entries anywhere, with pieces of 7 entries (arrays of 60)."""
+    monkeypatch.setattr(batch_independence, "COMPARE_CHUNK", 7)
+    rng = np.random.default_rng(3)
+    tolerance = batch_independence.PROBE_TOLERANCE
+    base = rng.normal(size=(6, 10)).astype(np.float32)
+    cases = []
+    for size in (1e-7, 1e-4, 1e-2):  # below, near and above the relative tolerance
+        for where in (0, 33, 59):
+            other = base.copy()
+            other.flat[where] += size
+            cases.append((base, other))
+    for first, second in ((np.inf, np.inf), (np.nan, np.nan), (np.inf, -np.inf), (np.nan, 1.0)):
+        a, b = base.copy(), base.copy()
+        a.flat[40], b.flat[40] = first, second
+        cases.append((a, b))
+        c = b.copy()
+        c.flat[5] += 1.0  # and a finite change elsewhere
+        cases.append((a, c))
+    verdicts = []
+    for a, b in cases:
+        verdict = batch_independence._moved(a, b)
+        assert verdict == _moved_whole(a, b, tolerance)
+        verdicts.append(verdict)
+    assert any(verdicts) and not all(verdicts)  # both verdicts occur

@@ -82,6 +82,35 @@ def single_channel_patches(layer, a):
     return tf.reshape(stacked, [-1, kh * kw, positions])
 
 
+def offset_kernel_rows(layer, a, g):
+    """Row ``i``'s kernel gradient ``P_i^T G_i`` ``(b, k_h, k_w, c, filters)`` as ``k_h
+    k_w`` products ``S_ij^T G_i`` of the strided slice ``S_ij`` ``(T, c)`` of kernel offset
+    ``(i, j)`` (:func:`_offset_slices`) with the cotangents, stacked in the kernel's
+    order: the same sums as the materialised product on the patches, without the patch
+    matrix ``(b, T, k_h k_w c)`` (``k_h k_w`` times the input; with the slices it is
+    concatenated from, issue 39's largest tensor of the clipped step on a CNN: 230 MB of
+    the second convolution at ``P = 512``). ``None`` where :func:`materialise` prefers
+    the Grams, or the slices are not available (unknown sizes, JAX)."""
+    if compat.keras_backend() != compat.SUPPORTED_BACKEND:
+        return None
+    import tensorflow as tf
+
+    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.strides, layer.dilation_rate
+    c = a.shape[-1]
+    g_rows = rows(g, layer.filters)  # (b, T, filters)
+    positions = g_rows.shape[1]
+    if c is None or not materialise(positions, kh * kw * c, layer.filters):
+        return None
+    slices = _offset_slices(a, (kh, kw), (sh, sw), (dh, dw), layer.padding)
+    if slices is None:
+        return None
+    products = [
+        tf.linalg.matmul(tf.reshape(s, [-1, positions, c]), g_rows, transpose_a=True)
+        for s in slices
+    ]  # each (b, c, filters)
+    return tf.reshape(tf.stack(products, axis=1), [-1, *layer.kernel.shape])
+
+
 def sliced_patches(a, kernel_size, strides, dilation_rate, padding):
     """``tf.image.extract_patches`` of ``a`` ``(b, H, W, c)`` (static ``H``, ``W``, ``c``;
     else ``None``) as ``k_h k_w`` strided slices of the padded input concatenated on the
@@ -190,6 +219,9 @@ class Conv2DRule(GhostRule):
 
             product = tf.linalg.matmul(single, rows(g, layer.filters))  # (b, k_h k_w, filters)
             return tf.reshape(product, [-1, *layer.kernel.shape])
+        offsets = offset_kernel_rows(layer, a, g)
+        if offsets is not None:
+            return offsets
         return product_rows(*self.product_factors(layer, a, g), layer.kernel.shape)
 
     def shift(self, layer, a_new, a, g, kernel_rows):
@@ -204,4 +236,10 @@ class Conv2DRule(GhostRule):
 
 register_ghost_rule(keras.layers.Conv2D, Conv2DRule())
 
-__all__ = ["Conv2DRule", "patches", "single_channel_patches", "sliced_patches"]
+__all__ = [
+    "Conv2DRule",
+    "offset_kernel_rows",
+    "patches",
+    "single_channel_patches",
+    "sliced_patches",
+]
