@@ -102,15 +102,18 @@ def float32_coefficients(values, keep=None):
 
 
 def square_sums(per_row):
-    """``sum`` of squares of each row over several ``(b, ...)`` tensors, in float64."""
+    """``sum`` of squares of each row over several ``(b, ...)`` tensors, in float64: each
+    row's dot product with itself (a ``1 x n`` by ``n x 1`` product per row), which reads
+    the float64 copy once where squaring then summing wrote a second copy (issue 39). The
+    square of a float32 number is exact in float64 (48 significant bits of 53) and the
+    sum of ``n`` of them is rounded as any float64 sum, relatively ``n 2^-53`` at most."""
     import tensorflow as tf
 
-    return tf.add_n(
-        [
-            tf.reduce_sum(tf.reshape(tf.square(tf.cast(t, tf.float64)), [tf.shape(t)[0], -1]), 1)
-            for t in per_row
-        ]
-    )
+    sums = []
+    for t in per_row:
+        row = tf.reshape(tf.cast(t, tf.float64), tf.stack([tf.shape(t)[0], 1, -1]))
+        sums.append(tf.reshape(tf.linalg.matmul(row, row, adjoint_b=True), [-1]))
+    return tf.add_n(sums)
 
 
 # ------------------------------------------------------------------ JAX: float32
