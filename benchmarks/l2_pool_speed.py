@@ -53,6 +53,7 @@ def _candidates(shape):
         layer.build(shape)
     if not fused._fused(shape):
         raise AssertionError(f"{shape}: the fused path does not apply")
+
     def fused_call(x):
         # The fused kernels run only inside the clipless training step
         # (lipdp.clipless.layers.fused): allowed here while the step is traced.
