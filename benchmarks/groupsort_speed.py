@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -49,7 +47,9 @@ os.environ.setdefault(
 )
 # This checkout's lipdp, not an installed one.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402  (benchmarks/common.py: the timing loop)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -85,36 +85,10 @@ def main():
             "lipdp sort_pairs, XLA (one function)": tf.function(sort_pairs, jit_compile=True),
             "lipdp sort_pairs_xla": sort_pairs_xla,
         }
-        steps, outputs = {}, {}
-        for name, fn in candidates.items():
-
-            def step(fn=fn, x=x, w=w):
-                with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    y = fn(x)
-                    loss = tf.reduce_sum(y * w)
-                return y, tape.gradient(loss, x)
-
-            steps[name] = tf.function(step)
-            outputs[name] = [t.numpy() for t in steps[name]()]
-        times = {name: [] for name in steps}
-        for r in range(args.rounds):
-            names = list(steps)
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                c0 = time.process_time()
-                for _ in range(5):
-                    y, g = steps[name]()
-                g.numpy()
-                times[name].append((time.process_time() - c0) / 5)
-        ref = statistics.median(times["deel-lip"])
-        for name, values in times.items():
-            t = statistics.median(values)
-            if name == "relu":
-                diffs = "- | -"
-            else:
-                dy = np.abs(outputs[name][0] - outputs["deel-lip"][0]).max()
-                dg = np.abs(outputs[name][1] - outputs["deel-lip"][1]).max()
-                diffs = f"{dy:.1g} | {dg:.1g}"
+        results = common.time_forward_backward(candidates, x, w, args.rounds, "deel-lip")
+        ref = results["deel-lip"][0]
+        for name, (t, dy, dg) in results.items():
+            diffs = "- | -" if name == "relu" else f"{dy:.1g} | {dg:.1g}"
             print(f"| {shape} | {name} | {1e3 * t:.3g} | {t / ref:.2f} | {diffs} |", flush=True)
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -37,13 +35,16 @@ os.environ.setdefault(
 )
 # This checkout's lipdp, not an installed one.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402  (benchmarks/common.py: the timing loop)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 
 def _candidates(shape):
     from lipdp.clipless.layers import DP_ScaledL2NormPooling2D
+    from lipdp.clipless.layers.fused import fused_kernels
 
     generic = DP_ScaledL2NormPooling2D(2)
     generic._fused = lambda shape: False  # the instance only: the backend-neutral path
@@ -52,10 +53,17 @@ def _candidates(shape):
         layer.build(shape)
     if not fused._fused(shape):
         raise AssertionError(f"{shape}: the fused path does not apply")
+
+    def fused_call(x):
+        # The fused kernels run only inside the clipless training step
+        # (lipdp.clipless.layers.fused): allowed here while the step is traced.
+        with fused_kernels():
+            return fused(x)
+
     return {
         "average pooling": tf.keras.layers.AveragePooling2D(2),
         "generic": generic,
-        "fused": fused,
+        "fused": fused_call,
     }
 
 
@@ -76,36 +84,10 @@ def main():
         x = tf.constant(rng.normal(size=shape).astype("float32"))
         pooled = (shape[0], shape[1] // 2, shape[2] // 2, shape[3])
         w = tf.constant(rng.normal(size=pooled).astype("float32"))
-        steps, outputs = {}, {}
-        for name, layer in _candidates(shape).items():
-
-            def step(layer=layer, x=x, w=w):
-                with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    y = layer(x)
-                    loss = tf.reduce_sum(y * w)
-                return y, tape.gradient(loss, x)
-
-            steps[name] = tf.function(step)
-            outputs[name] = [t.numpy() for t in steps[name]()]
-        times = {name: [] for name in steps}
-        for r in range(args.rounds):
-            names = list(steps)
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                c0 = time.process_time()
-                for _ in range(5):
-                    _, g = steps[name]()
-                g.numpy()
-                times[name].append((time.process_time() - c0) / 5)
-        ref = statistics.median(times["generic"])
-        for name, values in times.items():
-            t = statistics.median(values)
-            if name == "average pooling":
-                diffs = "- | -"
-            else:
-                dy = np.abs(outputs[name][0] - outputs["generic"][0]).max()
-                dg = np.abs(outputs[name][1] - outputs["generic"][1]).max()
-                diffs = f"{dy:.1g} | {dg:.1g}"
+        results = common.time_forward_backward(_candidates(shape), x, w, args.rounds, "generic")
+        ref = results["generic"][0]
+        for name, (t, dy, dg) in results.items():
+            diffs = "- | -" if name == "average pooling" else f"{dy:.1g} | {dg:.1g}"
             print(f"| {shape} | {name} | {1e3 * t:.3g} | {t / ref:.2f} | {diffs} |", flush=True)
 
 

@@ -151,7 +151,7 @@ def step_times(variant, batch, warmup, steps):
     """CPU seconds of each step of ``fit`` after ``warmup`` (median)."""
     import keras
 
-    x, y = cls._data(batch, warmup + steps)
+    x, y = cls._data(batch * (warmup + steps))
     model = _step_model(variant, batch, len(x))
     marks = []
     probe = model.trainable_variables[-1]
@@ -245,7 +245,7 @@ def stage_functions(batch):
 def stage_times(batch, warmup, steps):
     import tensorflow as tf
 
-    x, y = cls._data(batch, 1)
+    x, y = cls._data(batch)
     x, y = tf.constant(x), tf.constant(y)
     result = {}
     for name, fn in stage_functions(batch).items():

@@ -240,3 +240,91 @@ def test_a_saturated_activation_keeps_the_row_with_its_float32_gradient(rng):
         results.append(np.stack([sq.numpy() for sq in facts.sq_norms], axis=1))
     assert np.all(np.isfinite(results[0])) and results[0][2, 0] == 0.0
     np.testing.assert_allclose(results[0], results[1], rtol=1e-5)
+
+
+#: Cotangent exponents whose rows all have ``max |G_i|`` inside ``scale.MODERATE``: the
+#: batch is not divided (``U = G``, ``s = 1``), with inputs from 1e-30 to 1e30.
+MODERATE_SCALES = [(p, q) for p in EXPONENTS for q in (-6, -3, 0, 1)]
+
+
+def test_unit_rows_keeps_a_moderate_batch_and_divides_any_other():
+    """``unit_rows``: a batch whose every row maximum is in [2^-24, 2^8] comes back as
+    is with scales 1; one row outside (large, tiny or infinite) and the whole batch is
+    divided by its row maxima, as before; zero rows keep scale 1 either way."""
+    from lipdp.clipped.per_example.scale import MODERATE, unit_rows
+
+    low, high = MODERATE
+    g = np.array([[low, -0.5 * low], [-high, 1.0], [0.0, 0.0], [0.25, -3.0]], dtype="float32")
+    u, s = unit_rows(tf.constant(g))
+    np.testing.assert_array_equal(u.numpy(), g)
+    np.testing.assert_array_equal(s.numpy(), np.ones(4, "float32"))
+    for outside in (2.0 * high, 0.5 * low, np.inf):
+        h = g.copy()
+        h[3] = [0.5 * outside, -outside]  # the row's maximum outside
+        u, s = unit_rows(tf.constant(h))
+        maxima = np.abs(h).max(axis=1)
+        maxima[2] = 1.0  # a zero row
+        np.testing.assert_array_equal(s.numpy(), maxima.astype("float32"))
+        with np.errstate(invalid="ignore"):
+            expected = h * (1.0 / maxima.astype("float32"))[:, None]
+        np.testing.assert_array_equal(u.numpy(), expected)
+        assert np.abs(u.numpy()[:3]).max() <= 1.0
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_undivided_moderate_cotangents_equal_a_float64_reference(name, rng):
+    """The batch ``unit_rows`` leaves undivided (every cotangent row maximum between
+    1e-6 and 30, inputs from 1e-30 to 1e30): every rule's norms equal the float64
+    reference, and the clipped sums release ``sum_i min(1, R / ||g_i||) g_i``."""
+    from lipdp.clipped.per_example.scale import unit_rows
+
+    model = _one_layer_model(name)
+    layer = model.layers_forward_order()[0]
+    x, g = _scaled_batch(name, model, MODERATE_SCALES, rng)
+    assert np.all(unit_rows(tf.constant(g))[1].numpy() == 1.0)  # the undivided path
+    rows = _float64_rows(layer, x, g)
+    reference = np.array([sum(np.sum(t**2) for t in row) for row in rows])
+    facts = per_example_gradients(model, tf.constant(x), _linear_loss(g), "ghost")
+    np.testing.assert_allclose(facts.sq_norms[0].numpy(), reference, rtol=1e-4)
+    if LAYERS[name][1] != "ids":  # squares beyond float32 (inputs up to 1e30)
+        assert reference.max() > 1e55
+    factors = np.minimum(1.0, 1.0 / np.sqrt(reference))
+    expected = [sum(f * row[j] for f, row in zip(factors, rows)) for j in range(len(rows[0]))]
+    norms32 = tf.sqrt(facts.sq_norms[0])
+    keep = tf.math.is_finite(norms32)
+    c = tf.where(keep, 1.0 / tf.maximum(norms32, 1.0), tf.zeros_like(norms32))
+    sums = facts.clipped_sums([c], keep)
+    for v, e in zip(layer.trainable_variables, expected):
+        np.testing.assert_allclose(sums[variable_key(v)].numpy(), e, rtol=1e-4, atol=1e-5)
+
+
+def test_square_sums_equal_float64_squares_on_adversarial_rows(rng):
+    """``square_sums`` (a float64 dot product of each row with itself) against numpy's
+    float64 squares: rows of 1e-30 and 1e30, float32's largest and its denormals, a
+    zero row, a NaN and an infinity (propagated), over two tensors of other shapes; and
+    the former squares-then-sum formula on every row."""
+    from lipdp.clipped.per_example.scale import square_sums
+
+    a = rng.normal(size=(7, 3, 5)).astype("float32")
+    b = rng.normal(size=(7, 4)).astype("float32")
+    a[0] *= 1e-30
+    b[0] *= 1e-30
+    a[1] *= 1e30
+    a[2] = np.finfo(np.float32).max
+    a[3] = np.finfo(np.float32).smallest_subnormal
+    b[3] = 0.0
+    a[4], b[4] = 0.0, 0.0
+    a[5, 0, 0] = np.nan
+    b[6, 1] = np.inf
+    expected = (a.astype("float64") ** 2).reshape(7, -1).sum(1) + (b.astype("float64") ** 2).sum(1)
+    ours = square_sums([tf.constant(a), tf.constant(b)]).numpy()
+    assert ours.dtype == np.float64
+    normal = [0, 1, 2, 4]
+    np.testing.assert_allclose(ours[normal], expected[normal], rtol=1e-14, atol=0)
+    assert np.isnan(ours[5]) and ours[6] == np.inf
+    # TensorFlow's CPU kernels read float32 denormals as 0 (row 3): as the squares of the
+    # casts did before; the rows' sums agree with that formula on every row.
+    former = sum(
+        tf.reduce_sum(tf.reshape(tf.square(tf.cast(t, tf.float64)), [7, -1]), 1) for t in (a, b)
+    ).numpy()
+    np.testing.assert_allclose(ours, former, rtol=1e-14, atol=0)

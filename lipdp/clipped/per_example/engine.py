@@ -65,7 +65,9 @@ squares the inputs to ``1e-38``, which the CPU flushes to zero in float32: the n
 times a unit part:
 
 * the row's cotangents are divided by ``s_i = max |G_i|`` (exact in float32; 1 for a zero
-  row): the unit cotangent ``U_i = G_i / s_i`` has entries in ``[-1, 1]``. Every
+  row): the unit cotangent ``U_i = G_i / s_i`` has entries in ``[-1, 1]`` (a batch whose
+  every ``max |G_i|`` is in ``[2^-24, 2^8]`` keeps ``s_i = 1``, ``U = G``: the same range
+  guarantee, :func:`lipdp.clipped.per_example.scale.unit_rows`). Every
   gradient is linear in the cotangent, so row ``i``'s gradient of each part (a ghost
   kernel, a bias, a materialised or a fallback layer's variables) is ``s_i u_i`` with
   ``u_i`` computed from ``A_i`` and ``U_i`` (the Jacobian method: ``s_i = 1``,
