@@ -64,6 +64,7 @@ from lipdp.clipped.per_example import (
     row_loop_layers,
     weighted_layers,
 )
+from lipdp.clipped.per_example.convolution import kernel_rows_by_offset
 from lipdp.clipped.sharpness import ASCENT_MODES, SharpnessAscent
 from lipdp.core import distribute
 from lipdp.core.adversarial import softmax_kl
@@ -334,7 +335,11 @@ class DPSGD_Model(PrivateModel):
     def _private_gradients(self, x, y, kept) -> StepGradients:
         """``sum_i C_i g_i / n`` (:meth:`clipped_gradient_sum`) on rows already
         neutralised (S9): each clipped term of norm at most ``R``."""
-        summed, y_pred = self._step_sum(x, y, kept)
+        if self.physical_batch_size is None:
+            summed, y_pred = self._step_sum(x, y, kept)
+        else:  # the user bounded the step's memory: no Conv2D patch matrix
+            with kernel_rows_by_offset():
+                summed, y_pred = self._step_sum(x, y, kept)
         normalizer = float(self.dataset_metadata.loss_normalizer)
         return StepGradients([s / normalizer for s in summed], y_pred, x)
 

@@ -26,6 +26,9 @@ wrong axes), subclasses and the other convolutions (``Conv1D``, ``Conv3D``,
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import keras
 
 from lipdp.clipped.per_example.dense import (
@@ -80,6 +83,29 @@ def single_channel_patches(layer, a):
     positions = slices[0].shape[1] * slices[0].shape[2]
     stacked = tf.stack(slices, axis=1)  # (b, k_h k_w, out_h, out_w, 1)
     return tf.reshape(stacked, [-1, kh * kw, positions])
+
+
+#: Whether :func:`offset_kernel_rows` is used: only while a model bounds its physical
+#: batch (:func:`kernel_rows_by_offset`). Measured side by side (benchmarks/README.md,
+#: "Second pass: row scaling and float64 squares"): conv 2 of the benchmark CNN at
+#: b = 1024, 217 ms by offsets against 177 ms from the patch matrix; the patch matrix
+#: is the clipped step's largest tensor (115 MB at P = 512). Speed where the user did not
+#: ask for bounded memory, memory where they did.
+_BY_OFFSET = threading.local()
+
+
+@contextlib.contextmanager
+def kernel_rows_by_offset():
+    """Inside (while tracing), materialised Conv2D kernel rows are computed without the
+    patch matrix (:func:`offset_kernel_rows`): entered by the clipped step of a model
+    given ``physical_batch_size``. The released sums and the norms are the same numbers
+    either way (both are ``P_i^T G_i`` row by row; tested against a tape per row)."""
+    previous = getattr(_BY_OFFSET, "on", False)
+    _BY_OFFSET.on = True
+    try:
+        yield
+    finally:
+        _BY_OFFSET.on = previous
 
 
 def offset_kernel_rows(layer, a, g):
@@ -219,7 +245,7 @@ class Conv2DRule(GhostRule):
 
             product = tf.linalg.matmul(single, rows(g, layer.filters))  # (b, k_h k_w, filters)
             return tf.reshape(product, [-1, *layer.kernel.shape])
-        offsets = offset_kernel_rows(layer, a, g)
+        offsets = offset_kernel_rows(layer, a, g) if getattr(_BY_OFFSET, "on", False) else None
         if offsets is not None:
             return offsets
         return product_rows(*self.product_factors(layer, a, g), layer.kernel.shape)
@@ -238,6 +264,7 @@ register_ghost_rule(keras.layers.Conv2D, Conv2DRule())
 
 __all__ = [
     "Conv2DRule",
+    "kernel_rows_by_offset",
     "offset_kernel_rows",
     "patches",
     "single_channel_patches",
