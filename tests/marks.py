@@ -153,8 +153,11 @@ THOROUGH_TESTS = {
     "tests/core/test_compat.py::test_importing_keras_before_or_after_lipdp_trains_a_keras_model[lipdp first]",
     # test_distribute.py: by default, the partitioned Poisson pipeline of each family, the noise of
     # two replicas (clipless), the same fixed noise (DP-SGD), the replicas of DP-SGD, dynamic
-    # clipping (Laplace) and the refusals; the two-process test also runs in the smoke run.
+    # clipping (Laplace) and the refusals; micro-batches on replicas once per family and once per
+    # pipeline; the two-process test also runs in the smoke run.
     "tests/core/test_distribute.py::test_dynamic_clipping_under_mirrored_updates_every_copy_once[quantile]",
+    "tests/core/test_distribute.py::test_micro_batches_on_replicas_equal_whole_batches_on_one_device[arrays-adversarial-dp-sgd]",
+    "tests/core/test_distribute.py::test_micro_batches_on_replicas_equal_whole_batches_on_one_device[poisson-random-sizes-clipless]",
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[clipless-arrays-adversarial]",
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[dp-sgd-arrays-adversarial]",
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[dp-sgd-arrays]",
