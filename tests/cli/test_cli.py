@@ -328,6 +328,27 @@ def test_no_native_start_up_lines_in_a_real_process():
     assert "epoch 2/2:" in result.stdout
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+@pytest.mark.parametrize(
+    "argv",
+    [["-c", "import lipdp"], ["-m", "lipdp.cli", "train", "--help"]],
+    ids=["import", "help"],
+)
+def test_import_and_help_write_nothing_to_stderr(argv, backend):
+    """A real process without TF_CPP_MIN_LOG_LEVEL: ``import lipdp`` and ``lipdp train
+    --help`` import no TensorFlow (no C++ start-up lines, no CUDA ``E0000`` line on a CPU
+    machine) and no JAX (no GPU notice)."""
+    env = {**os.environ, "KERAS_BACKEND": backend}
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    result = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, env=env,
+        cwd=Path(__file__).parents[2], timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert ("usage: lipdp train" in result.stdout) == ("--help" in argv)
+
+
 def test_cli_evaluate_trains_saves_and_loads(tmp_path, capsys):
     path = tmp_path / "model.keras"
     argv = ["evaluate", "--epochs", "2", "--quiet", "--radii", "0", "0.1", "--bins", "10"]
