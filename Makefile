@@ -47,10 +47,13 @@ demo: install
 	@echo "reached 0.900 to 0.927, mean 0.916, on the same data and budget"
 	@echo "(benchmarks/clipless_defaults.py)."
 
-# The default suite (tests/marks.py): every capability and every refusal once. Measured
-# times (2 cores): Keras 3, 1555 tests, 11.5 min near idle and 46 min 43 s under a heavy
-# load of other jobs (2026-11-29); Keras 2, 1290 tests, 5 min 48 s in a fresh-clone .ci/run
-# (2026-11-27). The target, 6 minutes on Keras 3, is not reached: see README, Development.
+# The default suite (tests/marks.py): every capability and every refusal once. Keras 3,
+# 2 cores: 1555 tests took 11.5 min near idle before the teardown fix of tests/conftest.py
+# (Keras 3's clear_session ran a full gc.collect() after every test: 42 % of the worker
+# time); after it, a quarter of the tier (354 tests) took 344 s of CPU instead of 622 s
+# (2026-11-29, load 3-11 on a machine shared with other jobs), so about 6.5 min near idle
+# (estimated, not measured idle). Keras 2: 1290 tests, 5 min 48 s (fresh-clone .ci/run,
+# 2026-11-27).
 test: install
 	$(BIN)/pytest -q -n 2 --dist worksteal
 
