@@ -52,7 +52,8 @@ demo: install
 # (Keras 3's clear_session ran a full gc.collect() after every test: 42 % of the worker
 # time); after it, a quarter of the tier (354 tests) took 344 s of CPU instead of 622 s
 # (2026-11-29, load 3-11 on a machine shared with other jobs), so about 6.5 min near idle
-# (estimated, not measured idle). Keras 2: 1290 tests, 5 min 48 s (fresh-clone .ci/run,
+# (estimated; the whole tier, 1556 tests, ran in 14 min 21 s at load 2-4 from other jobs,
+# 2026-11-29). Keras 2: 1290 tests, 5 min 48 s (fresh-clone .ci/run,
 # 2026-11-27).
 test: install
 	$(BIN)/pytest -q -n 2 --dist worksteal
