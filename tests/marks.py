@@ -1,8 +1,10 @@
 """The tiers of the suite, and how a parametrised test picks its representatives.
 
-* default (``make test``, about 5 minutes on 2 cores): every capability once -- one
-  representative configuration per check, every refusal, every fast unit test;
-* ``thorough`` (``make test-thorough``; CI runs it after ``make test``): the other
+* default (``make test``; about 6.5 minutes on 2 near-idle cores on Keras 3, estimated):
+  every capability once -- one representative configuration per check, every refusal,
+  every fast unit test;
+* ``thorough`` (``make test-thorough``; CI runs it on Keras 2 only, ``make
+  test-keras2-all``, to stay within 40 minutes): the other
   configurations of a default check (more layers, pipelines, losses, families) and the
   single tests that take tens of seconds (several processes, long ledgers);
 * ``slow`` (``make test-slow``): training to accuracy and long adversarial searches.
@@ -45,6 +47,9 @@ def representatives(names: Iterable, default: Iterable, smoke: Iterable = ()) ->
 #: (the same code paths); ``tests/test_marks.py`` checks that every entry still names a test
 #: and that none is listed twice.
 THOROUGH_TESTS = {
+    # test_fit_on_arrays_on_every_backend.py: by default, the Binomial sizes of the shared base's
+    # Poisson draws (PrivateModelBase.private_batches) on the clipped family.
+    "tests/backends/test_fit_on_arrays_on_every_backend.py::test_fit_draws_poisson_batches_of_binomial_sizes_afresh_every_epoch[clipless]",
     # test_budget.py: by default, the RDP calibration.
     "tests/accounting/test_budget.py::test_calibrate_with_pld",
     # test_plan_invariant.py: by default, global and multiplicity-3 before/after fit, and
@@ -153,8 +158,13 @@ THOROUGH_TESTS = {
     "tests/core/test_compat.py::test_importing_keras_before_or_after_lipdp_trains_a_keras_model[lipdp first]",
     # test_distribute.py: by default, the partitioned Poisson pipeline of each family, the noise of
     # two replicas (clipless), the same fixed noise (DP-SGD), the replicas of DP-SGD, dynamic
-    # clipping (Laplace) and the refusals; the two-process test also runs in the smoke run.
+    # clipping (Laplace) and the refusals; micro-batches on replicas once per family and once per
+    # pipeline (the uneven split of 3 rows with them); the two-process test also runs in the
+    # smoke run.
     "tests/core/test_distribute.py::test_dynamic_clipping_under_mirrored_updates_every_copy_once[quantile]",
+    "tests/core/test_distribute.py::test_micro_batches_on_replicas_equal_whole_batches_on_one_device[arrays-adversarial-clipless]",
+    "tests/core/test_distribute.py::test_micro_batches_on_replicas_equal_whole_batches_on_one_device[poisson-random-sizes-dp-sgd]",
+    "tests/core/test_distribute.py::test_train_on_batch_under_mirrored_takes_batches_smaller_than_the_replicas[3]",
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[clipless-arrays-adversarial]",
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[dp-sgd-arrays-adversarial]",
     "tests/core/test_distribute.py::test_noiseless_mirrored_steps_equal_single_device_steps[dp-sgd-arrays]",
@@ -189,8 +199,10 @@ THOROUGH_TESTS = {
     "tests/core/test_privacy_state.py::test_weights_checkpoint_and_a_fresh_optimizer_keep_the_count",
     # test_weight_penalties.py: by default, the refusals of data-dependent losses.
     "tests/core/test_weight_penalties.py::test_weight_penalty_is_added_to_the_released_gradient_outside_the_sensitivity",
-    # test_xla.py: by default, the DP-SGD step under XLA (16 s for the clipless one).
+    # test_xla.py: by default, the DP-SGD step under XLA (16 s for the clipless one); the host's
+    # check of the batch size (the shared step's) on DP-SGD.
     "tests/core/test_xla.py::test_xla_step_gives_the_default_result[clipless]",
+    "tests/core/test_xla.py::test_xla_fixed_size_steps_check_the_rows_on_the_host[clipless]",
     # test_images.py: by default, test_sources.py reads Debian's Fashion-MNIST; test_poisson.py the
     # Poisson pipeline.
     "tests/data/test_images.py::test_fashion_mnist_from_debian",

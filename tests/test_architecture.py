@@ -20,6 +20,7 @@ ALLOWED = {
     "lipdp.foundation.config": (),
     "lipdp.foundation.validation": (),
     "lipdp.foundation.layer_walk": (),
+    "lipdp.foundation.tf_notices": (),
     "lipdp.foundation.metadata": ("lipdp.foundation.config",),
     "lipdp.foundation": (),
     # what both families share, bottom first

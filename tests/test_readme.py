@@ -1,6 +1,7 @@
 """The README's Python snippets run as written, in order, in one namespace."""
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,12 @@ def test_readme_snippets_run_in_order():
         block = block.replace(
             "callbacks=[DP_Accountant()])", "callbacks=[DP_Accountant()], verbose=0)"
         )
-        exec(compile(block, f"README block {index}", "exec"), namespace)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(compile(block, f"README block {index}", "exec"), namespace)
+        # Keras 3 warns "Do not pass an `input_shape`/`input_dim` argument to a layer".
+        noisy = [str(w.message) for w in caught if "input_shape" in str(w.message)]
+        assert noisy == [], f"README block {index}: {noisy}"
     model = namespace["model"]
     history = model.history.history
     assert history["loss"][-1] < history["loss"][0]

@@ -71,6 +71,7 @@ from lipdp.clipless.layers.residual import DP_WrappedResidual
 from lipdp.clipless.model import DP_Model
 from lipdp.core.noise import ROUNDOFF_SLACK
 from lipdp.foundation import validation
+from lipdp.foundation.tf_notices import pfor_loop_notice_filtered
 
 logger = logging.getLogger(__name__)
 
@@ -319,21 +320,10 @@ def _chunk_measure(model, bounds, x, y):
         return tf.nest.map_structure(lambda t: tf.reshape(t, (-1,)), norms)
 
     def run(x_chunk, y_chunk):
-        tf_logger = tf.get_logger()
-        tf_logger.addFilter(_quiet_fallback)
-        try:
+        with pfor_loop_notice_filtered():  # traced on the first call
             return tf.nest.map_structure(lambda t: t.numpy(), measure(x_chunk, y_chunk))
-        finally:
-            tf_logger.removeFilter(_quiet_fallback)
 
     return run
-
-
-def _quiet_fallback(record) -> bool:
-    """Drop the notice that ``tf.vectorized_map`` runs an op without a vectorised rule
-    (the per-example kernel gradient of a convolution, ``Conv2DBackpropFilter``) as a
-    loop: the result is the same, and it is the expected path here."""
-    return "uses a while_loop" not in record.getMessage()
 
 
 def _norm(tensor):

@@ -75,6 +75,7 @@ from tensorflow.python.framework import op_def_registry
 from tensorflow.python.ops.parallel_for import pfor as pfor_ops
 
 from lipdp.foundation import compat
+from lipdp.foundation.tf_notices import pfor_loop_notice_filtered
 
 #: Stateful operations an isolated call may run: reads of variables (weights, frozen
 #: statistics) and lookup tables, random draws (state advanced by the amount drawn),
@@ -387,7 +388,8 @@ def _map(fn, elems, loop, signature=None, guard_empty=True):
             signature = _signature(traced)
         result = tf.map_fn(fn, elems, fn_output_signature=signature)
     else:
-        result = tf.vectorized_map(fn, elems)
+        with pfor_loop_notice_filtered():  # a convolution's kernel gradient: pfor's loop
+            result = tf.vectorized_map(fn, elems)
     if not guard_empty:
         return result
     return tf.nest.map_structure(lambda r: r[:rows], result)

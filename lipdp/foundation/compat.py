@@ -171,10 +171,11 @@ def input_layer(shape, dtype=None):
 
 
 def as_layer(item):
-    """``item``, or the ``InputLayer`` behind a Keras 3 ``keras.Input(...)`` tensor (Keras 3
-    models take such a tensor in a list of layers)."""
+    """``item``, or the ``InputLayer`` behind a ``keras.Input(...)`` tensor (Keras models
+    take such a tensor in a list of layers; on both stacks its history's first entry is
+    the ``InputLayer``)."""
     history = getattr(item, "_keras_history", None)
-    if keras_3() and history is not None and not hasattr(item, "call"):
+    if history is not None and not hasattr(item, "call"):
         import keras
 
         operation = history[0]

@@ -206,10 +206,15 @@ def _fit_on_features(prepared: PreparedRun, callbacks, verbose):
 
 def _rebuild_whole(prepared: PreparedRun, head) -> None:
     """``prepared.model``: the whole network rebuilt from the layers ``head`` trained,
-    with its step count."""
+    with its step count. Its optimizer is built on its variables: a ``.keras`` file of
+    the whole network saved with an unbuilt optimizer holds two optimizer variables, and
+    Keras, which builds the optimizer when it loads the file, warns that it skips them
+    (``lipdp evaluate --model``)."""
     model, recipe = prepared.model, prepared.run.model
     with model.distribute_strategy.scope():
         whole = build_model(recipe, model.dataset_metadata, _with_input(model))
+        if whole.optimizer is not None and not getattr(whole.optimizer, "built", True):
+            whole.optimizer.build(whole.trainable_variables)
     whole.noisy_steps.assign(head.noisy_steps)
     prepared.model = whole
 

@@ -136,6 +136,7 @@ from lipdp.clipped.per_example.scale import unit_rows as _unit_rows
 from lipdp.core import isolation
 from lipdp.core.records import zero_rows
 from lipdp.foundation import compat, validation
+from lipdp.foundation.tf_notices import pfor_loop_notice_filtered
 from lipdp.foundation.variables import as_one_of, variable_key
 
 #: How per-example gradients are obtained (module docstring).
@@ -716,7 +717,8 @@ def _map_rows(layer, one_row, rows, dtypes):
     (``tf.map_fn``) for the layers :func:`_needs_row_loop` names."""
     if _needs_row_loop(layer):
         return tf.map_fn(one_row, rows, fn_output_signature=dtypes)
-    return tf.vectorized_map(one_row, rows)
+    with pfor_loop_notice_filtered():  # a convolution's kernel gradient: pfor's loop, exact
+        return tf.vectorized_map(one_row, rows)
 
 
 def _shifted_call(first, h, scales, isolated=False):
@@ -877,7 +879,8 @@ def _jacobian(model, x, per_example_losses) -> PerExampleGradients:
     # pfor over an isolated call that loops over rows would give each row's matrix
     # products the shapes the loop is there to avoid (lipdp.core.isolation.ROW_LOOP_OPS).
     vectorise = vectorise and not looped
-    jacobians = tape.jacobian(losses, variables, experimental_use_pfor=vectorise)
+    with pfor_loop_notice_filtered():
+        jacobians = tape.jacobian(losses, variables, experimental_use_pfor=vectorise)
     rows = tf.shape(losses)[0]
     jacobians = [
         tf.zeros(tf.concat([[rows], v.shape], 0), v.dtype) if j is None else j
