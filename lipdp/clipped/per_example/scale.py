@@ -76,6 +76,9 @@ def unit_rows(g):
     reference)."""
     import tensorflow as tf
 
+    # A dense tensor: a cotangent may come as IndexedSlices (TensorFlow 2.15, a gather
+    # under row isolation), and both branches of the condition must return a Tensor.
+    g = tf.convert_to_tensor(g)
     flat = tf.reshape(g, tf.stack([tf.shape(g)[0], -1]))
     s = tf.maximum(tf.reduce_max(flat, axis=1), -tf.reduce_min(flat, axis=1))
     s = tf.where(s >= TINY, s, tf.ones_like(s))  # its reciprocal is finite
