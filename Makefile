@@ -50,11 +50,8 @@ demo: install
 # The default suite (tests/marks.py): every capability and every refusal once. Keras 3,
 # 2 cores: 1555 tests took 11.5 min near idle before the teardown fix of tests/conftest.py
 # (Keras 3's clear_session ran a full gc.collect() after every test: 42 % of the worker
-# time); after it, a quarter of the tier (354 tests) took 344 s of CPU instead of 622 s
-# (2026-11-29, load 3-11 on a machine shared with other jobs), so about 6.5 min near idle
-# (estimated; the whole tier, 1556 tests, ran in 14 min 21 s at load 2-4 from other jobs,
-# 2026-11-29). Keras 2: 1290 tests, 5 min 48 s (fresh-clone .ci/run,
-# 2026-11-27).
+# time); after it, 1600 tests ran in 8 min 4 s (fresh clone, 2026-11-29, load about 2).
+# Keras 2: 1290 tests, 5 min 48 s (fresh-clone .ci/run, 2026-11-27).
 test: install
 	$(BIN)/pytest -q -n 2 --dist worksteal
 

@@ -65,15 +65,11 @@ def _noiseless_cases():
     return cases
 
 
-@pytest.mark.parametrize("family, pipeline", _noiseless_cases())
-def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
-    """Same initial weights, same global batches, no noise: two replicas and one device
-    reach the same weights (the replicas' losses are scaled for the global batch, summed
-    once, and projected identically), also with adversarial training (its own loss)."""
+def _trained_pair(family, pipeline, batch, sampling, **replicated_options):
+    """The same noiseless network (seeded initial weights, PGD with mix 0.5 for the
+    adversarial pipeline) trained by :func:`_fit` on one device and under two replicas
+    (with ``replicated_options`` too): ``(weights before, single, replicated)``."""
     x, y = h.data()
-    batch, sampling = (32, "shuffle") if pipeline.startswith("arrays") else (h.N, "poisson")
-    if pipeline == "poisson-random-sizes":  # global batches of random size, split by Keras
-        batch = 32
     options = {}
     if pipeline == "arrays-adversarial":
         options["adversarial"] = PGD(0.2, steps=3, random_start=False, mix=0.5)
@@ -83,10 +79,22 @@ def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
     before = h.flat_weights(single)
     strategy = mirrored()
     with strategy.scope():
-        replicated = h.build(family, 0.0, batch, sampling, **options)
+        replicated = h.build(family, 0.0, batch, sampling, **options, **replicated_options)
     replicated.set_weights(initial)
     _fit(single, x, y, pipeline, tf.distribute.get_strategy())
     _fit(replicated, x, y, pipeline, strategy)
+    return before, single, replicated
+
+
+@pytest.mark.parametrize("family, pipeline", _noiseless_cases())
+def test_noiseless_mirrored_steps_equal_single_device_steps(family, pipeline):
+    """Same initial weights, same global batches, no noise: two replicas and one device
+    reach the same weights (the replicas' losses are scaled for the global batch, summed
+    once, and projected identically), also with adversarial training (its own loss)."""
+    batch, sampling = (32, "shuffle") if pipeline.startswith("arrays") else (h.N, "poisson")
+    if pipeline == "poisson-random-sizes":  # global batches of random size, split by Keras
+        batch = 32
+    before, single, replicated = _trained_pair(family, pipeline, batch, sampling)
     after = h.flat_weights(single)
     assert np.abs(after - before).max() > 1e-3  # the steps moved the weights (2e-6 below)
     np.testing.assert_allclose(h.flat_weights(replicated), after, atol=2e-6)
@@ -99,20 +107,11 @@ def test_micro_batches_on_replicas_equal_whole_batches_on_one_device(family, pip
     """``physical_batch_size=5`` under two replicas (each splits its own rows into
     micro-batches, the noise once globally): the weights of whole batches on one device,
     also for adversarial training (the micro-batches' adversarial rows as loss inputs)."""
-    x, y = h.data()
-    batch, sampling = (32, "shuffle") if pipeline.startswith("arrays") else (32, "poisson")
-    options = {}
-    if pipeline == "arrays-adversarial":
-        options["adversarial"] = PGD(0.2, steps=3, random_start=False, mix=0.5)
-    tf.keras.utils.set_random_seed(3)
-    single = h.build(family, 0.0, batch, sampling, **options)
-    initial = single.get_weights()
-    strategy = mirrored()
-    with strategy.scope():
-        replicated = h.build(family, 0.0, batch, sampling, physical_batch_size=5, **options)
-    replicated.set_weights(initial)
-    _fit(single, x, y, pipeline, tf.distribute.get_strategy())
-    _fit(replicated, x, y, pipeline, strategy)
+    sampling = "shuffle" if pipeline.startswith("arrays") else "poisson"
+    before, single, replicated = _trained_pair(
+        family, pipeline, 32, sampling, physical_batch_size=5
+    )
+    assert np.abs(h.flat_weights(single) - before).max() > 1e-3
     np.testing.assert_allclose(h.flat_weights(replicated), h.flat_weights(single), atol=2e-6)
     assert int(replicated.noisy_steps.numpy()) == int(single.noisy_steps.numpy())
 
