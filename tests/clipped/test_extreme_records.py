@@ -120,6 +120,17 @@ def _gradient_exponents(name):
     return np.array([q if LAYERS[name][1] == "ids" else p + q for p, q in SCALES])
 
 
+def _assert_clipped_sums(facts, layer, expected):
+    """The engine's clipped sums at ``R = 1`` (factor ``1 / max(||g_i||, 1)``, 0 for a
+    non-finite norm) equal the float64 reference ``expected``, variable by variable."""
+    norms32 = tf.sqrt(facts.sq_norms[0])
+    keep = tf.math.is_finite(norms32)
+    c = tf.where(keep, 1.0 / tf.maximum(norms32, 1.0), tf.zeros_like(norms32))
+    sums = facts.clipped_sums([c], keep)
+    for v, e in zip(layer.trainable_variables, expected):
+        np.testing.assert_allclose(sums[variable_key(v)].numpy(), e, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_norms_equal_a_float64_reference_from_1e_minus_30_to_1e30(name, rng):
     """Every ghost rule and the fallback: exact for every pair of scales (gradients from
@@ -154,12 +165,7 @@ def test_clipped_sums_release_at_most_r_per_row_at_every_scale(name, method, rng
         factors[_gradient_exponents(name) > 38] = 0.0  # inf in float32: factor 0 (S9)
     expected = [sum(f * row[j] for f, row in zip(factors, rows)) for j in range(len(rows[0]))]
     facts = per_example_gradients(model, tf.constant(x), _linear_loss(g), method)
-    norms32 = tf.sqrt(facts.sq_norms[0])
-    keep = tf.math.is_finite(norms32)
-    c = tf.where(keep, 1.0 / tf.maximum(norms32, 1.0), tf.zeros_like(norms32))
-    sums = facts.clipped_sums([c], keep)
-    for v, e in zip(layer.trainable_variables, expected):
-        np.testing.assert_allclose(sums[variable_key(v)].numpy(), e, rtol=1e-4, atol=1e-5)
+    _assert_clipped_sums(facts, layer, expected)
     assert max(np.max(np.abs(e)) for e in expected) > 0.5  # clipped rows count R each
 
 
@@ -290,12 +296,7 @@ def test_undivided_moderate_cotangents_equal_a_float64_reference(name, rng):
         assert reference.max() > 1e55
     factors = np.minimum(1.0, 1.0 / np.sqrt(reference))
     expected = [sum(f * row[j] for f, row in zip(factors, rows)) for j in range(len(rows[0]))]
-    norms32 = tf.sqrt(facts.sq_norms[0])
-    keep = tf.math.is_finite(norms32)
-    c = tf.where(keep, 1.0 / tf.maximum(norms32, 1.0), tf.zeros_like(norms32))
-    sums = facts.clipped_sums([c], keep)
-    for v, e in zip(layer.trainable_variables, expected):
-        np.testing.assert_allclose(sums[variable_key(v)].numpy(), e, rtol=1e-4, atol=1e-5)
+    _assert_clipped_sums(facts, layer, expected)
 
 
 def test_square_sums_equal_float64_squares_on_adversarial_rows(rng):
