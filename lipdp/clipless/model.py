@@ -289,7 +289,7 @@ class _TensorFlowSteps:
         variables = self.trainable_variables
         gradients = tape.gradient(loss, variables)
         gradients = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
-        return StepGradients(gradients, y_pred, x if x_adv is None else x_adv)
+        return StepGradients(gradients, y_pred, x_adv)
 
     def _clean_loss(self, x, y):
         """``(sum_i loss_i / n, predictions)``, ``n`` the loss normaliser: the number the

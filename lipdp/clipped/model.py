@@ -341,7 +341,7 @@ class DPSGD_Model(PrivateModel):
             with kernel_rows_by_offset():
                 summed, y_pred = self._step_sum(x, y, kept)
         normalizer = float(self.dataset_metadata.loss_normalizer)
-        return StepGradients([s / normalizer for s in summed], y_pred, x)
+        return StepGradients([s / normalizer for s in summed], y_pred)
 
     def _after_release(self, released) -> None:
         """DP-SAT's next ascent direction: the gradient just released."""

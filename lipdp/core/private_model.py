@@ -72,8 +72,11 @@ class StepGradients(NamedTuple):
     gradients: list
     #: The predictions the logs' loss and metrics are computed on.
     predictions: tf.Tensor
-    #: The inputs handed to ``compute_loss`` (the rows the predictions are of).
-    loss_inputs: object
+    #: The inputs handed to ``compute_loss`` (the rows the predictions are of), or
+    #: ``None`` when they are the step's own inputs: a logical batch computed in
+    #: micro-batches then needs no second copy of its inputs (at b = 8192 rows of 28x28,
+    #: a TensorArray and its concatenation: 50 MB).
+    loss_inputs: object = None
 
 
 class PrivateModel(PrivateModelBase, keras.Model):
@@ -480,7 +483,8 @@ class PrivateModel(PrivateModelBase, keras.Model):
         self._after_release(released)
         # A label out of range would make a sparse loss or metric fail: logged as class 0.
         y_logged = zero_rows(labelled, y)
-        self._track_loss(step.loss_inputs, y_logged, step.predictions)
+        loss_inputs = x if step.loss_inputs is None else step.loss_inputs
+        self._track_loss(loss_inputs, y_logged, step.predictions)
         logs = self.compute_metrics(x, y_logged, step.predictions, None)
         logs = {**logs, **self._count_neutralised(finite, labelled, ids)}
         logs = distribute.logs_across_replicas(logs, self._metric_results)
@@ -561,7 +565,10 @@ class PrivateModel(PrivateModelBase, keras.Model):
             return self._private_gradients(*part)
 
         first = chunk(0)
-        outputs = (first.predictions, first.loss_inputs)
+        # The predictions, and the loss inputs when the family has its own (adversarial
+        # examples), are collected micro-batch by micro-batch; ``None`` stays ``None``.
+        own_inputs = first.loss_inputs is not None
+        outputs = (first.predictions, first.loss_inputs if own_inputs else ())
         arrays = tf.nest.map_structure(
             lambda t: tf.TensorArray(
                 t.dtype,
@@ -578,7 +585,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
         def body(index, sums, arrays):
             step = chunk(index)
             sums = [s + g for s, g in zip(sums, step.gradients)]
-            written = (step.predictions, step.loss_inputs)
+            written = (step.predictions, step.loss_inputs if own_inputs else ())
             arrays = tf.nest.map_structure(lambda a, t: a.write(index, t), arrays, written)
             return index + 1, sums, arrays
 
@@ -589,6 +596,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
             parallel_iterations=1,  # one micro-batch at a time: the memory of P rows
         )
         predictions, loss_inputs = tf.nest.map_structure(lambda a: a.concat(), arrays)
+        loss_inputs = loss_inputs if own_inputs else None
         return StepGradients(sums, predictions, loss_inputs)
 
     def _after_release(self, released) -> None:
