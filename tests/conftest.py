@@ -1,6 +1,4 @@
-import contextlib
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -8,43 +6,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import lipdp  # noqa: E402, F401, I001
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
-
-@contextlib.contextmanager
-def _native_start_up_lines_discarded():
-    """Discard what native code writes to file descriptor 2 inside the block.
-
-    Importing TensorFlow prints, from C++, lines that say nothing about lipdp: on 2.15 the
-    CUDA factory registrations ("Unable to register cuDNN factory ...", ERROR level), on
-    2.21 absl's start-up notices and the failed cuInit. Under ``pytest -n`` the controller
-    process imports this file outside pytest's capture, so they opened ``make test``'s
-    output. TF_CPP_MIN_LOG_LEVEL=3 during the import would not do: TensorFlow reads the level
-    once, at its first message, so the whole process, tests included, would keep 3 and hide
-    every later C++ error; absl's notices ignore the variable anyway. Here only the import
-    and the device set-up are silenced, the level stays 2 for the tests, and Python's own
-    stderr (warnings, tracebacks of a failed import, which propagates) keeps the real
-    descriptor. ``LIPDP_NATIVE_LOGS=1`` shows the lines.
-    """
-    if os.environ.get("LIPDP_NATIVE_LOGS") == "1":
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    python_stderr = sys.stderr
-    if python_stderr is sys.__stderr__:
-        sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        if sys.stderr is not python_stderr:
-            sys.stderr.close()
-            sys.stderr = python_stderr
 
 
 #: ``KERAS_BACKEND=jax`` (``make test-jax``): only the JAX test directories run
@@ -74,16 +35,19 @@ def pytest_ignore_collect(collection_path, config):
 
 
 if not JAX_RUN:
-    with _native_start_up_lines_discarded():
-        import tensorflow as tf
+    # TensorFlow's C++ start-up lines (absl's notices, the failed cuInit) would open
+    # make test's output: under pytest -n the controller imports this file outside
+    # pytest's capture. Imported, and its devices listed, with them discarded.
+    from lipdp.foundation.native_logs import import_tensorflow_quietly
 
-        # tests/core/test_distribute.py trains under MirroredStrategy over two logical CPU
-        # devices. Devices can be split only before TensorFlow initialises them: here, once
-        # per process (single-device code keeps running on the first one).
-        tf.config.set_logical_device_configuration(
-            tf.config.list_physical_devices("CPU")[0],
-            [tf.config.LogicalDeviceConfiguration()] * 2,
-        )
+    tf = import_tensorflow_quietly()
+    # tests/core/test_distribute.py trains under MirroredStrategy over two logical CPU
+    # devices. Devices can be split only before TensorFlow initialises them: here, once
+    # per process (single-device code keeps running on the first one).
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * 2,
+    )
 
     from lipdp.foundation.compat import keras_3
 

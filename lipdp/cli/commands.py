@@ -3,13 +3,13 @@ printed. :func:`main` is the console script (``lipdp = lipdp.cli:main``)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 import time
 
 from lipdp.cli import arguments, devices, output
+from lipdp.foundation import native_logs
 from lipdp.recipes import run_evaluation, runs
 
 logger = logging.getLogger("lipdp.cli")
@@ -243,41 +243,6 @@ def evaluate_command(args) -> int:
 COMMANDS = {"train": train_command, "evaluate": evaluate_command}
 
 
-@contextlib.contextmanager
-def _native_logs_silenced():
-    """TensorFlow's C++ and absl start-up lines (CUDA factories, XLA compilation notices)
-    write to file descriptor 2 directly, whatever TF_CPP_MIN_LOG_LEVEL says: send that
-    descriptor to /dev/null while Python's own stderr (errors, warnings, logging) keeps
-    the real one. ``LIPDP_NATIVE_LOGS=1`` keeps them."""
-    if os.environ.get("LIPDP_NATIVE_LOGS") == "1" or sys.stderr is not sys.__stderr__:
-        yield  # (a caller that replaced sys.stderr, e.g. a test, manages its own streams)
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    python_stderr = sys.stderr
-    try:
-        sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        os.close(devnull)
-        _move_log_handlers(python_stderr, sys.stderr)
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        replaced, sys.stderr = sys.stderr, python_stderr
-        _move_log_handlers(replaced, python_stderr)
-        replaced.close()
-
-
-def _move_log_handlers(old, new) -> None:
-    """Point the root logger's stream handlers that write to ``old`` at ``new``."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is old:
-            handler.setStream(new)
-
-
 def main(argv=None) -> int:
     """The ``lipdp`` command on ``argv`` (default: ``sys.argv[1:]``). Returns the exit
     status: 0, or 2 after a one-line error on stderr (a bad value exits with 2 from the
@@ -285,7 +250,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = arguments.make_parser().parse_args(argv)
-    with _native_logs_silenced():
+    with native_logs.discarded():  # TensorFlow's C++ start-up lines
         try:
             arguments.refuse_inapplicable_options(args, arguments.explicit_options(argv))
             return COMMANDS[args.command](args)

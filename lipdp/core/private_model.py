@@ -455,6 +455,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
         return self.adversarial.perturb(row_losses, x)
 
     # ------------------------------------------------------------- the step
+    @compat.step_without_autograph
     def train_step(self, data):
         """One private step, for both families (the families differ only in their hooks):
 
