@@ -21,6 +21,7 @@ ALLOWED = {
     "lipdp.foundation.validation": (),
     "lipdp.foundation.layer_walk": (),
     "lipdp.foundation.tf_notices": (),
+    "lipdp.foundation.native_logs": (),
     "lipdp.foundation.metadata": ("lipdp.foundation.config",),
     "lipdp.foundation": (),
     # what both families share, bottom first
@@ -152,8 +153,9 @@ ALLOWED = {
     ),
     # the command: arguments -> recipe -> printing. It builds, trains and measures
     # nothing itself (the recipes do), so it reads only the recipes and the shared base
-    # (the privacy report, the distribution strategy of --mirrored).
-    "lipdp.cli": ("lipdp.cli", "lipdp.recipes", "lipdp.core"),
+    # (the privacy report, the distribution strategy of --mirrored), and TensorFlow's
+    # native start-up lines kept off its terminal (lipdp.foundation.native_logs).
+    "lipdp.cli": ("lipdp.cli", "lipdp.recipes", "lipdp.core", "lipdp.foundation.native_logs"),
 }
 
 
