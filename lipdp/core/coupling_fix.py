@@ -311,7 +311,8 @@ def fix_batch_coupling(model, max_groups=32):
     if isinstance(model, keras.layers.Layer):
         new = fixer.copy(model, model.name)
     else:
-        layers = list(model)
+        # A keras.Input(...) in the list (as make_private takes it) stands for its InputLayer.
+        layers = [compat.as_layer(item) for item in model]
         _built_for_shapes(layers)
         new = [fixer.copy(layer, layer.name) for layer in layers]
     fixer.finish()

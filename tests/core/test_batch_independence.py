@@ -974,6 +974,23 @@ def test_the_fixer_handles_lists_wrappers_and_says_what_it_cannot_fix(rng):
         DPSGD_Sequential(custom, dp_parameters=PARAMS)
 
 
+def test_the_fixer_takes_a_list_opening_with_keras_input_as_make_private_does(rng):
+    """``[keras.Input(...), ...]`` (the README's form of a list of layers): the fixed list
+    goes to ``make_private`` and trains, the normalisation replaced."""
+    layers = [K.Input((FEATURES,)), K.Dense(8), K.BatchNormalization(name="bn"), K.Dense(CLASSES)]
+    fixed, report = lipdp.fix_batch_coupling(layers)
+    assert [(r.path, r.new_class) for r in report.replaced] == [("bn", "GroupNormalization")]
+    model = lipdp.make_private(
+        fixed, epsilon=3.0, delta=1e-5, epochs=1, batch_size=BATCH, dataset_size=8 * BATCH,
+        method="clipped", sampling="shuffle",
+    )  # fmt: skip
+    model.compile(
+        optimizer="sgd", loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    model.train_on_batch(*_data(rng))
+    assert int(model.noisy_steps.numpy()) == 1
+
+
 class _ReplaceableMix(_BatchMix):
     def per_example_replacement(self):
         return K.LayerNormalization(name=f"{self.name}_per_example")
