@@ -16,7 +16,7 @@ VENV_TORCH ?= .venv-torch
 BIN_TORCH := $(VENV_TORCH)/bin
 
 .PHONY: install install-keras2 install-torch demo test test-thorough test-jax test-keras2 \
-	test-keras2-all test-slow test-all lint docs clean bench
+	test-keras2-all test-notebooks test-slow test-all lint docs clean bench
 
 $(BIN)/activate: setup.cfg pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,13 @@ test-keras2: install-keras2
 # the thorough tier on).
 test-keras2-all: install-keras2
 	$(BIN_KERAS2)/pytest -q -n 2 --dist worksteal -m "not slow"
+
+# The three longer tutorial notebooks (02, 03, 04) in quick mode, on the main stack: 3
+# tests in 65 s on 2 cores (2026-11-29); 01_getting_started runs in the default tier. In CI
+# after `make test` (users learn the package from them), outside the default tier (its
+# time budget).
+test-notebooks: install
+	$(BIN)/pytest -q -n 2 tests/test_notebooks.py -m slow
 
 # Slow tests only: training to accuracy, long adversarial searches.
 test-slow: install

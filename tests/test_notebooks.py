@@ -32,9 +32,10 @@ def test_every_notebook_is_tested():
     assert sorted(p.name for p in EXAMPLES.glob("*.ipynb")) == sorted(NOTEBOOKS)
 
 
-#: The two longest notebooks (30-35 s each in quick mode) and 03_tabular (~8 s) run in
-#: ``make test-slow`` only; the default suite runs 01_getting_started, which exercises the
-#: same kernel set-up.
+#: The two longest notebooks (30-35 s each in quick mode) and 03_tabular (~8 s) are
+#: marked slow: ``make test-notebooks`` runs them (CI, after the default tier) and ``make
+#: test-slow``; the default suite runs 01_getting_started, which exercises the same kernel
+#: set-up.
 SLOW_NOTEBOOKS = {"02_architectures.ipynb", "03_tabular.ipynb", "04_privacy_utility_levers.ipynb"}
 
 
