@@ -565,11 +565,13 @@ class PrivateModel(PrivateModelBase, keras.Model):
             part = tf.nest.map_structure(lambda t: rows_of(t, start), (x, y, kept))
             return self._private_gradients(*part)
 
+        def collected(step):
+            # The predictions, and the loss inputs when the family has its own (adversarial
+            # examples; ``None``: the step's inputs, not gathered again).
+            return (step.predictions, () if step.loss_inputs is None else step.loss_inputs)
+
         first = chunk(0)
-        # The predictions, and the loss inputs when the family has its own (adversarial
-        # examples), are collected micro-batch by micro-batch; ``None`` stays ``None``.
-        own_inputs = first.loss_inputs is not None
-        outputs = (first.predictions, first.loss_inputs if own_inputs else ())
+        outputs = collected(first)
         arrays = tf.nest.map_structure(
             lambda t: tf.TensorArray(
                 t.dtype,
@@ -586,8 +588,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
         def body(index, sums, arrays):
             step = chunk(index)
             sums = [s + g for s, g in zip(sums, step.gradients)]
-            written = (step.predictions, step.loss_inputs if own_inputs else ())
-            arrays = tf.nest.map_structure(lambda a, t: a.write(index, t), arrays, written)
+            arrays = tf.nest.map_structure(lambda a, t: a.write(index, t), arrays, collected(step))
             return index + 1, sums, arrays
 
         _, sums, arrays = tf.while_loop(
@@ -597,7 +598,7 @@ class PrivateModel(PrivateModelBase, keras.Model):
             parallel_iterations=1,  # one micro-batch at a time: the memory of P rows
         )
         predictions, loss_inputs = tf.nest.map_structure(lambda a: a.concat(), arrays)
-        loss_inputs = loss_inputs if own_inputs else None
+        loss_inputs = None if first.loss_inputs is None else loss_inputs
         return StepGradients(sums, predictions, loss_inputs)
 
     def _after_release(self, released) -> None:

@@ -51,10 +51,11 @@ def discarded():
     sys.stderr.flush()
     saved = os.dup(2)
     python_stderr = sys.stderr
+    real = None  # our stream on the real descriptor, when sys.stderr was the process' own
     try:
         if python_stderr is sys.__stderr__:
-            sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
-            _move_log_handlers(python_stderr, sys.stderr)
+            real = sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
+            _move_log_handlers(python_stderr, real)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.close(devnull)
@@ -63,10 +64,10 @@ def discarded():
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
-        if sys.stderr is not python_stderr:
-            replaced, sys.stderr = sys.stderr, python_stderr
-            _move_log_handlers(replaced, python_stderr)
-            replaced.close()
+        if real is not None:  # only what this block replaced is put back
+            sys.stderr = python_stderr
+            _move_log_handlers(real, python_stderr)
+            real.close()
 
 
 def _move_log_handlers(old, new) -> None:
