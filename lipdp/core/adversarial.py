@@ -228,7 +228,7 @@ class PGD(Config):
         x = tf.stop_gradient(tf.convert_to_tensor(x))
         finite = finite_rows(x)
         mask = tf.reshape(finite, _row_shape(x))
-        clean = tf.where(mask, x, tf.zeros_like(x))
+        clean = tf.where(mask, x, tf.zeros((), x.dtype))  # a scalar: zero_rows says why
         delta = random_start(clean, self.norm, self.radius) if self.random_start else None
         delta = tf.zeros_like(clean) if delta is None else delta
         delta = in_box(clean, delta, self.clip_values, self.norm, self.radius)
@@ -239,7 +239,7 @@ class PGD(Config):
                 total = tf.reduce_sum(row_losses(clean + delta))
             grad = tape.gradient(total, delta)
             grad = tf.zeros_like(delta) if grad is None else grad
-            grad = tf.where(tf.math.is_finite(grad), grad, tf.zeros_like(grad))
+            grad = tf.where(tf.math.is_finite(grad), grad, tf.zeros((), grad.dtype))
             delta = pgd_step(delta, grad, self.norm, self.radius, self.alpha)
             return i + 1, in_box(clean, delta, self.clip_values, self.norm, self.radius)
 

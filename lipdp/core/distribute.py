@@ -325,7 +325,7 @@ def _row_prints(batch):
         if not (leaf.dtype.is_floating or leaf.dtype.is_integer or leaf.dtype.is_bool):
             continue
         values = tf.reshape(tf.cast(leaf, tf.float64), tf.stack([tf.shape(leaf)[0], -1]))
-        values = tf.where(tf.math.is_finite(values), values, tf.zeros_like(values))
+        values = tf.where(tf.math.is_finite(values), values, tf.zeros((), values.dtype))
         columns = tf.cast(tf.range(tf.shape(values)[1]) + 1, tf.float64)
         pattern = 1.5 + tf.sin(0.618034 * columns)
         projected = tf.linalg.matvec(values, pattern)
