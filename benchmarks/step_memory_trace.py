@@ -3,6 +3,14 @@
     .venv/bin/python benchmarks/step_memory_trace.py lipdp-clipped-tf --batch 8192 \
         --physical 512 [--no-probe] [--epochs 3]
     .venv/bin/python benchmarks/step_memory_trace.py keras-tf --batch 512
+    .venv/bin/python benchmarks/step_memory_trace.py lipdp-clipped-tf --tensors
+
+``--tensors``: TensorFlow's CPU allocator is its BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC``),
+whose counters give the bytes of tensors alive after each step and their peak during it
+(``tf.config.experimental.get_memory_info``): what TensorFlow itself holds, without
+glibc's heap and its run-to-run spread of ~30 MB in ``VmRSS``. How the zeros folded into
+a batch-sized constant by TensorFlow's graph optimiser were found (benchmarks/README.md,
+"The target cell: the constant that grew with the batch").
 
 Results and their reading: benchmarks/README.md, section "The target cell: where the
 memory goes".
@@ -45,6 +53,9 @@ def _parse():
     parser.add_argument("--physical", type=int, default=512, help="P (0: the whole batch)")
     parser.add_argument("--no-probe", action="store_true", help="independence_probe=False")
     parser.add_argument("--epochs", type=int, default=3, help="logical steps (lipdp)")
+    parser.add_argument(
+        "--tensors", action="store_true", help="also TensorFlow's tensor bytes (BFC allocator)"
+    )
     return parser.parse_args()
 
 
@@ -54,7 +65,18 @@ def main():
     import cross_library_speed as workers
 
     os.environ.update(workers._environment("tensorflow"))  # noqa: SLF001 - same worker set-up
+    if args.tensors:  # read when TensorFlow starts: set before it is imported
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     import keras
+    import tensorflow as tf
+
+    def tensors_mb() -> dict:
+        """TensorFlow's tensor bytes now and their peak since the last reset, MB."""
+        if not args.tensors:
+            return {}
+        info = tf.config.experimental.get_memory_info("CPU:0")
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        return {"tensors": info["current"] >> 20, "tensors peak": info["peak"] >> 20}
 
     workers._keras_setup("tensorflow")  # noqa: SLF001
     physical = args.physical or None
@@ -63,12 +85,12 @@ def main():
     model = workers._keras_model(  # noqa: SLF001
         args.contender, args.batch, args.batch, args.epochs, physical, not args.no_probe
     )
-    print("model built", memory_mb(), flush=True)
+    print("model built", {**memory_mb(), **tensors_mb()}, flush=True)
 
     class Trace(keras.callbacks.Callback):
         def on_train_batch_end(self, step, logs=None):
             float((logs or {}).get("loss", 0.0))  # the step has finished
-            print("after step", step, memory_mb(), flush=True)
+            print("after step", step, {**memory_mb(), **tensors_mb()}, flush=True)
 
     lipdp = args.contender.startswith("lipdp")
     model.fit(
