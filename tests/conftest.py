@@ -1,3 +1,4 @@
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -81,10 +82,25 @@ def _seed_everything():
         np.random.seed(1234)
         yield
         keras.backend.clear_session(free_memory=False)
+        _collect_this_test_and_freeze()
         return
     tf.keras.utils.set_random_seed(1234)
     yield
     _clear_keras_session()
+    _collect_this_test_and_freeze()
+
+
+def _collect_this_test_and_freeze():
+    """Python's cyclic garbage of the test just run collected, then every surviving object
+    moved out of the collector's sight (``gc.freeze``): later collections scan only what
+    later tests create. Without it, a worker's heap grows to ~2 million tracked objects
+    (traced functions, models of earlier tests) and each automatic full collection scans
+    them all: 36 s of one test's 40 s at the end of a worker, 47 s of a worker's 6.5 min
+    (2026-12-07, ``gc.callbacks`` timing). The collection here scans only the last test's
+    objects. (A frozen object that becomes cyclic garbage later is not collected: the
+    cost is memory, bounded by the run.)"""
+    gc.collect()
+    gc.freeze()
 
 
 def _clear_keras_session():
