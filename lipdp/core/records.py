@@ -76,14 +76,15 @@ def zero_rows(keep, values):
     """``values`` with the examples where ``keep`` is False replaced by zeros (any
     backend's arrays of known rank, jit-safe).
 
-    The zero is a scalar broadcast by ``where``, not ``zeros_like(values)``: on a batch of
-    static shape (fixed-size batches) TensorFlow's graph optimiser folds ``zeros_like``
-    into a constant as large as the batch, which the traced step then keeps for good
-    (measured: 104 MB held and 180 MB more at the peak of a logical batch of 8192 images,
-    ``benchmarks/README.md``, "The target cell: where the memory goes")."""
+    The zeros are one row broadcast by ``where`` (the zero of any dtype: an empty string
+    for text), not ``zeros_like(values)``: on a batch of static shape (fixed-size batches)
+    TensorFlow's graph optimiser folds ``zeros_like`` into a constant as large as the
+    batch, which the traced step then keeps for good (measured: 103 MB held and 180 MB
+    more at the peak of a logical batch of 8192 images, ``benchmarks/README.md``, "The
+    target cell: the constant that grew with the batch")."""
     ops = compat.array_ops()
     mask = ops.reshape(keep, (-1,) + (1,) * (len(values.shape) - 1))
-    return ops.where(mask, values, ops.cast(0, values.dtype))
+    return ops.where(mask, values, ops.zeros_like(values[:1]))
 
 
 def kept_rows(finite, ids):
