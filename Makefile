@@ -53,6 +53,8 @@ demo: install
 # time); after it, 1600 tests ran in 8 min 4 s (fresh clone, 2026-11-29, load about 2);
 # with the step no longer autograph-converted in custom loops, 1604 tests in 7 min 29 s
 # (fresh clone, right after its .ci/run, 2026-11-29 13:25 UTC, load 0.7-2).
+# With each test's garbage collected at teardown and frozen (tests/conftest.py): 7 min 6 s
+# (fresh clone, right after its .ci/run, 2026-12-07 21:27 UTC, a ~15 % slower machine).
 # Keras 2: 1290 tests, 5 min 48 s (fresh-clone .ci/run, 2026-11-27).
 test: install
 	$(BIN)/pytest -q -n 2 --dist worksteal
