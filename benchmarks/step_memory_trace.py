@@ -46,6 +46,19 @@ def memory_mb() -> dict:
     return values
 
 
+def readings(tensors: bool) -> dict:
+    """:func:`memory_mb`, and with ``tensors`` TensorFlow's tensor bytes now and their
+    peak since the last reading (the BFC allocator's counters, reset here), MB."""
+    values = memory_mb()
+    if tensors:
+        import tensorflow as tf
+
+        info = tf.config.experimental.get_memory_info("CPU:0")
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        values.update({"tensors": info["current"] >> 20, "tensors peak": info["peak"] >> 20})
+    return values
+
+
 def _parse():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("contender", help="a worker of cross_library_speed.py, e.g. keras-tf")
@@ -68,15 +81,6 @@ def main():
     if args.tensors:  # read when TensorFlow starts: set before it is imported
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     import keras
-    import tensorflow as tf
-
-    def tensors_mb() -> dict:
-        """TensorFlow's tensor bytes now and their peak since the last reset, MB."""
-        if not args.tensors:
-            return {}
-        info = tf.config.experimental.get_memory_info("CPU:0")
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        return {"tensors": info["current"] >> 20, "tensors peak": info["peak"] >> 20}
 
     workers._keras_setup("tensorflow")  # noqa: SLF001
     physical = args.physical or None
@@ -85,12 +89,12 @@ def main():
     model = workers._keras_model(  # noqa: SLF001
         args.contender, args.batch, args.batch, args.epochs, physical, not args.no_probe
     )
-    print("model built", {**memory_mb(), **tensors_mb()}, flush=True)
+    print("model built", readings(args.tensors), flush=True)
 
     class Trace(keras.callbacks.Callback):
         def on_train_batch_end(self, step, logs=None):
             float((logs or {}).get("loss", 0.0))  # the step has finished
-            print("after step", step, {**memory_mb(), **tensors_mb()}, flush=True)
+            print("after step", step, readings(args.tensors), flush=True)
 
     lipdp = args.contender.startswith("lipdp")
     model.fit(

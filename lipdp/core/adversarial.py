@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from lipdp.core.records import finite_rows
+from lipdp.core.records import finite_rows, zero_rows
 from lipdp.foundation import validation
 from lipdp.foundation.config import Config
 
@@ -228,7 +228,7 @@ class PGD(Config):
         x = tf.stop_gradient(tf.convert_to_tensor(x))
         finite = finite_rows(x)
         mask = tf.reshape(finite, _row_shape(x))
-        clean = tf.where(mask, x, tf.zeros((), x.dtype))  # a scalar: zero_rows says why
+        clean = zero_rows(finite, x)
         delta = random_start(clean, self.norm, self.radius) if self.random_start else None
         delta = tf.zeros_like(clean) if delta is None else delta
         delta = in_box(clean, delta, self.clip_values, self.norm, self.radius)
