@@ -163,11 +163,13 @@ def test_released_noise_has_the_standard_deviation_of_one_step(family, replicas)
     with strategy.scope():
         model = h.build(family, 1.0, 32, optimizer=recorder)
         recorder.start(model.trainable_variables)
-    model.fit(zeros, y, batch_size=32, epochs=16, verbose=0)
+    # 16 steps: >= 4 608 noise coordinates (DP-SGD's model), the standard deviation's
+    # relative standard error <= 1.1 %, a fifth of the tolerance below.
+    model.fit(zeros, y, batch_size=32, epochs=8, verbose=0)
     mean, std = recorder.noise_statistics()
     expected = h.expected_stddev(model)
-    samples = 32 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    assert float(recorder.steps.numpy()) == 32
+    samples = 16 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert float(recorder.steps.numpy()) == 16
     assert abs(std / expected - 1.0) < 0.05
     assert abs(mean) < 5 * expected / np.sqrt(samples)
 
