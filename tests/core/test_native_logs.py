@@ -50,4 +50,3 @@ def test_a_script_importing_tensorflow_through_lipdp_prints_only_its_own_lines()
     # The switch shows them again: the lines were there to hide.
     shown = _run(QUIET, LIPDP_NATIVE_LOGS="1")
     assert len(shown.stderr.strip().splitlines()) > 1
-
