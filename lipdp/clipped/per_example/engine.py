@@ -517,21 +517,23 @@ def _masked_like_keras(layer, inputs, outputs):
 
 
 def _unkept_zeroed(keep, tensors) -> dict:
-    """``{t.ref(): t with the rows where keep is False zeroed}`` for each of ``tensors``
+    """``{id(t): t with the rows where keep is False zeroed}`` for each of ``tensors``
     (:func:`lipdp.core.records.zero_rows`: a NaN times a factor 0 would stay NaN); the
     tensors themselves when every row is kept (the same values, without a pass over them:
     issue 39). One ``tf.cond`` for all of them: each cond traces two branch functions
-    (about 5 ms when a step is traced; one per tensor was 3 % of the tests' time)."""
-    unique = {t.ref(): t for t in tensors}
+    (about 5 ms when a step is traced; one per tensor was 3 % of the tests' time). Keyed
+    by ``id``: the callers hold the tensors; an ``IndexedSlices`` is made dense."""
+    unique = {id(t): t for t in tensors}
     if not unique:
         return {}
-    refs, values = list(unique), list(unique.values())
+    keys = list(unique)
+    values = [tf.convert_to_tensor(t) for t in unique.values()]
     zeroed = tf.cond(
         tf.reduce_all(keep),
         lambda: [tf.identity(t) for t in values],
         lambda: [zero_rows(keep, t) for t in values],
     )
-    return dict(zip(refs, zeroed))
+    return dict(zip(keys, zeroed))
 
 
 @dataclass
@@ -555,7 +557,7 @@ class _RowsPart:
         k = factors if self.scales is None else factors * tf.cast(self.scales, tf.float64)
         k = _float32_coefficients(k, keep)
         return {
-            variable_key(v): tf.tensordot(k, zeroed[t.ref()], [[0], [0]])
+            variable_key(v): tf.tensordot(k, zeroed[id(t)], [[0], [0]])
             for v, t in zip(self.variables, self.tensors)
         }
 
@@ -579,9 +581,9 @@ class _GhostKernelPart:
         """``zeroed``: :func:`_unkept_zeroed` of :meth:`rows_to_zero`."""
         record = self.record
         k = _float32_coefficients(factors * tf.cast(record.scales, tf.float64), keep)
-        cotangents = _scaled(k, zeroed[record.unit.ref()])
+        cotangents = _scaled(k, zeroed[id(record.unit)])
         kernel = record.ghost.kernel(record.layer)
-        return {variable_key(kernel): _local_vjp(record, zeroed[record.inputs.ref()], cotangents)}
+        return {variable_key(kernel): _local_vjp(record, zeroed[id(record.inputs)], cotangents)}
 
 
 # --------------------------------------------------------------------- ghost norms
