@@ -48,14 +48,9 @@ demo: install
 	@echo "(benchmarks/clipless_defaults.py)."
 
 # The default suite (tests/marks.py): every capability and every refusal once. Keras 3,
-# 2 cores: 1555 tests took 11.5 min near idle before the teardown fix of tests/conftest.py
-# (Keras 3's clear_session ran a full gc.collect() after every test: 42 % of the worker
-# time); after it, 1600 tests ran in 8 min 4 s (fresh clone, 2026-11-29, load about 2);
-# with the step no longer autograph-converted in custom loops, 1604 tests in 7 min 29 s
-# (fresh clone, right after its .ci/run, 2026-11-29 13:25 UTC, load 0.7-2).
-# With each test's garbage collected at teardown and frozen (tests/conftest.py): 7 min 6 s
-# (fresh clone, right after its .ci/run, 2026-12-07 21:27 UTC, a ~15 % slower machine).
-# Keras 2: 1290 tests, 5 min 48 s (fresh-clone .ci/run, 2026-11-27).
+# 2 cores: 1603 tests in 5 min 10 s and 5 min 9 s, twice in a row in a fresh clone after
+# its .ci/run (2026-12-07 23:57 UTC, load 0.3-2.3); 6-8 min on slower machines before the
+# last cuts (CONTRIBUTING.md, "Test time"). Keras 2: 1290 tests, 5 min 48 s (2026-11-27).
 test: install
 	$(BIN)/pytest -q -n 2 --dist worksteal
 

@@ -1,6 +1,6 @@
 """The tiers of the suite, and how a parametrised test picks its representatives.
 
-* default (``make test``; about 6.5 minutes on 2 near-idle cores on Keras 3, estimated):
+* default (``make test``; about 5 minutes on 2 near-idle cores on Keras 3, CONTRIBUTING.md):
   every capability once -- one representative configuration per check, every refusal,
   every fast unit test;
 * ``thorough`` (``make test-thorough``; CI runs it on Keras 2 only, ``make
