@@ -76,12 +76,12 @@ test-keras2: install-keras2
 test-keras2-all: install-keras2
 	$(BIN_KERAS2)/pytest -q -n 2 --dist worksteal -m "not slow"
 
-# The four tutorial notebooks in quick mode, on the main stack (02-04 are marked slow, 01
-# thorough): 3 of them in 65 s on 2 cores (2026-11-29), 01 about 19 s more. In CI after
-# `make test` (users learn the package from them), outside the default tier (its time
-# budget).
+# The three longer tutorial notebooks (02, 03, 04) in quick mode, on the main stack: 3
+# tests in 65 s on 2 cores (2026-11-29). In CI after `make test` (users learn the package
+# from them), outside the default tier (its time budget); 01_getting_started runs in
+# `make test`.
 test-notebooks: install
-	$(BIN)/pytest -q -n 2 tests/test_notebooks.py -m "slow or thorough or not slow"
+	$(BIN)/pytest -q -n 2 tests/test_notebooks.py -m slow
 
 # Slow tests only: training to accuracy, long adversarial searches.
 test-slow: install

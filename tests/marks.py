@@ -231,8 +231,6 @@ THOROUGH_TESTS = {
     "tests/test_attacks_couplings_records_ledger.py::test_the_jacobian_method_clips_a_loss_reading_a_weight_with_each_row",
     "tests/test_attacks_couplings_records_ledger.py::test_the_plan_after_freezing_without_recompiling_is_what_fit_runs[clipless]",
     "tests/test_attacks_couplings_records_ledger.py::test_the_random_layer_alone_is_sound",
-    # test_notebooks.py: by default, the README's snippets (19 s per notebook).
-    "tests/test_notebooks.py::test_notebook_runs_in_quick_mode",
 }  # fmt: skip
 
 

@@ -33,9 +33,9 @@ def test_every_notebook_is_tested():
 
 
 #: The two longest notebooks (30-35 s each in quick mode) and 03_tabular (~8 s) are
-#: marked slow, 01_getting_started (~19 s) thorough (tests/marks.py: the README's snippets
-#: run its path by default): ``make test-notebooks`` runs all four on the main stack (CI,
-#: after the default tier, whose time budget they would exceed).
+#: marked slow: ``make test-notebooks`` runs them on the main stack (CI, after the default
+#: tier, whose time budget they would exceed). The default tier runs 01_getting_started
+#: (10-19 s), the notebook of a newcomer's first hour.
 SLOW_NOTEBOOKS = {"02_architectures.ipynb", "03_tabular.ipynb", "04_privacy_utility_levers.ipynb"}
 
 
