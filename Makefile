@@ -48,9 +48,9 @@ demo: install
 	@echo "(benchmarks/clipless_defaults.py)."
 
 # The default suite (tests/marks.py): every capability and every refusal once. Keras 3,
-# 2 cores: 1603 tests in 5 min 10 s and 5 min 9 s, twice in a row in a fresh clone after
-# its .ci/run (2026-12-07 23:57 UTC, load 0.3-2.3); 6-8 min on slower machines before the
-# last cuts (CONTRIBUTING.md, "Test time"). Keras 2: 1290 tests, 5 min 48 s (2026-11-27).
+# 2 cores: 1603 tests (notebook 01 included) in 5 min 7 s, in a fresh clone right after its
+# .ci/run (2026-12-08 00:39 UTC, load about 2); 6-8 min on slower machines before the last
+# cuts (CONTRIBUTING.md, "Test time"). Keras 2: 1290 tests, 5 min 48 s (2026-11-27).
 test: install
 	$(BIN)/pytest -q -n 2 --dist worksteal
 
